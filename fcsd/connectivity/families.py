@@ -1,0 +1,165 @@
+"""The registry of supported MoE families: one table row per Hugging Face model type.
+
+A row says where the decoder layers, the MLP/MoE block and its parts are; the functions it names live in
+:mod:`fcsd.connectivity.adapters`. Adding a family is one row here, an adapter only where the MoE block differs,
+and one tiny config in ``tests/tiny_models.py``. Every decoder layer of a supported family must have ``self_attn``,
+``input_layernorm`` and ``post_attention_layernorm`` (all the families below share that layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fcsd.connectivity import adapters
+
+MlpPart = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    """How FarSkip finds its way around one model family."""
+
+    name: str
+    model_type: str  # config.model_type of the (text) decoder
+    architectures: tuple[str, ...]  # the causal-LM classes users load, for messages
+    decoder_layer: str  # class name of the decoder layer
+    moe_block: str  # class name of the routed MoE block (other MLP classes in the stack are dense)
+    routed: MlpPart  # routed-expert output of a MoE block
+    shared: MlpPart | None = None  # shared-expert output of a MoE block, None if the family has none
+    mlp_attr: str = "mlp"  # decoder-layer attribute that holds the MLP or MoE block
+    experts_attr: str = "experts"  # MoE-block attribute holding the routed experts (parameter counts)
+    top_k_attr: str = "num_experts_per_tok"  # config attribute: experts per token
+
+    def split_mlp(self, mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(shared_k, routed_k)`` of design §2 for the block ``mlp`` on its input ``x``.
+
+        A dense MLP counts wholly as shared; a family without shared experts returns ``None`` for that part.
+        """
+        if not self.is_moe(mlp):
+            return mlp(x), None
+        shared = self.shared(mlp, x) if self.shared is not None else None
+        return shared, self.routed(mlp, x)
+
+    def is_moe(self, mlp: nn.Module) -> bool:
+        return type(mlp).__name__ == self.moe_block
+
+
+FAMILIES: tuple[MoEFamily, ...] = (
+    MoEFamily(
+        name="DeepSeek-V2",
+        model_type="deepseek_v2",
+        architectures=("DeepseekV2ForCausalLM",),
+        decoder_layer="DeepseekV2DecoderLayer",
+        moe_block="DeepseekV2Moe",
+        routed=adapters.topk_router_then_experts,
+        shared=adapters.shared_module("shared_experts"),
+    ),
+    MoEFamily(
+        name="DeepSeek-V3",
+        model_type="deepseek_v3",
+        architectures=("DeepseekV3ForCausalLM",),
+        decoder_layer="DeepseekV3DecoderLayer",
+        moe_block="DeepseekV3MoE",
+        routed=adapters.topk_router_then_experts,
+        shared=adapters.shared_module("shared_experts"),
+    ),
+    MoEFamily(
+        name="Qwen3-MoE",
+        model_type="qwen3_moe",
+        architectures=("Qwen3MoeForCausalLM",),
+        decoder_layer="Qwen3MoeDecoderLayer",
+        moe_block="Qwen3MoeSparseMoeBlock",
+        routed=adapters.topk_router_then_experts,
+    ),
+    MoEFamily(
+        name="Qwen2-MoE",
+        model_type="qwen2_moe",
+        architectures=("Qwen2MoeForCausalLM",),
+        decoder_layer="Qwen2MoeDecoderLayer",
+        moe_block="Qwen2MoeSparseMoeBlock",
+        routed=adapters.topk_router_then_experts,
+        shared=adapters.qwen2_gated_shared,
+    ),
+    MoEFamily(
+        name="Llama-4",
+        model_type="llama4_text",
+        architectures=("Llama4ForCausalLM", "Llama4ForConditionalGeneration (text tower)"),
+        decoder_layer="Llama4TextDecoderLayer",
+        moe_block="Llama4TextMoe",
+        routed=adapters.llama4_routed,
+        shared=adapters.shared_module("shared_expert"),
+        mlp_attr="feed_forward",
+    ),
+    MoEFamily(
+        name="Mixtral",
+        model_type="mixtral",
+        architectures=("MixtralForCausalLM",),
+        decoder_layer="MixtralDecoderLayer",
+        moe_block="MixtralSparseMoeBlock",
+        routed=adapters.mixtral_routed,
+    ),
+    MoEFamily(
+        name="OLMoE",
+        model_type="olmoe",
+        architectures=("OlmoeForCausalLM",),
+        decoder_layer="OlmoeDecoderLayer",
+        moe_block="OlmoeSparseMoeBlock",
+        routed=adapters.topk_router_then_experts,
+    ),
+)
+
+_BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a supported MoE family."""
+
+
+def supported_families_text() -> str:
+    return "; ".join(f"{f.name} ({f.model_type}: {', '.join(f.architectures)})" for f in FAMILIES)
+
+
+def text_config(config):
+    """The decoder's config: ``config`` itself, or its ``text_config`` for a multimodal model (Llama-4)."""
+    if config.model_type in _BY_MODEL_TYPE:
+        return config
+    sub = getattr(config, "text_config", None)
+    if sub is not None and getattr(sub, "model_type", None) in _BY_MODEL_TYPE:
+        return sub
+    return config
+
+
+def family_for_config(config) -> MoEFamily:
+    """The family row for a transformers config, or :class:`UnsupportedModelError` listing what is supported."""
+    decoder_config = text_config(config)
+    family = _BY_MODEL_TYPE.get(decoder_config.model_type)
+    if family is None:
+        archs = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
+        raise UnsupportedModelError(
+            f"fcsd does not support model type {config.model_type!r} ({archs}). Supported families: "
+            f"{supported_families_text()}. A new family is one row in fcsd/connectivity/families.py."
+        )
+    return family
+
+
+def find_decoder_layers(model: nn.Module, family: MoEFamily) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of the model's decoder layers (of the text tower for multimodal models)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if all(
+                type(layer).__name__ == family.decoder_layer or _base_name(layer) == family.decoder_layer
+                for layer in module
+            ):
+                return module
+    raise UnsupportedModelError(
+        f"found no list of {family.decoder_layer} modules in {type(model).__name__}; is this a {family.name} model?"
+    )
+
+
+def _base_name(layer: nn.Module) -> str:
+    base = getattr(type(layer), "_farskip_base", None)
+    return base.__name__ if base is not None else ""

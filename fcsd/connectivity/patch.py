@@ -1,0 +1,151 @@
+"""Apply and remove FarSkip-Collective connectivity on a loaded Hugging Face model (paper Sec. 3, Fig. 2; design §2).
+
+A converted decoder layer ``k`` reads two residual streams: ``o`` (full) and ``n`` (full minus the previous layer's
+routed experts)::
+
+    attn_in_k = n_{k-1}          partial: does not wait for routed_{k-1}
+    mlp_in_k  = o_{k-1}          outdated: does not wait for attn_k
+    n_k = o_{k-1} + attn_k + shared_k
+    o_k = n_k + routed_k
+
+How it is wired into an unmodified transformers model: the model's own layer loop passes only ``o`` from layer to
+layer, so each converted layer hands ``n_k`` to the next one through a small per-model side channel
+(:class:`_PartialStream`). The next layer takes it only if the tensor it receives *is* ``o_k`` (same object);
+otherwise (first layer, a regular layer in between, a new forward pass) ``n = o``, which is exactly design §2's rule
+that a regular layer has ``n_k = o_k`` and that ``n_0 = o_0``. Both streams enter the layer's ``forward`` as
+positional tensors, so gradient checkpointing recomputes the layer from the right inputs.
+
+A converted layer's class is swapped for a generated subclass (``FarSkip<Stock>DecoderLayer``) and swapped back by
+:func:`remove_farskip`; parameters, buffers, state-dict keys and hooks are untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import weakref
+
+import torch
+from torch import nn
+
+from fcsd.connectivity.families import MoEFamily, family_for_config, find_decoder_layers
+from fcsd.connectivity.layer_spec import format_layers, parse_layer_spec
+
+CONFIG_KEY = "farskip"
+
+
+class _PartialStream(threading.local):
+    """Carries ``n_k`` from one converted layer to the next within one forward pass (per thread)."""
+
+    def __init__(self):
+        self.full_ref = None
+        self.partial = None
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """``n_{k-1}`` if ``full`` is the ``o_{k-1}`` handed over by the previous layer, else ``full`` itself."""
+        handed_over = self.full_ref is not None and self.full_ref() is full
+        partial = self.partial if handed_over else full
+        self.full_ref = self.partial = None
+        return partial
+
+    def hand_over(self, full: torch.Tensor, partial: torch.Tensor | None) -> None:
+        self.full_ref = weakref.ref(full) if partial is not None else None
+        self.partial = partial
+
+
+class FarSkipLayerMixin:
+    """Turns a stock decoder layer into a FarSkip one; placed before the stock class in the generated subclass."""
+
+    _farskip_base: type
+    _farskip_family: MoEFamily
+    _farskip_stream: _PartialStream
+    _farskip_feeds_next: bool
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args:
+            raise TypeError("a FarSkip decoder layer takes the hidden states as its only positional argument")
+        partial = self._farskip_stream.take(hidden_states)
+        full, partial = super().__call__(hidden_states, partial, **kwargs)
+        self._farskip_stream.hand_over(full, partial if self._farskip_feeds_next else None)
+        return full
+
+    def forward(self, hidden_states: torch.Tensor, partial_states: torch.Tensor, **kwargs):
+        """Design §2 for one layer: returns ``(o_k, n_k)`` from ``(o_{k-1}, n_{k-1})``."""
+        attn_out = self.self_attn(hidden_states=self.input_layernorm(partial_states), **kwargs)[0]
+        mlp = getattr(self, self._farskip_family.mlp_attr)
+        shared, routed = self._farskip_family.split_mlp(mlp, self.post_attention_layernorm(hidden_states))
+        partial = hidden_states + attn_out.view(hidden_states.shape)
+        if shared is not None:
+            partial = partial + shared.view(hidden_states.shape)
+        full = partial + routed if routed is not None else partial
+        return full, partial
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _farskip_class(stock: type) -> type:
+    """The generated FarSkip subclass of a stock decoder-layer class (cached; module-level so pickling works)."""
+    if stock not in _SUBCLASSES:
+        name = f"FarSkip{stock.__name__}"
+        cls = type(name, (FarSkipLayerMixin, stock), {"_farskip_base": stock, "__module__": __name__})
+        cls.__qualname__ = name
+        globals()[name] = cls
+        _SUBCLASSES[stock] = cls
+    return _SUBCLASSES[stock]
+
+
+def _rebind_accelerate_forward(layer: nn.Module) -> None:
+    # accelerate's device-map hooks call a bound `_old_forward` captured when the hook was added; point it at the
+    # forward of the layer's current class so that the class swap takes effect under `device_map=...` too.
+    if hasattr(layer, "_hf_hook") and hasattr(layer, "_old_forward"):
+        layer._old_forward = types.MethodType(type(layer).forward, layer)
+
+
+def apply_farskip(model: nn.Module, layers="all") -> nn.Module:
+    """Convert the decoder layers selected by ``layers`` to FarSkip connectivity, in place, keeping every weight.
+
+    ``layers`` follows :mod:`fcsd.connectivity.layer_spec` (``"all"``, ``"last:50%"``, ``"0,3,5-7"``, a list...).
+    Applying again replaces the previous selection. The selection is recorded in ``model.config.farskip`` so that a
+    saved checkpoint reloads with the same connectivity through :func:`fcsd.from_pretrained`. Returns ``model``.
+    Implements paper Sec. 3 (Fig. 2) as specified in design §2.
+    """
+    family = family_for_config(model.config)
+    decoder_layers = find_decoder_layers(model, family)
+    selected = parse_layer_spec(layers, len(decoder_layers))
+    remove_farskip(model)
+    stream = _PartialStream()
+    chosen = set(selected)
+    for index in selected:
+        layer = decoder_layers[index]
+        layer.__class__ = _farskip_class(type(layer))
+        layer._farskip_family = family
+        layer._farskip_stream = stream
+        layer._farskip_feeds_next = index + 1 in chosen
+        _rebind_accelerate_forward(layer)
+    if selected:
+        from fcsd import __version__
+
+        setattr(
+            model.config, CONFIG_KEY, {"layers": selected, "spec": format_layers(selected), "fcsd_version": __version__}
+        )
+    return model
+
+
+def remove_farskip(model: nn.Module) -> nn.Module:
+    """Restore the stock connectivity of every converted layer (bit-identical to the unconverted model)."""
+    for module in model.modules():
+        if isinstance(module, FarSkipLayerMixin):
+            module.__class__ = module._farskip_base
+            for attr in ("_farskip_family", "_farskip_stream", "_farskip_feeds_next"):
+                delattr(module, attr)
+            _rebind_accelerate_forward(module)
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+    return model
+
+
+def farskip_layers(model: nn.Module) -> list[int]:
+    """Sorted indices of the decoder layers that currently have FarSkip connectivity."""
+    family = family_for_config(model.config)
+    return [i for i, layer in enumerate(find_decoder_layers(model, family)) if isinstance(layer, FarSkipLayerMixin)]

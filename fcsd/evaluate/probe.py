@@ -1,0 +1,122 @@
+"""``fcsd probe``: the no-training damage sweep of paper Sec. 3.1 / Fig. 3.
+
+For each N of a grid, the first N and the last N decoder layers get FarSkip connectivity (no training) and the
+held-out next-token loss and the per-token KL(teacher || converted) are measured, the teacher being the same
+checkpoint with its stock connectivity. The teacher's logits are computed once per batch and reused for every grid
+point; switching the connectivity is a class swap, so one model serves as teacher and as every student.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from fcsd.connectivity.patch import apply_farskip, remove_farskip
+from fcsd.distill.losses import forward_kl, next_token_nll
+
+
+@dataclass
+class ProbeRow:
+    side: str  # "first" or "last"
+    n_converted: int
+    loss: float  # mean next-token cross-entropy per token
+    kl: float  # mean KL(teacher || converted) per token
+    perplexity: float
+
+
+def parse_grid(grid: str | list[int] | None, num_layers: int) -> list[int]:
+    """Grid of converted-layer counts: ``"0,4,8,all"``, percentages (``"25%,50%"``) or ints; default 9 even steps."""
+    if grid is None:
+        return sorted({round(i * num_layers / 8) for i in range(9)})
+    items = grid.split(",") if isinstance(grid, str) else list(grid)
+    values = []
+    for item in items:
+        text = str(item).strip().lower()
+        if text == "all":
+            value = num_layers
+        elif text.endswith("%"):
+            value = math.floor(float(text[:-1]) * num_layers / 100 + 0.5)
+        elif text.isdigit():
+            value = int(text)
+        else:
+            raise ValueError(f"bad grid entry {item!r}: use layer counts, percentages or 'all', e.g. '0,4,50%,all'")
+        if not 0 <= value <= num_layers:
+            raise ValueError(f"grid entry {item!r} is outside 0..{num_layers} (the model has {num_layers} layers)")
+        values.append(value)
+    return sorted(set(values))
+
+
+@torch.no_grad()
+def run_probe(
+    model, sequences: torch.Tensor, grid: list[int], batch_size: int = 4, progress: bool = True
+) -> list[ProbeRow]:
+    """Measure loss and KL for first-N and last-N conversion of ``model`` on token ``sequences`` ``(n, seq_len)``."""
+    model.eval()
+    device = next(model.parameters()).device
+    settings = [("first", n) for n in grid] + [("last", n) for n in grid if n != 0]
+    sums = {key: [0.0, 0.0] for key in settings}  # (nll, kl) sums
+    tokens = 0
+    batches = list(torch.split(sequences, batch_size))
+    bar = tqdm(total=len(batches) * (len(settings) + 1), desc="probe", disable=not progress, unit="fwd")
+    for batch in batches:
+        batch = batch.to(device)
+        remove_farskip(model)
+        teacher = model(input_ids=batch).logits
+        bar.update()
+        labels = batch[:, 1:]
+        tokens += labels.numel()
+        for side, n in settings:
+            spec = f"{side}:{n}" if n else "none"
+            apply_farskip(model, spec)
+            student = model(input_ids=batch).logits
+            nll, _ = next_token_nll(student[:, :-1], labels)
+            kl, _ = forward_kl(student[:, :-1], teacher[:, :-1])
+            sums[(side, n)][0] += float(nll)
+            sums[(side, n)][1] += float(kl)
+            bar.update()
+    bar.close()
+    remove_farskip(model)
+    rows = []
+    for (side, n), (nll, kl) in sums.items():
+        rows.append(ProbeRow(side, n, nll / tokens, kl / tokens, math.exp(min(nll / tokens, 50.0))))
+    if 0 in grid:  # N=0 is the teacher itself, the starting point of both lines
+        base = next(r for r in rows if r.n_converted == 0)
+        rows.append(ProbeRow("last", 0, base.loss, base.kl, base.perplexity))
+    return sorted(rows, key=lambda r: (r.side, r.n_converted))
+
+
+def write_csv(rows: list[ProbeRow], path: Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+
+
+def plot(rows: list[ProbeRow], path: Path, title: str) -> None:
+    """Two panels (loss, KL) against the number of converted layers, one line for first-N and one for last-N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, label in (
+        (axes[0], "loss", "held-out next-token loss"),
+        (axes[1], "kl", "KL(teacher || converted) per token"),
+    ):
+        for side in ("first", "last"):
+            points = [(r.n_converted, getattr(r, metric)) for r in rows if r.side == side]
+            ax.plot(*zip(*points), marker="o", label=f"{side} N layers converted")
+        ax.set_xlabel("N layers converted (no training)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
