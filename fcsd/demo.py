@@ -45,7 +45,7 @@ def demo_config(vocab_size: int):
 
 
 def prepare_demo(seed: int = 0) -> Path:
-    """Build (once) and return the demo folder: ``model/`` (checkpoint + tokenizer) and ``data/{train,heldout}.jsonl``."""
+    """Build (once) and return the demo folder: ``model/`` (checkpoint, tokenizer), ``data/{train,heldout}.jsonl``."""
     root = demo_dir()
     if (root / "model" / "config.json").exists():
         return root

@@ -21,7 +21,7 @@ def topk_router_then_experts(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def mixtral_routed(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Mixtral: as :func:`topk_router_then_experts`, with the router jitter noise the stock block applies in training."""
+    """Mixtral: :func:`topk_router_then_experts` plus the router jitter noise the stock block applies in training."""
     if moe.training and moe.jitter_noise > 0:
         x = x * torch.empty_like(x).uniform_(1.0 - moe.jitter_noise, 1.0 + moe.jitter_noise)
     return topk_router_then_experts(moe, x)
@@ -39,7 +39,7 @@ def llama4_routed(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def shared_module(attr: str):
-    """Shared experts that are a plain sub-module ``moe.<attr>`` (DeepSeek ``shared_experts``, Llama-4 ``shared_expert``)."""
+    """Shared experts held by a plain sub-module ``moe.<attr>`` (DeepSeek, Llama-4)."""
 
     def shared(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return getattr(moe, attr)(x)

@@ -85,7 +85,8 @@ def _checked(indices: list[int], num_layers: int, spec) -> list[int]:
     bad = [i for i in indices if not 0 <= i < num_layers]
     if bad:
         raise ValueError(
-            f"layer spec {spec!r} names layer(s) {bad} but the model has {num_layers} layers (valid: 0-{num_layers - 1})"
+            f"layer spec {spec!r} names layer(s) {bad} but the model has {num_layers} layers "
+            f"(valid: 0-{num_layers - 1})"
         )
     return sorted(set(indices))
 
