@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install test demo bench lint
+.PHONY: install test demo lint
 
 install:  ## install fcsd (CPU torch from the local wheel index if present) with test tools
 	$(PYTHON) -m pip install torch==2.13.0
@@ -9,12 +9,10 @@ install:  ## install fcsd (CPU torch from the local wheel index if present) with
 test:  ## the fast CPU test-suite (no network, no GPU)
 	$(PYTHON) -m pytest tests
 
-demo:  ## the embedded default job: a tiny model converted and probed on CPU, offline
-	$(PYTHON) -m fcsd.cli demo
-
-bench:  ## benchmarks (ratios on CPU, absolute numbers only on a GPU)
-	$(PYTHON) benchmarks/run_all.py
+demo:  ## the embedded default job, offline on CPU: build the demo teacher, inspect it, probe FarSkip damage
+	$(PYTHON) -m fcsd.cli inspect demo --layers last:50%
+	$(PYTHON) -m fcsd.cli probe demo --output-dir outputs/probe-demo
 
 lint:
-	$(PYTHON) -m ruff check fcsd tests benchmarks
-	$(PYTHON) -m ruff format --check fcsd tests benchmarks
+	$(PYTHON) -m ruff check fcsd tests
+	$(PYTHON) -m ruff format --check fcsd tests

@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 DEMO_NAME = "demo"
-DEMO_VERSION = 1  # bump when the demo assets change, so stale caches are rebuilt
+PRETRAIN_STEPS = 600
+DEMO_VERSION = 2  # bump when the demo assets change, so stale caches are rebuilt
 
 
 def cache_root() -> Path:
@@ -63,6 +64,7 @@ def prepare_demo(seed: int = 0) -> Path:
     tokenizer = train_tokenizer((m["content"] for row in train for m in row["messages"]), vocab_size=384)
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(demo_config(len(tokenizer)))
+    pretrain_teacher(model, tokenizer, train, steps=PRETRAIN_STEPS, seed=seed)
     model.save_pretrained(staging / "model")
     tokenizer.save_pretrained(staging / "model")
     try:
@@ -70,6 +72,44 @@ def prepare_demo(seed: int = 0) -> Path:
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)  # another process finished first
     return root
+
+
+def pretrain_teacher(
+    model,
+    tokenizer,
+    rows: list[dict],
+    steps: int,
+    seed: int = 0,
+    seq_len: int = 128,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+) -> list[float]:
+    """Train the demo teacher from scratch on the synthetic chat data (AdamW, cosine); returns the loss curve."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from fcsd.distill.data import pack_sequences
+
+    texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False) for row in rows]
+    sequences = pack_sequences(texts, tokenizer, seq_len)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.05)
+    model.train()
+    losses = []
+    with tqdm(range(steps), desc="pretraining the demo teacher", unit="step") as bar:
+        for _ in bar:
+            batch = sequences[torch.randint(len(sequences), (batch_size,), generator=generator)]
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return losses
 
 
 def resolve_model(name: str) -> str:

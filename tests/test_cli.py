@@ -1,0 +1,108 @@
+"""`fcsd inspect` and `fcsd probe` end to end on a tiny saved checkpoint with a locally trained tokenizer."""
+
+import csv
+import json
+
+import pytest
+from tiny_models import build
+
+from fcsd.cli import main
+from fcsd.connectivity.inspect import summarize
+from fcsd.distill.synthetic import make_dataset, write_jsonl
+from fcsd.distill.tokenizer import train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    rows = make_dataset(200, seed=3)
+    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=280)
+    model = build("deepseek_v3")
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    write_jsonl(rows, root / "heldout.jsonl")
+    return root
+
+
+def test_inspect_reports_layers_experts_and_params(checkpoint, capsys):
+    assert main(["inspect", str(checkpoint / "model"), "--layers", "last:50%", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["family"] == "DeepSeek-V3"
+    assert report["num_layers"] == 4
+    assert report["dense_layers"] == [0] and report["moe_layers"] == [1, 2, 3]
+    assert (report["num_experts"], report["top_k"], report["shared_experts"]) == (8, 2, 1)
+    assert report["converted_layers"] == [2, 3]
+
+
+def test_param_counts_are_exact(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint / "model")
+    summary = summarize(str(checkpoint / "model"))
+    assert summary.total_params == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for i in summary.moe_layers for p in model.model.layers[i].mlp.experts.parameters())
+    assert summary.active_params == summary.total_params - experts + experts * 2 // 8
+
+
+def test_inspect_text_output_and_errors(checkpoint, capsys):
+    assert main(["inspect", str(checkpoint / "model"), "--layers", "0,2"]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSeek-V3" in out and "2 converted: 0,2" in out
+    assert main(["inspect", str(checkpoint / "model"), "--layers", "9"]) == 2
+    assert "has 4 layers" in capsys.readouterr().err
+
+
+def test_probe_writes_csv_and_plot(checkpoint, tmp_path, capsys):
+    out = tmp_path / "probe"
+    code = main(
+        [
+            "probe",
+            str(checkpoint / "model"),
+            "--data",
+            str(checkpoint / "heldout.jsonl"),
+            "--grid",
+            "0,2,all",
+            "--seq-len",
+            "32",
+            "--num-sequences",
+            "4",
+            "--output-dir",
+            str(out),
+            "--device",
+            "cpu",
+        ]
+    )
+    assert code == 0
+    rows = list(csv.DictReader(open(out / "probe.csv")))
+    assert {(r["side"], int(r["n_converted"])) for r in rows} == {
+        ("first", 0),
+        ("first", 2),
+        ("first", 4),
+        ("last", 0),
+        ("last", 2),
+        ("last", 4),
+    }
+    by_key = {(r["side"], int(r["n_converted"])): r for r in rows}
+    assert float(by_key[("first", 0)]["kl"]) == 0.0
+    assert float(by_key[("first", 4)]["kl"]) > 0.0
+    assert by_key[("first", 4)]["loss"] == by_key[("last", 4)]["loss"]  # both convert every layer
+    assert (out / "probe.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_bad_grid_and_missing_data(checkpoint, tmp_path, capsys):
+    code = main(
+        [
+            "probe",
+            str(checkpoint / "model"),
+            "--data",
+            str(checkpoint / "heldout.jsonl"),
+            "--grid",
+            "0,9",
+            "--output-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 2 and "outside 0..4" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--data is required"):
+        main(["probe", str(checkpoint / "model")])
