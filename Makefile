@@ -14,5 +14,5 @@ demo:  ## the embedded default job, offline on CPU: build the demo teacher, insp
 	$(PYTHON) -m fcsd.cli probe demo --output-dir outputs/probe-demo
 
 lint:
-	$(PYTHON) -m ruff check fcsd tests
-	$(PYTHON) -m ruff format --check fcsd tests
+	$(PYTHON) -m ruff check fcsd tests benchmarks
+	$(PYTHON) -m ruff format --check fcsd tests benchmarks

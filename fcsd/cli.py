@@ -51,6 +51,42 @@ def _probe(args) -> int:
     return 0
 
 
+def _perfmodel(args) -> int:
+    from fcsd import perfmodel as pm
+
+    if (args.model is None) == (args.preset is None):
+        raise ValueError("pass exactly one of --model HUB_ID_OR_PATH and --preset (e.g. --preset deepseek-v3)")
+    config = pm.load_config(args.model, args.preset)
+    hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
+    sparsities = [int(s) for s in args.sparsity.split(",")]
+    scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
+    rows = pm.sweep(config, sparsities, scenarios, args.batch, args.context, args.tp, args.ep, hw)
+    training = pm.training_moe_layer(pm.model_shape(config), args.train_batch, args.context, args.ep, hw)
+    if args.json:
+        print(json.dumps({"rows": [r.to_dict() for r in rows], "training": training.to_dict()}, indent=2))
+    else:
+        print(f"prefill, batch {args.batch} x {args.context} tokens, TP={args.tp} EP={args.ep}, {hw}")
+        print(
+            f"{'sparsity':>8} {'scenario':<20}{'regular ms':>12}{'farskip ms':>12}{'exposed reg':>12}"
+            f"{'exposed far':>12}{'speedup':>9}"
+        )
+        for r in rows:
+            print(
+                f"{r.sparsity:>7}x {r.scenario:<20}{r.regular_ms:>12.1f}{r.farskip_ms:>12.1f}"
+                f"{r.exposed_regular_ms:>12.1f}{r.exposed_farskip_ms:>12.1f}{r.speedup:>8.3f}x"
+            )
+        t = training
+        print(
+            f"training, one MoE layer, {t.tokens_per_gpu} tokens/GPU, EP={args.ep}: dispatch+combine "
+            f"{t.dispatch_combine_ms:.2f} ms vs Eq. 9 window {t.overlap_window_ms:.2f} ms; fwd+bwd regular "
+            f"{t.regular_ms:.2f} ms, FarSkip {t.farskip_ms:.2f} ms ({t.speedup:.3f}x)"
+        )
+    if args.plot:
+        pm.plot_sweep(rows, args.plot, f"FarSkip prefill speedup: {args.model or args.preset}")
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fcsd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--output-dir", default="outputs/probe", help="where probe.csv and probe.png go")
     p.set_defaults(func=_probe)
+
+    p = sub.add_parser("perfmodel", help="analytical prefill / training model of FarSkip speedups (Appendix B)")
+    p.add_argument("--model", help="hub id or local folder of a supported MoE model (reads config.json only)")
+    p.add_argument("--preset", help="embedded config: deepseek-v3")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks for attention / shared experts")
+    p.add_argument("--ep", type=int, default=8, help="expert-parallel ranks for routed experts")
+    p.add_argument("--batch", type=int, default=32, help="prefill sequences")
+    p.add_argument("--context", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--train-batch", type=int, default=4, help="training sequences per GPU (Sec. 4.1 estimate)")
+    p.add_argument("--sparsity", default="32,64,128,256", help="sparsity factors: routed experts / active routed")
+    p.add_argument(
+        "--scenario",
+        help="comma list of baseline, 2x_compute, 2x_attention, 2x_comm, 2x_compute_2x_comm (default: all)",
+    )
+    p.add_argument("--attn-tflops", type=float, default=500.0, help="core-attention throughput (default 500)")
+    p.add_argument("--gemm-tflops", type=float, default=600.0, help="GEMM throughput (default 600)")
+    p.add_argument("--allreduce-gbps", type=float, default=400.0, help="all-reduce bus bandwidth, GB/s")
+    p.add_argument("--alltoall-gbps", type=float, default=300.0, help="all-to-all bus bandwidth, GB/s")
+    p.add_argument("--json", action="store_true", help='print {"rows": [...], "training": {...}}')
+    p.add_argument("--plot", help="write the speedup-vs-sparsity PNG here")
+    p.set_defaults(func=_perfmodel)
     return parser
 
 
