@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install test demo lint
+.PHONY: install test demo bench lint
 
 install:  ## install fcsd (CPU torch from the local wheel index if present) with test tools
 	$(PYTHON) -m pip install torch==2.13.0
@@ -12,6 +12,9 @@ test:  ## the fast CPU test-suite (no network, no GPU)
 demo:  ## the embedded default job, offline on CPU: build the demo teacher, inspect it, probe FarSkip damage
 	$(PYTHON) -m fcsd.cli inspect demo --layers last:50%
 	$(PYTHON) -m fcsd.cli probe demo --output-dir outputs/probe-demo
+
+bench:  ## benchmarks, ours and the stock competitor side by side (see BENCHMARKS.md)
+	$(PYTHON) benchmarks/connectivity_overhead.py
 
 lint:
 	$(PYTHON) -m ruff check fcsd tests benchmarks

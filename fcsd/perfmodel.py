@@ -221,14 +221,11 @@ def prefill_layer_times(
     )
 
 
-@dataclass
-class PrefillResult:
-    sparsity: int
-    scenario: str
+class _Comparison:
+    """Regular vs FarSkip times of a dataclass result, with their ratio."""
+
     regular_ms: float
     farskip_ms: float
-    exposed_regular_ms: float
-    exposed_farskip_ms: float
 
     @property
     def speedup(self) -> float:
@@ -236,6 +233,16 @@ class PrefillResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "speedup": self.speedup}
+
+
+@dataclass
+class PrefillResult(_Comparison):
+    sparsity: int
+    scenario: str
+    regular_ms: float
+    farskip_ms: float
+    exposed_regular_ms: float
+    exposed_farskip_ms: float
 
 
 def prefill(
@@ -281,19 +288,12 @@ def sweep(
 
 
 @dataclass
-class TrainingResult:
+class TrainingResult(_Comparison):
     tokens_per_gpu: int
     dispatch_combine_ms: float  # forward; backward has the same two all-to-alls
     overlap_window_ms: float  # Eq. 9: T_layer - T_routed - T_gate (forward)
     regular_ms: float  # forward + backward per MoE layer
     farskip_ms: float
-
-    @property
-    def speedup(self) -> float:
-        return self.regular_ms / self.farskip_ms
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "speedup": self.speedup}
 
 
 def training_moe_layer(
