@@ -53,16 +53,16 @@ def test_inspect_text_output_and_errors(checkpoint, capsys):
     assert "has 4 layers" in capsys.readouterr().err
 
 
-def test_probe_writes_csv_and_plot(checkpoint, tmp_path, capsys):
-    out = tmp_path / "probe"
-    code = main(
+def probe(checkpoint, out, grid: str) -> int:
+    model, data = str(checkpoint / "model"), str(checkpoint / "heldout.jsonl")
+    return main(
         [
             "probe",
-            str(checkpoint / "model"),
+            model,
             "--data",
-            str(checkpoint / "heldout.jsonl"),
+            data,
             "--grid",
-            "0,2,all",
+            grid,
             "--seq-len",
             "32",
             "--num-sequences",
@@ -73,6 +73,11 @@ def test_probe_writes_csv_and_plot(checkpoint, tmp_path, capsys):
             "cpu",
         ]
     )
+
+
+def test_probe_writes_csv_and_plot(checkpoint, tmp_path, capsys):
+    out = tmp_path / "probe"
+    code = probe(checkpoint, out, "0,2,all")
     assert code == 0
     rows = list(csv.DictReader(open(out / "probe.csv")))
     assert {(r["side"], int(r["n_converted"])) for r in rows} == {
@@ -91,18 +96,7 @@ def test_probe_writes_csv_and_plot(checkpoint, tmp_path, capsys):
 
 
 def test_probe_bad_grid_and_missing_data(checkpoint, tmp_path, capsys):
-    code = main(
-        [
-            "probe",
-            str(checkpoint / "model"),
-            "--data",
-            str(checkpoint / "heldout.jsonl"),
-            "--grid",
-            "0,9",
-            "--output-dir",
-            str(tmp_path),
-        ]
-    )
+    code = probe(checkpoint, tmp_path, "0,9")
     assert code == 2 and "outside 0..4" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--data is required"):
         main(["probe", str(checkpoint / "model")])
