@@ -102,12 +102,11 @@ def _weights(module: torch.nn.Module) -> int:
 
 def model_shape(config) -> ModelShape:
     """Read FLOP-relevant shapes from a transformers config of a supported MoE family (no weights are loaded)."""
-    from fcsd.connectivity.families import family_for_config, find_decoder_layers, text_config
-    from fcsd.connectivity.inspect import _expert_count, _meta_model
+    from fcsd.connectivity.families import expert_count, family_for_config, find_decoder_layers, meta_model, text_config
 
     family = family_for_config(config)
     decoder = text_config(config)
-    model = _meta_model(config)
+    model = meta_model(config)
     top_k = int(getattr(decoder, family.top_k_attr))
     heads = decoder.num_attention_heads
     if getattr(decoder, "kv_lora_rank", None):  # MLA
@@ -122,7 +121,7 @@ def model_shape(config) -> ModelShape:
             layers.append(LayerShape(moe=False, shared_flops=2.0 * _weights(mlp), **attn))
             continue
         experts = getattr(mlp, family.experts_attr)
-        num_experts = _expert_count(experts)
+        num_experts = expert_count(experts)
         routed = _weights(experts)
         gate = _weights(mlp) - routed - sum(_weights(m) for n, m in mlp.named_children() if "shared" in n)
         shared = _weights(mlp) - routed - gate

@@ -163,3 +163,24 @@ def find_decoder_layers(model: nn.Module, family: MoEFamily) -> nn.ModuleList:
 def _base_name(layer: nn.Module) -> str:
     base = getattr(type(layer), "_farskip_base", None)
     return base.__name__ if base is not None else ""
+
+
+def meta_model(config):
+    """The causal LM of ``config`` built on the ``meta`` device: exact shapes, no memory, no weights read."""
+    import transformers
+
+    with torch.device("meta"):
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            arch = (getattr(config, "architectures", None) or [None])[0]
+            if arch is None or not hasattr(transformers, arch):
+                raise
+            return getattr(transformers, arch)._from_config(config)
+
+
+def expert_count(experts) -> int:
+    """Number of routed experts in an experts module (a ModuleList or fused 3-D weights)."""
+    if isinstance(experts, torch.nn.ModuleList):
+        return len(experts)
+    return next(experts.parameters()).shape[0]  # fused 3-D expert weights: (num_experts, ...)

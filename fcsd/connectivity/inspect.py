@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
-from fcsd.connectivity.families import family_for_config, find_decoder_layers, text_config
+from fcsd.connectivity.families import expert_count, family_for_config, find_decoder_layers, meta_model, text_config
 from fcsd.connectivity.layer_spec import format_layers, parse_layer_spec
 
 
@@ -62,19 +60,6 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _meta_model(config):
-    import transformers
-
-    with torch.device("meta"):
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            arch = (getattr(config, "architectures", None) or [None])[0]
-            if arch is None or not hasattr(transformers, arch):
-                raise
-            return getattr(transformers, arch)._from_config(config)
-
-
 def summarize(name_or_path: str, layers=None, config=None) -> ModelSummary:
     """Summarise a hub id or local folder (reads ``config.json`` only) and resolve the layer spec ``layers``."""
     if config is None:
@@ -82,7 +67,7 @@ def summarize(name_or_path: str, layers=None, config=None) -> ModelSummary:
 
         config = AutoConfig.from_pretrained(name_or_path)
     family = family_for_config(config)
-    model = _meta_model(config)
+    model = meta_model(config)
     decoder_layers = find_decoder_layers(model, family)
     decoder_config = text_config(config)
 
@@ -92,7 +77,7 @@ def summarize(name_or_path: str, layers=None, config=None) -> ModelSummary:
         if family.is_moe(mlp):
             moe_layers.append(index)
             experts = getattr(mlp, family.experts_attr)
-            num_experts = _expert_count(experts)
+            num_experts = expert_count(experts)
             routed_params += sum(p.numel() for p in experts.parameters())
         else:
             dense_layers.append(index)
@@ -116,9 +101,3 @@ def summarize(name_or_path: str, layers=None, config=None) -> ModelSummary:
         spec=None if layers is None else str(layers),
         converted_layers=converted,
     )
-
-
-def _expert_count(experts) -> int:
-    if isinstance(experts, torch.nn.ModuleList):
-        return len(experts)
-    return next(experts.parameters()).shape[0]  # fused 3-D expert weights: (num_experts, ...)
