@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from fcsd.distill.data import DataError, load_texts, pack_sequences
+from fcsd.distill import losses
+from fcsd.distill.data import DataError, load_texts, pack_documents, pack_sequences
 from fcsd.distill.losses import forward_kl, next_token_nll
 from fcsd.distill.tokenizer import train_tokenizer
 
@@ -84,3 +85,84 @@ def test_pack_sequences(tokenizer):
     assert (packed == tokenizer.eos_token_id).any()
     with pytest.raises(DataError, match="fewer than one sequence"):
         pack_sequences(["a"], tokenizer, seq_len=64)
+
+
+def _log_probs(logits):
+    return torch.log_softmax(logits.double(), -1)
+
+
+def test_divergences_match_their_definitions():
+    student, teacher = torch.randn(6, 11), torch.randn(6, 11)
+    s, t = _log_probs(student), _log_probs(teacher)
+    forward = (t.exp() * (t - s)).sum(-1)
+    reverse = (s.exp() * (s - t)).sum(-1)
+    m = torch.log(0.3 * t.exp() + 0.7 * s.exp())
+    jsd = 0.3 * (t.exp() * (t - m)).sum(-1) + 0.7 * (s.exp() * (s - m)).sum(-1)
+    torch.testing.assert_close(losses.kl_divergence(student, teacher), forward.float())
+    torch.testing.assert_close(losses.divergence("reverse_kl")(student, teacher), reverse.float())
+    torch.testing.assert_close(losses.divergence("jsd", jsd_beta=0.3)(student, teacher), jsd.float())
+    assert float(losses.jensen_shannon(student, student).abs().max()) < 1e-6
+    with pytest.raises(ValueError, match="unknown divergence 'kl2'"):
+        losses.divergence("kl2")
+
+
+def test_topk_kl_is_exact_with_the_whole_vocabulary_and_a_bucketed_bound_otherwise():
+    student, teacher = torch.randn(5, 13), torch.randn(5, 13)
+    full = losses.kl_divergence(student, teacher)
+    torch.testing.assert_close(losses.topk_forward_kl(student, *losses.topk_teacher(teacher, 13)), full)
+    logp, ids = losses.topk_teacher(teacher, 4)
+    s, t = _log_probs(student), _log_probs(teacher)
+    s_top, t_top = s.gather(-1, ids), t.gather(-1, ids)
+    t_rest, s_rest = 1 - t_top.exp().sum(-1), 1 - s_top.exp().sum(-1)
+    expected = (t_top.exp() * (t_top - s_top)).sum(-1) + t_rest * (t_rest.log() - s_rest.log())
+    bucketed = losses.topk_forward_kl(student, logp, ids)
+    torch.testing.assert_close(bucketed, expected.float())
+    assert (bucketed <= full + 1e-6).all()
+
+
+def test_chunked_head_loss_matches_unchunked_values_and_gradients():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 17, bias=False)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    teacher = torch.randn(10, 17)
+    total = losses.chunked_head_loss(hidden, head, losses.kl_divergence, (teacher,), chunk_size=3)
+    total.backward()
+    grads = hidden.grad.clone(), head.weight.grad.clone()
+    hidden.grad, head.weight.grad = None, None
+    reference = losses.kl_divergence(head(hidden), teacher).sum()
+    reference.backward()
+    torch.testing.assert_close(total, reference)
+    torch.testing.assert_close(grads[0], hidden.grad)
+    torch.testing.assert_close(grads[1], head.weight.grad)
+
+
+def test_hidden_l2_is_the_summed_squared_distance():
+    student = [torch.randn(2, 3, 4) for _ in range(3)]
+    teacher = [torch.randn(2, 3, 4) for _ in range(3)]
+    mask = torch.tensor([[True, False, True], [True, True, True]])
+    expected = sum(((o - t) ** 2).sum(-1)[mask].sum() for o, t in zip(student, teacher, strict=True))
+    torch.testing.assert_close(losses.hidden_l2(student, teacher, mask), expected)
+
+
+def test_packing_resets_positions_per_document_and_labels_stay_inside_documents():
+    packed = pack_documents([[5, 6, 7], [8, 9], [10, 11, 12, 13]], seq_len=4)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0], [1, 0, 1, 2]]
+    assert packed.sft_labels().tolist() == [[6, 7, -100, -100], [-100, 11, 12, -100]]
+
+
+def test_packed_documents_do_not_attend_to_each_other():
+    """A packed row scores each document exactly as if it were alone (block-diagonal mask from position ids)."""
+    from tiny_models import build
+
+    import fcsd
+
+    model = fcsd.apply_farskip(build("qwen3_moe"), "all")
+    docs = [torch.randint(3, 90, (n,)).tolist() for n in (5, 7, 4)]
+    packed = pack_documents(docs, seq_len=16)
+    together = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
+    start = 0
+    for doc in docs:
+        alone = model(input_ids=torch.tensor([doc])).logits[0]
+        torch.testing.assert_close(together[start : start + len(doc)], alone, atol=1e-5, rtol=1e-5)
+        start += len(doc)

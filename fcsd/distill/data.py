@@ -3,7 +3,12 @@ chat-formatted rows, tokenised and packed into fixed-length sequences."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,29 +27,25 @@ class DataError(ValueError):
 class TextRows:
     texts: list[str]
     skipped: int
+    fingerprint: str = ""  # the datasets fingerprint of the source rows (content-based for local files)
 
 
 def load_texts(
-    source: str, tokenizer=None, split: str = "train", text_field: str = "text", messages_field: str = "messages"
+    source: str,
+    tokenizer=None,
+    split: str = "train",
+    text_field: str = "text",
+    messages_field: str = "messages",
+    max_rows: int | None = None,
 ) -> TextRows:
     """Rows of ``source`` as strings: ``messages`` rendered with the tokenizer's chat template, else ``text``.
 
     ``source`` is a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a ``datasets`` hub name.
     Malformed rows are skipped and counted; a dataset with no usable row raises :class:`DataError`.
     """
-    import datasets
-
-    path = Path(source)
-    if path.exists():
-        files = sorted(p for p in path.iterdir() if p.suffix in _LOCAL_BUILDERS) if path.is_dir() else [path]
-        if not files or files[0].suffix not in _LOCAL_BUILDERS:
-            raise DataError(f"{source}: expected a .json, .jsonl, .parquet, .txt or .csv file (or a folder of them)")
-        dataset = datasets.load_dataset(
-            _LOCAL_BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train"
-        )
-    else:
-        dataset = datasets.load_dataset(source, split=split)
-
+    dataset = load_rows(source, split)
+    if max_rows is not None:
+        dataset = dataset.select(range(min(max_rows, len(dataset))))
     texts, skipped = [], 0
     for row in dataset:
         text = _row_text(row, tokenizer, text_field, messages_field)
@@ -59,7 +60,26 @@ def load_texts(
             f"{source}: no usable rows among {len(dataset)} (columns: {dataset.column_names}); each row needs a "
             f"non-empty {text_field!r} string or a {messages_field!r} list of {{'role', 'content'}} messages"
         )
-    return TextRows(texts, skipped)
+    return TextRows(texts, skipped, dataset._fingerprint)
+
+
+def load_rows(source: str, split: str = "train"):
+    """A ``datasets.Dataset`` from a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a hub name."""
+    import datasets
+
+    path = Path(source)
+    if path.exists():
+        files = sorted(p for p in path.iterdir() if p.suffix in _LOCAL_BUILDERS) if path.is_dir() else [path]
+        if not files or files[0].suffix not in _LOCAL_BUILDERS:
+            raise DataError(f"{source}: expected a .json, .jsonl, .parquet, .txt or .csv file (or a folder of them)")
+        dataset = datasets.load_dataset(
+            _LOCAL_BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train"
+        )
+    elif path.suffix in _LOCAL_BUILDERS or source.startswith((".", "/", "~")):
+        raise DataError(f"{source}: no such file or folder (a local data file, or a datasets hub name like org/name)")
+    else:
+        dataset = datasets.load_dataset(source, split=split)
+    return dataset
 
 
 def _row_text(row: dict, tokenizer, text_field: str, messages_field: str) -> str | None:
@@ -81,15 +101,48 @@ def _row_text(row: dict, tokenizer, text_field: str, messages_field: str) -> str
     return text if isinstance(text, str) and text.strip() else None
 
 
-def pack_sequences(texts: list[str], tokenizer, seq_len: int, max_sequences: int | None = None) -> torch.Tensor:
-    """Concatenate tokenised texts (each ended by EOS) and cut them into ``(n, seq_len)`` token blocks."""
-    eos = tokenizer.eos_token_id
+def tokenize_texts(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of each text followed by EOS (the document boundary the packer and the SFT labels rely on)."""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    return [ids + eos for ids in encoded]
+
+
+@dataclass
+class Packed:
+    """Token rows ``(n, seq_len)`` with per-document ``position_ids``.
+
+    Positions restart at 0 where a document starts; transformers turns such position ids into a block-diagonal
+    causal mask (sdpa, eager, flex) or varlen attention (flash-attention), so packed documents never attend to each
+    other. A document cut at a row end continues its positions in the next row.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def sft_labels(self) -> torch.Tensor:
+        """Next-token labels aligned with the inputs: ``labels[t] = input_ids[t + 1]`` inside a document, -100 at
+        document ends and at the end of each row."""
+        labels = torch.full_like(self.input_ids, -100)
+        same_doc = self.position_ids[:, 1:] == self.position_ids[:, :-1] + 1
+        labels[:, :-1] = torch.where(same_doc, self.input_ids[:, 1:], -100)
+        return labels
+
+    def rows(self, index) -> Packed:
+        return Packed(self.input_ids[index], self.position_ids[index])
+
+
+def pack_documents(documents: list[list[int]], seq_len: int, max_sequences: int | None = None) -> Packed:
+    """Concatenate tokenised documents and cut them into ``seq_len`` rows (the tail shorter than a row is dropped)."""
     stream: list[int] = []
+    positions: list[int] = []
     budget = None if max_sequences is None else max_sequences * seq_len
-    for text in texts:
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if eos is not None:
-            stream.append(eos)
+    for doc in documents:
+        stream.extend(doc)
+        positions.extend(range(len(doc)))
         if budget is not None and len(stream) >= budget:
             break
     n = len(stream) // seq_len
@@ -98,6 +151,75 @@ def pack_sequences(texts: list[str], tokenizer, seq_len: int, max_sequences: int
     if n == 0:
         raise DataError(
             f"the data holds {len(stream)} tokens, fewer than one sequence of {seq_len}; "
-            "lower the sequence length or add data"
+            "lower the sequence length (data.seq_len) or add data"
         )
-    return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)
+    shape = (n, seq_len)
+    return Packed(
+        torch.tensor(stream[: n * seq_len], dtype=torch.long).view(shape),
+        torch.tensor(positions[: n * seq_len], dtype=torch.long).view(shape),
+    )
+
+
+def pack_sequences(texts: list[str], tokenizer, seq_len: int, max_sequences: int | None = None) -> torch.Tensor:
+    """Token rows ``(n, seq_len)`` of the concatenated texts (each ended by EOS)."""
+    return pack_documents(tokenize_texts(texts, tokenizer), seq_len, max_sequences).input_ids
+
+
+def load_packed(
+    source: str,
+    tokenizer,
+    seq_len: int,
+    *,
+    split: str = "train",
+    text_field: str = "text",
+    messages_field: str = "messages",
+    max_rows: int | None = None,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+) -> tuple[Packed, dict]:
+    """Load, render, tokenise and pack ``source`` into :class:`Packed` rows, documents shuffled by ``seed``.
+
+    The packed tensors are cached in ``cache_dir`` under a key made of the rows' fingerprint, the tokenizer, the
+    sequence length and the seed, so a second run (or every run of a sweep) skips tokenisation. Returns the rows and
+    a summary (documents, skipped rows, tokens, ``fingerprint`` of the packed tokens).
+    """
+    from safetensors.torch import load_file, save_file
+
+    rows = load_texts(source, tokenizer, split, text_field, messages_field, max_rows)
+    key = _digest([rows.fingerprint, _tokenizer_digest(tokenizer), seq_len, seed, text_field, messages_field])
+    cached = Path(cache_dir) / f"packed-{key}.safetensors" if cache_dir else None
+    if cached is not None and cached.exists():
+        tensors = load_file(cached)
+        packed = Packed(tensors["input_ids"], tensors["position_ids"])
+    else:
+        documents = tokenize_texts(rows.texts, tokenizer)
+        random.Random(seed).shuffle(documents)
+        packed = pack_documents(documents, seq_len)
+        if cached is not None:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            handle, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+            os.close(handle)
+            save_file({"input_ids": packed.input_ids, "position_ids": packed.position_ids}, tmp)
+            os.replace(tmp, cached)
+    summary = {
+        "source": source,
+        "documents": len(rows.texts),
+        "skipped_rows": rows.skipped,
+        "sequences": len(packed),
+        "tokens": packed.input_ids.numel(),
+        "fingerprint": tokens_fingerprint(packed.input_ids),
+    }
+    return packed, summary
+
+
+def tokens_fingerprint(input_ids: torch.Tensor) -> str:
+    """A short content hash of token rows (the teacher cache is validated against it)."""
+    return hashlib.sha256(input_ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    return _digest([sorted(tokenizer.get_vocab().items()), tokenizer.eos_token_id, tokenizer.chat_template])
+
+
+def _digest(parts) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]

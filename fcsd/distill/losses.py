@@ -1,14 +1,142 @@
 """Distillation losses as standalone functions (paper Sec. 2.2, Eqs. 3-5; design §3).
 
-All functions take logits shaped ``(..., vocab)`` and return the *sum* over tokens together with the token count,
-so callers can normalise by a global token count. They work through the tokens in chunks so that fp32
-full-vocabulary log-probabilities exist for at most ``chunk_size`` tokens of both models at once.
+Two layers:
+
+* per-token divergences on logits ``(N, vocab)`` -> ``(N,)``: :func:`kl_divergence` (forward KL(teacher || student),
+  the paper's Eq. 4, or reverse), :func:`jensen_shannon`, :func:`topk_forward_kl` (against a cached top-k teacher);
+* :func:`chunked_head_loss`, which applies the LM head and a per-token loss to ``chunk_size`` hidden states at a time
+  and recomputes each chunk in the backward pass, so full-vocabulary fp32 logits never exist for more than one chunk
+  (the pattern of torchtune's chunked output and Liger-Kernel's fused linear + loss).
+
+Reducers return the *sum* over tokens with the token count, so that callers normalise by a global token count.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def check_vocabularies(student_vocab: int, teacher_vocab: int) -> None:
+    if student_vocab != teacher_vocab:
+        raise ValueError(
+            f"vocabulary mismatch: the student has {student_vocab} output entries, the teacher {teacher_vocab}; "
+            "FCSD distils a model into itself, so load teacher and student from the same checkpoint and tokenizer"
+        )
+
+
+def kl_divergence(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, reverse: bool = False
+) -> torch.Tensor:
+    """Per-token KL(teacher || student) (paper Eq. 4), or KL(student || teacher) with ``reverse``; fp32, scaled by
+    ``temperature**2`` so gradients keep their size across temperatures."""
+    check_vocabularies(student_logits.shape[-1], teacher_logits.shape[-1])
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    p, q = (s, t) if reverse else (t, s)
+    return (p.exp() * (p - q)).sum(-1) * temperature**2
+
+
+def jensen_shannon(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-token generalised JSD: ``beta * KL(t || m) + (1 - beta) * KL(s || m)`` with ``m = beta t + (1-beta) s``."""
+    check_vocabularies(student_logits.shape[-1], teacher_logits.shape[-1])
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1 - beta)]), dim=0)
+    kl_tm = (t.exp() * (t - m)).sum(-1)
+    kl_sm = (s.exp() * (s - m)).sum(-1)
+    return (beta * kl_tm + (1 - beta) * kl_sm) * temperature**2
+
+
+def divergence(name: str, temperature: float = 1.0, jsd_beta: float = 0.5) -> Callable:
+    """The per-token divergence ``f(student_logits, teacher_logits) -> (N,)`` called ``name`` (see DIVERGENCES)."""
+    if name == "forward_kl":
+        return lambda s, t: kl_divergence(s, t, temperature)
+    if name == "reverse_kl":
+        return lambda s, t: kl_divergence(s, t, temperature, reverse=True)
+    if name == "jsd":
+        return lambda s, t: jensen_shannon(s, t, jsd_beta, temperature)
+    raise ValueError(f"unknown divergence {name!r}; choose one of {', '.join(DIVERGENCES)}")
+
+
+def topk_teacher(teacher_logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's ``k`` most likely tokens: (log-probabilities ``(N, k)`` fp32, token ids ``(N, k)``).
+
+    The residual mass ``1 - sum(exp(logp))`` is implied; :func:`topk_forward_kl` uses it as one extra bucket.
+    """
+    logp = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    values, ids = logp.topk(k, dim=-1)
+    return values, ids
+
+
+def topk_forward_kl(
+    student_logits: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Per-token KL(teacher || student) over the teacher's top-k tokens plus one bucket holding the rest of the mass.
+
+    This is the exact KL between both distributions coarsened to k+1 outcomes (a lower bound of the full KL that
+    equals it when the residual is 0); it lets training run from a cached teacher (design §3, DistillKit's recipe).
+    """
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    s_top = s.gather(-1, teacher_ids.long())
+    t_top = teacher_logp.float()
+    kl = (t_top.exp() * (t_top - s_top)).sum(-1)
+    t_rest = (1 - t_top.exp().sum(-1)).clamp_min(0)
+    s_rest = (1 - s_top.exp().sum(-1)).clamp_min(1e-12)
+    kl = kl + torch.where(t_rest > 0, t_rest * (t_rest.clamp_min(1e-12).log() - s_rest.log()), 0.0)
+    return kl * temperature**2
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Per-token next-token negative log-likelihood (paper Eq. 3); 0 where ``labels == ignore_index``."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="none")
+
+
+def chunked_head_loss(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    token_loss: Callable[..., torch.Tensor],
+    targets: tuple[torch.Tensor, ...],
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Sum over the ``N`` rows of ``hidden`` ``(N, d)`` of ``token_loss(head(hidden_chunk), *target_chunks)``.
+
+    Every tensor in ``targets`` is sliced along dim 0 with the hidden states. Each chunk runs under activation
+    checkpointing: the backward pass recomputes its logits instead of keeping them, so peak memory holds the logits
+    of one chunk whatever the batch size.
+    """
+
+    def chunk_loss(h: torch.Tensor, *t: torch.Tensor) -> torch.Tensor:
+        return token_loss(head(h), *t).sum()
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk_size):
+        pieces = (hidden[start : start + chunk_size], *(t[start : start + chunk_size] for t in targets))
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            total = total + checkpoint(chunk_loss, *pieces, use_reentrant=False)
+        else:
+            total = total + chunk_loss(*pieces)
+    return total
+
+
+def hidden_l2(
+    student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor], mask: torch.Tensor
+) -> torch.Tensor:
+    """Sum over selected tokens of ``sum_i ||o_i - t_i||_2^2`` over the matched layers (paper Eq. 5)."""
+    if len(student_hidden) != len(teacher_hidden):
+        raise ValueError(f"hidden-state L2 needs matching layers: {len(student_hidden)} vs {len(teacher_hidden)}")
+    total = student_hidden[0].new_zeros((), dtype=torch.float32)
+    for o, t in zip(student_hidden, teacher_hidden, strict=True):
+        total = total + ((o[mask].float() - t[mask].float()) ** 2).sum()
+    return total
 
 
 def forward_kl(
@@ -18,27 +146,14 @@ def forward_kl(
     temperature: float = 1.0,
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, int]:
-    """Sum over tokens of KL(teacher || student) (paper Eq. 4) and the number of tokens summed.
-
-    ``mask`` (bool, shape ``logits.shape[:-1]``) selects the tokens that count. Vocabularies must match.
-    """
-    if student_logits.shape[-1] != teacher_logits.shape[-1]:
-        raise ValueError(
-            f"vocabulary mismatch: student logits have {student_logits.shape[-1]} entries, teacher logits "
-            f"{teacher_logits.shape[-1]}; FCSD distils a model into itself, so load both from the same checkpoint"
-        )
-    vocab = student_logits.shape[-1]
-    student = student_logits.reshape(-1, vocab)
-    teacher = teacher_logits.reshape(-1, vocab)
-    if mask is not None:
-        keep = mask.reshape(-1).nonzero().squeeze(-1)
-        student, teacher = student[keep], teacher[keep]
+    """Sum over tokens of KL(teacher || student) (paper Eq. 4) on ready logits ``(..., vocab)``, and the count."""
+    check_vocabularies(student_logits.shape[-1], teacher_logits.shape[-1])
+    student, teacher = _flatten(student_logits, mask), _flatten(teacher_logits, mask)
     total = student.new_zeros((), dtype=torch.float32)
     for start in range(0, student.shape[0], chunk_size):
-        s = F.log_softmax(student[start : start + chunk_size].float() / temperature, dim=-1)
-        t = F.log_softmax(teacher[start : start + chunk_size].float() / temperature, dim=-1)
-        total = total + F.kl_div(s, t, log_target=True, reduction="sum")
-    return total * temperature**2, student.shape[0]
+        end = start + chunk_size
+        total = total + kl_divergence(student[start:end], teacher[start:end], temperature).sum()
+    return total, student.shape[0]
 
 
 def next_token_nll(
@@ -46,17 +161,16 @@ def next_token_nll(
 ) -> tuple[torch.Tensor, int]:
     """Sum of next-token negative log-likelihoods (paper Eq. 3) and the number of scored tokens.
 
-    ``labels`` are aligned with ``logits`` (position t predicts ``labels[t]``); entries equal to ``ignore_index``
-    do not count.
+    ``labels`` are aligned with ``logits`` (position t predicts ``labels[t]``); ``ignore_index`` entries do not count.
     """
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_labels = labels.reshape(-1)
+    flat_logits, flat_labels = _flatten(logits), labels.reshape(-1)
     total = flat_logits.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_labels.shape[0], chunk_size):
-        total = total + F.cross_entropy(
-            flat_logits[start : start + chunk_size].float(),
-            flat_labels[start : start + chunk_size],
-            ignore_index=ignore_index,
-            reduction="sum",
-        )
+        end = start + chunk_size
+        total = total + cross_entropy(flat_logits[start:end], flat_labels[start:end], ignore_index).sum()
     return total, int((flat_labels != ignore_index).sum())
+
+
+def _flatten(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    flat = logits.reshape(-1, logits.shape[-1])
+    return flat if mask is None else flat[mask.reshape(-1)]
