@@ -87,6 +87,53 @@ def _perfmodel(args) -> int:
     return 0
 
 
+def _run_config(args):
+    """The composed Hydra config of ``fcsd convert`` / ``cache-teacher``: recipe, MODEL, then the overrides."""
+    from fcsd.distill.config import compose
+
+    overrides = list(args.overrides)
+    if args.model is not None and "=" in args.model:  # no MODEL given: the first token is already an override
+        overrides.insert(0, args.model)
+        args.model = None
+    if args.model is not None:
+        overrides.insert(0, f"model.name={args.model}")
+    if getattr(args, "resume", False):
+        overrides.append("train.resume=true")
+    recipe = "demo" if args.model == "demo" else "fcsd"
+    return compose(overrides, recipe=recipe)
+
+
+def _convert(args) -> int:
+    from omegaconf import OmegaConf
+
+    cfg = _run_config(args)
+    if args.cfg:
+        print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+        return 0
+    from fcsd.distill.config import to_config
+
+    config = to_config(cfg)
+    if config.model.name == "demo":
+        from fcsd.demo import run_demo
+
+        run_demo(config)
+        return 0
+    from fcsd.distill.trainer import convert
+
+    result = convert(config)
+    print(f"wrote {result.final_dir} (load it with fcsd.from_pretrained); metrics in {result.output_dir}")
+    return 0
+
+
+def _cache_teacher(args) -> int:
+    from fcsd.distill.config import to_config
+    from fcsd.distill.trainer import cache_teacher
+
+    folder = cache_teacher(to_config(_run_config(args)))
+    print(f"teacher cache ready at {folder}; train from it with teacher.mode=cache teacher.cache_dir={folder}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fcsd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +177,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help='print {"rows": [...], "training": {...}}')
     p.add_argument("--plot", help="write the speedup-vs-sparsity PNG here")
     p.set_defaults(func=_perfmodel)
+
+    overrides_help = "Hydra overrides of recipes/fcsd.yaml, e.g. data.path=chat.jsonl train.lr=4e-5 farskip.layers=all"
+    p = sub.add_parser(
+        "convert",
+        help="rewire a checkpoint with FarSkip connectivity and recover it with FCSD self-distillation",
+        description="MODEL is a hub id, a local folder, or 'demo' (the embedded offline example: builds a tiny "
+        "teacher, runs FCSD and an SFT baseline, prints exact-match accuracy and held-out KL).",
+    )
+    p.add_argument("model", nargs="?", help="hub id, local folder, or 'demo' (or set model.name=...)")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+    p.add_argument("--resume", action="store_true", help="continue the run in output_dir (same as train.resume=true)")
+    p.add_argument("--cfg", choices=["job"], help="print the resolved config as YAML and exit")
+    p.set_defaults(func=_convert)
+
+    p = sub.add_parser(
+        "cache-teacher",
+        help="store the teacher's top-k log-probabilities for training with teacher.mode=cache",
+    )
+    p.add_argument("model", nargs="?", help="hub id, local folder, or 'demo'")
+    p.add_argument("overrides", nargs="*", help=overrides_help + " teacher.top_k=64 teacher.cache_dir=...")
+    p.set_defaults(func=_cache_teacher)
     return parser
 
 
@@ -142,12 +210,24 @@ def _cuda() -> bool:
         return False
 
 
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean bad input: reported as one line, no traceback."""
+    errors: list[type[BaseException]] = [ValueError, FileNotFoundError]
+    if "hydra" in sys.modules:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        errors += [HydraException, OmegaConfBaseException]
+    return tuple(errors)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:  # bad input: one clear line, no traceback
-        print(f"fcsd {args.command}: error: {error}", file=sys.stderr)
+    except _input_errors() as error:
+        message = str(error).strip().replace("\n", "; ")
+        print(f"fcsd {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,142 @@
+"""The FCSD run configuration: dataclass schemas registered in Hydra's ConfigStore, composed with ``recipes/fcsd.yaml``
+and command-line ``key=value`` overrides (paper Sec. 3.1, 5.1; design §3).
+
+A wrong key or a value of the wrong type fails at composition with Hydra's message naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING
+
+OBJECTIVES = ("kl", "sft", "kl_l2")
+TEACHER_MODES = ("online", "cache")
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # hub id, local folder, or 'demo'; the MODEL argument of `fcsd convert` sets it
+    dtype: str = "auto"  # weights of the student (master copy): auto = float32 (bf16 compute comes from autocast)
+    attn_implementation: str | None = None  # e.g. sdpa, flash_attention_2; None = the transformers default
+    trust_remote_code: bool = False
+
+
+@dataclass
+class FarSkipConfig:
+    layers: str = "all"  # layer spec: all, none, last:N, first:N, last:50%, 0,3,5-7 (paper Tab. 2 converts the last)
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # local .json/.jsonl/.parquet/.txt file or folder, or a datasets hub name
+    split: str = "train"  # split of a hub dataset
+    text_field: str = "text"  # plain-text column
+    messages_field: str = "messages"  # chat column, rendered with the model's chat template
+    max_rows: int | None = None  # read at most this many rows (None: all)
+    seq_len: int = 4096  # packed sequence length
+    eval_path: str | None = None  # held-out data for the step-0 / final KL; None: hold out rows of `path`
+    eval_sequences: int = 16  # held-out sequences scored at step 0, every `train.eval_every` steps and at the end
+    cache_dir: str | None = None  # tokenisation cache; None: <user cache>/packed
+
+
+@dataclass
+class TrainConfig:
+    objective: str = "kl"  # kl (Eq. 4) | sft (Eq. 3) | kl_l2 (Eq. 4 + l2_coef * Eq. 5)
+    divergence: str = "forward_kl"  # for kl / kl_l2: forward_kl (paper) | reverse_kl | jsd
+    temperature: float = 1.0  # softmax temperature of the divergence (loss scaled by T^2)
+    jsd_beta: float = 0.5  # mixture weight of the teacher in jsd
+    l2_coef: float = 1e-4  # weight of the summed squared hidden-state distance (kl_l2)
+    router_aux_coef: float = 0.0  # weight of the model's router load-balancing loss (0: off)
+    freeze_embeddings: bool = False  # freeze input embeddings and LM head (paper Tab. 2 'KL embed.')
+    lr: float = 2e-5  # peak learning rate (paper: 2e-5 .. 8e-5)
+    min_lr_ratio: float = 0.5  # cosine floor as a fraction of lr (paper Tab. 2 anneals 2e-5 to 1e-5)
+    warmup_steps: int = 1000  # linear warm-up steps
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0  # max global gradient norm (0: off)
+    batch_tokens: int = 65536  # tokens per optimizer step, all processes together (paper: 2^16 .. 2^18)
+    micro_batch_size: int = 1  # sequences per forward pass and process; the rest is gradient accumulation
+    max_steps: int | None = None  # stop after this many optimizer steps (None: from max_tokens)
+    max_tokens: int = 10_000_000_000  # token budget (paper: up to 10B); the smaller of the two limits wins
+    seed: int = 0  # data order, initialisation of anything random
+    mixed_precision: str = "auto"  # bf16 | fp16 | no; auto = bf16 on GPU, no on CPU
+    gradient_checkpointing: bool = False
+    loss_chunk_size: int = 1024  # tokens per chunk of the chunked LM-head + loss
+    save_every: int = 1000  # checkpoint every N steps (0: only at the end)
+    keep_checkpoints: int = 2  # how many step checkpoints to keep
+    resume: bool = False  # continue from the newest checkpoint in output_dir
+    eval_every: int = 0  # held-out KL every N steps (0: only at step 0 and at the end)
+    log_every: int = 1  # metrics every N steps
+    spike_factor: float = 4.0  # skip a step whose loss exceeds this multiple of the recent median
+    spike_window: int = 20  # steps in that median (spike detection starts once it is full)
+    max_bad_steps: int = 5  # consecutive skipped steps before the run stops with an error
+
+
+@dataclass
+class TeacherConfig:
+    mode: str = "online"  # online: teacher forward each step | cache: top-k logits from `fcsd cache-teacher`
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    cache_dir: str | None = None  # where the teacher cache lives; None: <output_dir>/teacher-cache
+    top_k: int = 64  # cached logits per token (the rest of the mass is one bucket)
+
+
+@dataclass
+class FCSDConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    farskip: FarSkipConfig = field(default_factory=FarSkipConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    output_dir: str = "outputs/fcsd"
+    overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
+    progress: bool = True  # progress bars
+
+
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="fcsd_schema", node=FCSDConfig)
+
+
+def recipes_dir() -> Path:
+    """``$FCSD_RECIPES``, else the ``recipes/`` folder of the source tree."""
+    return Path(os.environ.get("FCSD_RECIPES", Path(__file__).resolve().parents[2] / "recipes"))
+
+
+def compose(overrides: list[str], recipe: str = "fcsd"):
+    """The resolved ``DictConfig`` of ``recipes/<recipe>.yaml`` with ``overrides`` applied."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schemas()
+    folder = recipes_dir()
+    if not (folder / f"{recipe}.yaml").exists():
+        raise FileNotFoundError(f"recipe {recipe}.yaml not found in {folder}; set FCSD_RECIPES to the recipes folder")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(folder), version_base="1.3"):
+        return hydra_compose(config_name=recipe, overrides=list(overrides))
+
+
+def to_config(cfg) -> FCSDConfig:
+    """The typed config object, after checking the values the schema cannot express."""
+    from omegaconf import OmegaConf
+
+    config: FCSDConfig = OmegaConf.to_object(cfg)
+    checks = [
+        (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
+        (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
+        (
+            config.teacher.mode == "online" or config.train.objective == "kl",
+            "teacher.mode=cache holds logits only: it works with train.objective=kl (use online for kl_l2)",
+        ),
+        (config.data.path is not None, "data.path is required: a local data file or folder, or a datasets name"),
+        (config.train.batch_tokens >= config.data.seq_len, "train.batch_tokens must be at least data.seq_len"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    return config

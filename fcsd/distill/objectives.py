@@ -1,0 +1,122 @@
+"""One micro-batch of an FCSD objective: model forwards, then the chunked losses of :mod:`fcsd.distill.losses`
+(paper Eqs. 3-5, Tab. 2 ablations).
+
+The LM head is applied chunk by chunk to the final hidden states (captured from the decoder's final norm while the
+model is called with an empty ``logits_to_keep``), so neither model materialises full-vocabulary logits for the
+whole micro-batch; the wrapped (DDP / DeepSpeed) model is still what gets called, so gradient hooks keep working.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from fcsd.distill import losses
+from fcsd.distill.data import Packed
+
+NO_LOGITS = torch.empty(0, dtype=torch.long)
+
+
+@dataclass
+class LossParts:
+    """Sums over the micro-batch's tokens (not yet normalised) and the number of tokens they cover."""
+
+    total: torch.Tensor  # what is back-propagated
+    tokens: int
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)  # detached components of ``total``, for the log
+
+
+@contextmanager
+def capture_final_hidden(model):
+    """Collect the output of ``model``'s final norm (the LM head's input) during the ``with`` block."""
+    captured: list[torch.Tensor] = []
+    norm = model.get_decoder().norm
+    handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def final_hidden(model, unwrapped, batch: Packed, **kwargs):
+    """``(hidden (B*T, d), model output)``: one forward of ``model`` without computing its logits."""
+    with capture_final_hidden(unwrapped) as captured:
+        output = model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            logits_to_keep=NO_LOGITS.to(batch.input_ids.device),
+            use_cache=False,
+            **kwargs,
+        )
+    hidden = captured[-1]
+    return hidden.reshape(-1, hidden.shape[-1]), output
+
+
+def teacher_targets(teacher, batch: Packed, want_hidden_states: bool = False):
+    """The online teacher's final hidden states (and all hidden states for Eq. 5), without gradients."""
+    with torch.no_grad():
+        hidden, output = final_hidden(teacher, teacher, batch, output_hidden_states=want_hidden_states)
+    return hidden, (output.hidden_states if want_hidden_states else None)
+
+
+def micro_batch_loss(
+    student,
+    unwrapped_student,
+    batch: Packed,
+    config,
+    teacher=None,
+    cached: tuple[torch.Tensor, torch.Tensor] | None = None,
+    head_in_forward: bool = False,
+) -> LossParts:
+    """The loss sum of ``config.train.objective`` on one micro-batch.
+
+    ``teacher`` is the online teacher model; ``cached`` the teacher's cached ``(top-k log-probs, ids)`` rows for
+    ``teacher.mode=cache``. Every position is scored for the divergences (Eq. 4 sums over all t); SFT scores the
+    next token inside each packed document. ``head_in_forward`` keeps the student's LM head inside its forward
+    (needed where parameters are only gathered during the root forward, as under FSDP2): the micro-batch's logits
+    then exist in the compute dtype and only the fp32 loss is chunked.
+    """
+    train = config.train
+    want_l2 = train.objective == "kl_l2"
+    options = {"output_hidden_states": want_l2, "output_router_logits": train.router_aux_coef > 0}
+    if head_in_forward:
+        output = student(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **options)
+        hidden, head = output.logits.reshape(-1, output.logits.shape[-1]), torch.nn.Identity()
+    else:
+        hidden, output = final_hidden(student, unwrapped_student, batch, **options)
+        head = unwrapped_student.get_output_embeddings()
+    tokens = hidden.shape[0]
+    if train.objective == "sft":
+        labels = batch.sft_labels().reshape(-1)
+        total = losses.chunked_head_loss(hidden, head, losses.cross_entropy, (labels,), train.loss_chunk_size)
+        tokens = int((labels != -100).sum())
+        parts = LossParts(total, tokens, {"nll": total.detach()})
+    elif cached is not None:
+        logp, ids = (t.reshape(tokens, -1) for t in cached)
+        token_loss = lambda s, lp, i: losses.topk_forward_kl(s, lp, i, train.temperature)  # noqa: E731
+        total = losses.chunked_head_loss(hidden, head, token_loss, (logp, ids), train.loss_chunk_size)
+        parts = LossParts(total, tokens, {"kl": total.detach()})
+    else:
+        teacher_hidden, teacher_states = teacher_targets(teacher, batch, want_l2)
+        teacher_head = teacher.get_output_embeddings()
+        divergence = losses.divergence(train.divergence, train.temperature, train.jsd_beta)
+
+        def token_loss(student_logits, teacher_hidden_chunk):
+            with torch.no_grad():
+                teacher_logits = teacher_head(teacher_hidden_chunk)
+            return divergence(student_logits, teacher_logits)
+
+        total = losses.chunked_head_loss(hidden, head, token_loss, (teacher_hidden,), train.loss_chunk_size)
+        parts = LossParts(total, tokens, {"kl": total.detach()})
+        if want_l2:
+            everywhere = torch.ones_like(batch.input_ids, dtype=torch.bool)
+            l2 = losses.hidden_l2(list(output.hidden_states[1:]), list(teacher_states[1:]), everywhere)
+            parts.total = parts.total + train.l2_coef * l2
+            parts.terms["l2"] = l2.detach()
+    if train.router_aux_coef > 0 and getattr(output, "aux_loss", None) is not None:
+        aux = train.router_aux_coef * output.aux_loss * tokens  # a per-token mean, weighted like the token sums
+        parts.total = parts.total + aux
+        parts.terms["router_aux"] = aux.detach()
+    return parts

@@ -1,0 +1,134 @@
+"""A cache of the teacher's top-k log-probabilities per token (design §3: a teacher that does not fit beside the
+student is replaced by logits computed once and reused by every run of a sweep; arcee-ai/DistillKit's approach).
+
+Layout of a cache folder: ``meta.json`` (what it was made from) and ``shard-NNNNN.safetensors`` files holding
+``logp`` ``(rows, seq_len, k)`` and ``ids`` ``(rows, seq_len, k)`` for consecutive packed rows. The residual mass of
+each token is ``1 - sum(exp(logp))``. A cache is only used when its model, data and settings match the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from fcsd.distill.data import Packed
+from fcsd.distill.losses import topk_teacher
+from fcsd.distill.objectives import teacher_targets
+
+SHARD_ROWS = 256
+FORMAT = 1
+
+
+class TeacherCacheError(ValueError):
+    """A cache that is missing or was made from another model, data or setting."""
+
+
+def model_fingerprint(model) -> str:
+    """Config (minus the FarSkip record) + the bytes of the embedding and LM-head weights: cheap, and different for
+    any other checkpoint."""
+    config = model.config.to_dict()
+    config.pop("farskip", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        digest.update(module.weight.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: int, temperature: float) -> dict:
+    return {
+        "format": FORMAT,
+        "model": model_fingerprint(model),
+        "data": data_fingerprint,
+        "rows": rows,
+        "seq_len": seq_len,
+        "top_k": top_k,
+        "temperature": temperature,
+    }
+
+
+def build_cache(
+    teacher, packed: Packed, folder: str | Path, meta: dict, batch_size: int = 4, progress: bool = True
+) -> Path:
+    """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically."""
+    folder = Path(folder)
+    if folder.exists():
+        validate_cache(folder, meta)
+        return folder
+    device = next(teacher.parameters()).device
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    from safetensors.torch import save_file
+
+    bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress)
+    for shard, start in enumerate(range(0, len(packed), SHARD_ROWS)):
+        logps, ids = [], []
+        for begin in range(start, min(start + SHARD_ROWS, len(packed)), batch_size):
+            rows = packed.rows(slice(begin, min(begin + batch_size, start + SHARD_ROWS, len(packed))))
+            rows = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
+            hidden, _ = teacher_targets(teacher, rows)
+            with torch.no_grad():
+                logp, top = topk_teacher(teacher.get_output_embeddings()(hidden), meta["top_k"], meta["temperature"])
+            logps.append(logp.view(*rows.input_ids.shape, -1).cpu())
+            ids.append(top.view(*rows.input_ids.shape, -1).to(torch.int32).cpu())
+            bar.update(rows.input_ids.shape[0])
+        tensors = {"logp": torch.cat(logps), "ids": torch.cat(ids)}
+        save_file(tensors, staging / f"shard-{shard:05d}.safetensors")
+    bar.close()
+    (staging / "meta.json").write_text(json.dumps(meta, indent=2))
+    try:
+        os.replace(staging, folder)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def validate_cache(folder: str | Path, expected: dict) -> None:
+    """Raise :class:`TeacherCacheError` naming each field where the cache differs from the run."""
+    folder = Path(folder)
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        raise TeacherCacheError(
+            f"no teacher cache at {folder}; build it first with `fcsd cache-teacher MODEL` and the same overrides "
+            "(data.*, teacher.top_k, train.temperature, teacher.cache_dir)"
+        )
+    meta = json.loads(meta_path.read_text())
+    wrong = [
+        f"{key}: cache {meta.get(key)!r} vs run {value!r}" for key, value in expected.items() if meta.get(key) != value
+    ]
+    if wrong:
+        raise TeacherCacheError(
+            f"the teacher cache at {folder} was made from another model, data or setting ({'; '.join(wrong)}); "
+            "rebuild it with `fcsd cache-teacher` or point teacher.cache_dir elsewhere"
+        )
+
+
+class TeacherCache:
+    """Read access to a validated cache: ``rows(indices)`` -> ``(logp, ids)`` for packed rows ``indices``."""
+
+    def __init__(self, folder: str | Path, expected: dict):
+        validate_cache(folder, expected)
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.rows_total = expected["rows"]
+        self._files = [
+            safe_open(str(self.folder / f"shard-{i:05d}.safetensors"), framework="pt")
+            for i in range((self.rows_total + SHARD_ROWS - 1) // SHARD_ROWS)
+        ]
+
+    def rows(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, ids = [], []
+        for index in indices:
+            handle = self._files[index // SHARD_ROWS]
+            offset = index % SHARD_ROWS
+            logps.append(handle.get_slice("logp")[offset : offset + 1])
+            ids.append(handle.get_slice("ids")[offset : offset + 1])
+        return torch.cat(logps), torch.cat(ids)
