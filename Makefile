@@ -9,9 +9,9 @@ install:  ## install fcsd (CPU torch from the local wheel index if present) with
 test:  ## the fast CPU test-suite (no network, no GPU)
 	$(PYTHON) -m pytest tests
 
-demo:  ## the embedded default job, offline on CPU: build the demo teacher, inspect it, probe FarSkip damage
+demo:  ## the embedded default job, offline on CPU (~8 min the first time): build the demo teacher, convert it with FCSD
 	$(PYTHON) -m fcsd.cli inspect demo --layers last:50%
-	$(PYTHON) -m fcsd.cli probe demo --output-dir outputs/probe-demo
+	$(PYTHON) -m fcsd.cli convert demo
 
 bench:  ## benchmarks, ours and the stock competitor side by side (see BENCHMARKS.md)
 	$(PYTHON) benchmarks/connectivity_overhead.py

@@ -31,3 +31,20 @@ def test_teacher_pretraining_learns(tmp_path):
     model = Qwen3MoeForCausalLM(demo.demo_config(len(tokenizer)))
     losses = demo.pretrain_teacher(model, tokenizer, rows, steps=40, batch_size=4, seq_len=64)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+def test_convert_demo_prints_the_comparison_table(tmp_path, monkeypatch, capsys):
+    """`fcsd convert demo` end to end on a tiny budget: FCSD and SFT runs, then the four-row report."""
+    monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(demo, "PRETRAIN_STEPS", 30)
+    out = tmp_path / "demo"
+    argv = ["convert", "demo", "train.max_steps=2", "train.warmup_steps=1", f"output_dir={out}", "progress=false"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for row in ("| teacher |", "| converted, before training |", "| after FCSD (KL) |", "| after SFT, same budget |"):
+        assert row in printed
+    report = json.loads((out / "demo_report.json").read_text())
+    assert report["teacher"]["kl"] == 0.0 and report["converted, before training"]["kl"] > 0
+    assert set(report["teacher"]) == {"kl", "add", "sort", "reverse", "recall", "all"}
+    for run in ("fcsd-kl", "fcsd-sft"):
+        assert (out / run / "final" / "config.json").exists()

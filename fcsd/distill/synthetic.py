@@ -1,5 +1,7 @@
-"""Chat-format synthetic tasks for the offline demo: multi-digit addition, sorting short lists, reversing strings
-and key-value recall. Each row is ``{"messages": [user, assistant], "task": name}`` with an exact answer."""
+"""Chat-format synthetic tasks for the offline demo: addition, sorting and reversing short digit lists, and
+key-value recall. Each row is ``{"messages": [user, assistant], "task": name}`` with one exact answer.
+
+They are sized so that a 6-layer, 96-wide MoE learns them in a few minutes on a laptop CPU."""
 
 from __future__ import annotations
 
@@ -12,18 +14,17 @@ TASKS = ("add", "sort", "reverse", "recall")
 
 
 def make_example(task: str, rng: random.Random) -> dict:
+    digits = [rng.randint(0, 9) for _ in range(rng.randint(3, 4))]
     if task == "add":
-        a, b = rng.randint(10, 9999), rng.randint(10, 9999)
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
         question, answer = f"add {a} + {b}", str(a + b)
     elif task == "sort":
-        values = [rng.randint(0, 99) for _ in range(rng.randint(3, 6))]
-        question, answer = f"sort {' '.join(map(str, values))}", " ".join(map(str, sorted(values)))
+        question, answer = f"sort {' '.join(map(str, digits))}", " ".join(map(str, sorted(digits)))
     elif task == "reverse":
-        word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
-        question, answer = f"reverse {word}", word[::-1]
+        question, answer = f"reverse {' '.join(map(str, digits))}", " ".join(map(str, digits[::-1]))
     elif task == "recall":
-        keys = rng.sample(string.ascii_lowercase, 4)
-        pairs = {k: rng.randint(0, 99) for k in keys}
+        keys = rng.sample(string.ascii_lowercase, 3)
+        pairs = {k: rng.randint(0, 9) for k in keys}
         key = rng.choice(keys)
         question = "recall " + " ".join(f"{k}={v}" for k, v in pairs.items()) + f" ; {key}?"
         answer = str(pairs[key])
