@@ -15,6 +15,8 @@ demo:  ## the embedded default job, offline on CPU (~8 min the first time): buil
 
 bench:  ## benchmarks, ours and the stock competitor side by side (see BENCHMARKS.md)
 	$(PYTHON) benchmarks/connectivity_overhead.py
+	$(PYTHON) benchmarks/kd_step.py
+	$(PYTHON) benchmarks/kl_loss_memory.py
 
 lint:
 	$(PYTHON) -m ruff check fcsd tests benchmarks

@@ -120,16 +120,18 @@ def test_topk_kl_is_exact_with_the_whole_vocabulary_and_a_bucketed_bound_otherwi
     assert (bucketed <= full + 1e-6).all()
 
 
-def test_chunked_head_loss_matches_unchunked_values_and_gradients():
+@pytest.mark.parametrize("name", ["forward_kl", "jsd"])  # closed-form gradient, autograd gradient
+def test_chunked_head_loss_matches_unchunked_values_and_gradients(name):
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 17, bias=False)
     hidden = torch.randn(10, 8, requires_grad=True)
     teacher = torch.randn(10, 17)
-    total = losses.chunked_head_loss(hidden, head, losses.kl_divergence, (teacher,), chunk_size=3)
+    divergence = losses.divergence(name)
+    total = losses.chunked_head_loss(hidden, head, divergence, (teacher,), chunk_size=3)
     total.backward()
     grads = hidden.grad.clone(), head.weight.grad.clone()
     hidden.grad, head.weight.grad = None, None
-    reference = losses.kl_divergence(head(hidden), teacher).sum()
+    reference = divergence(head(hidden), teacher).sum()
     reference.backward()
     torch.testing.assert_close(total, reference)
     torch.testing.assert_close(grads[0], hidden.grad)
@@ -166,3 +168,13 @@ def test_packed_documents_do_not_attend_to_each_other():
         alone = model(input_ids=torch.tensor([doc])).logits[0]
         torch.testing.assert_close(together[start : start + len(doc)], alone, atol=1e-5, rtol=1e-5)
         start += len(doc)
+
+
+def test_closed_form_kl_gradient_equals_autograd():
+    student, teacher = torch.randn(4, 9, requires_grad=True), torch.randn(4, 9)
+    for temperature in (1.0, 2.0):
+        loss, grad = losses.forward_kl_and_grad(student, teacher, temperature)
+        reference = losses.kl_divergence(student, teacher, temperature)
+        (expected,) = torch.autograd.grad(reference.sum(), student)
+        torch.testing.assert_close(loss, reference.detach())
+        torch.testing.assert_close(grad, expected)

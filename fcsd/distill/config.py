@@ -64,7 +64,7 @@ class TrainConfig:
     seed: int = 0  # data order, initialisation of anything random
     mixed_precision: str = "auto"  # bf16 | fp16 | no; auto = bf16 on GPU, no on CPU
     gradient_checkpointing: bool = False
-    loss_chunk_size: int = 1024  # tokens per chunk of the chunked LM-head + loss
+    loss_chunk_size: int = 256  # tokens per chunk of the fused LM-head + loss (peak memory ~ chunk x vocab)
     save_every: int = 1000  # checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many step checkpoints to keep
     resume: bool = False  # continue from the newest checkpoint in output_dir

@@ -5,8 +5,8 @@ Two layers:
 * per-token divergences on logits ``(N, vocab)`` -> ``(N,)``: :func:`kl_divergence` (forward KL(teacher || student),
   the paper's Eq. 4, or reverse), :func:`jensen_shannon`, :func:`topk_forward_kl` (against a cached top-k teacher);
 * :func:`chunked_head_loss`, which applies the LM head and a per-token loss to ``chunk_size`` hidden states at a time
-  and recomputes each chunk in the backward pass, so full-vocabulary fp32 logits never exist for more than one chunk
-  (the pattern of torchtune's chunked output and Liger-Kernel's fused linear + loss).
+  and computes each chunk's gradients right away, so full-vocabulary logits never exist for more than one chunk
+  (the pattern of Liger-Kernel's fused linear + loss and torchtune's chunked output).
 
 Reducers return the *sum* over tokens with the token count, so that callers normalise by a global token count.
 """
@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -43,6 +42,21 @@ def kl_divergence(
     return (p.exp() * (p - q)).sum(-1) * temperature**2
 
 
+def forward_kl_and_grad(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token forward KL (as :func:`kl_divergence`) and its gradient w.r.t. the student logits,
+    ``T * (softmax(s / T) - softmax(t / T))``, in closed form: no autograd graph over the vocabulary."""
+    check_vocabularies(student_logits.shape[-1], teacher_logits.shape[-1])
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    p = t.exp()
+    loss = t.sub_(s).mul_(p).sum(-1) * temperature**2  # in place: three vocabulary-wide buffers at most
+    del t
+    grad = s.exp_().sub_(p).mul_(temperature)
+    return loss, grad
+
+
 def jensen_shannon(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -57,9 +71,15 @@ def jensen_shannon(
 
 
 def divergence(name: str, temperature: float = 1.0, jsd_beta: float = 0.5) -> Callable:
-    """The per-token divergence ``f(student_logits, teacher_logits) -> (N,)`` called ``name`` (see DIVERGENCES)."""
+    """The per-token divergence ``f(student_logits, teacher_logits) -> (N,)`` called ``name`` (see DIVERGENCES).
+
+    Where a closed-form gradient exists, ``f.loss_and_grad(s, t) -> (loss, d loss / d s)`` provides it; the
+    chunked head loss then skips autograd over the vocabulary.
+    """
     if name == "forward_kl":
-        return lambda s, t: kl_divergence(s, t, temperature)
+        forward = lambda s, t: kl_divergence(s, t, temperature)  # noqa: E731
+        forward.loss_and_grad = lambda s, t: forward_kl_and_grad(s, t, temperature)
+        return forward
     if name == "reverse_kl":
         return lambda s, t: kl_divergence(s, t, temperature, reverse=True)
     if name == "jsd":
@@ -109,22 +129,70 @@ def chunked_head_loss(
 ) -> torch.Tensor:
     """Sum over the ``N`` rows of ``hidden`` ``(N, d)`` of ``token_loss(head(hidden_chunk), *target_chunks)``.
 
-    Every tensor in ``targets`` is sliced along dim 0 with the hidden states. Each chunk runs under activation
-    checkpointing: the backward pass recomputes its logits instead of keeping them, so peak memory holds the logits
-    of one chunk whatever the batch size.
+    ``head`` is a bias-free ``nn.Linear`` (the LM head) or ``nn.Identity`` (``hidden`` are logits already). Every
+    tensor in ``targets`` is sliced along dim 0 with the hidden states. A ``token_loss`` with a ``loss_and_grad``
+    attribute (see :func:`divergence`) supplies its gradient in closed form. When gradients are needed, each chunk's
+    gradients with respect to the hidden states and the head weight are computed right after its loss (Liger-Kernel's
+    fused linear + loss pattern), so only one chunk of logits exists at a time and nothing is recomputed.
     """
-
-    def chunk_loss(h: torch.Tensor, *t: torch.Tensor) -> torch.Tensor:
-        return token_loss(head(h), *t).sum()
-
+    weight = None if isinstance(head, torch.nn.Identity) else head.weight
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("chunked_head_loss expects a bias-free LM head")
+    if torch.is_grad_enabled() and (hidden.requires_grad or (weight is not None and weight.requires_grad)):
+        return _FusedHeadLoss.apply(hidden, weight, token_loss, chunk_size, *targets)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
-        pieces = (hidden[start : start + chunk_size], *(t[start : start + chunk_size] for t in targets))
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            total = total + checkpoint(chunk_loss, *pieces, use_reentrant=False)
-        else:
-            total = total + chunk_loss(*pieces)
+        logits = _project(hidden[start : start + chunk_size], weight)
+        total = total + token_loss(logits, *(t[start : start + chunk_size] for t in targets)).sum()
     return total
+
+
+def _project(hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    return hidden if weight is None else F.linear(hidden, weight)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """Forward computes the loss and, chunk by chunk, its gradients; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_loss, chunk_size, *targets):
+        grad_hidden = torch.zeros_like(hidden) if hidden.requires_grad else None
+        wants_weight = weight is not None and weight.requires_grad
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants_weight else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            chunk = hidden[start : start + chunk_size]
+            logits = _project(chunk, weight)
+            pieces = tuple(t[start : start + chunk_size] for t in targets)
+            if hasattr(token_loss, "loss_and_grad"):
+                loss, grad_logits = token_loss.loss_and_grad(logits, *pieces)
+                loss, grad_logits = loss.sum(), grad_logits.to(logits.dtype)
+            else:
+                with torch.enable_grad():
+                    leaf = logits.detach().requires_grad_()
+                    loss = token_loss(leaf, *pieces).sum()
+                    (grad_logits,) = torch.autograd.grad(loss, leaf)
+            total += loss.detach()
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk_size] = grad_logits if weight is None else grad_logits @ weight
+            if grad_weight is not None:
+                if grad_logits.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_logits.t(), chunk.to(grad_logits.dtype))
+                else:
+                    grad_weight += grad_logits.t() @ chunk.to(grad_logits.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.num_targets = len(targets)
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
+        return (grad_hidden, grad_weight, None, None, *([None] * ctx.num_targets))
 
 
 def hidden_l2(

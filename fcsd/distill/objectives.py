@@ -108,6 +108,9 @@ def micro_batch_loss(
                 teacher_logits = teacher_head(teacher_hidden_chunk)
             return divergence(student_logits, teacher_logits)
 
+        if hasattr(divergence, "loss_and_grad"):
+            token_loss.loss_and_grad = lambda s, t: divergence.loss_and_grad(s, teacher_head(t))
+
         total = losses.chunked_head_loss(hidden, head, token_loss, (teacher_hidden,), train.loss_chunk_size)
         parts = LossParts(total, tokens, {"kl": total.detach()})
         if want_l2:

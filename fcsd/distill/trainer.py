@@ -410,7 +410,8 @@ def train_step(accelerator, model, micro_batches: list[list[int]], train_rows: P
     from accelerate.utils import DistributedType
 
     unwrapped = accelerator.unwrap_model(model)
-    head_in_forward = accelerator.distributed_type == DistributedType.FSDP
+    # FSDP2 and ZeRO-3 gather the LM head's weight only inside the model's forward
+    head_in_forward = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     device = accelerator.device
     local_tokens = sum(_loss_tokens(train_rows.rows(rows), config.train.objective) for rows in micro_batches)
     global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=device), "sum"))

@@ -1,0 +1,154 @@
+"""Throughput of one knowledge-distillation step: the plain Hugging Face loop, TRL's KD loss, and fcsd, side by side.
+
+One step = frozen teacher forward + FarSkip student forward/backward + forward KL(teacher || student) over every
+position + AdamW, on the same model, weights and token batch for all three:
+
+* ``hf_loop``: full logits of both models, ``F.kl_div`` on fp32 log-softmaxes of the whole batch;
+* ``trl``: TRL's distillation loss (``GKDTrainer.generalized_jsd_loss`` with beta=0, its forward KL) on full logits,
+  i.e. the compute of TRL's ``compute_loss`` without the Trainer's data-loading overhead;
+* ``fcsd``: :func:`fcsd.distill.objectives.micro_batch_loss`, the trainer's step (LM head and loss chunked over
+  tokens, no full-vocabulary logits).
+
+Prints tokens/s, peak memory (CUDA) and ratios against ``hf_loop``.
+
+    python benchmarks/kd_step.py                      # CPU-sized model
+    python benchmarks/kd_step.py --preset paper       # Qwen3-MoE 64 experts top-8, vocab 151,936, 4 x 2048 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+import fcsd
+from fcsd.distill.config import TrainConfig
+from fcsd.distill.data import Packed
+from fcsd.distill.objectives import micro_batch_loss
+
+PRESETS = {
+    # ~1.2B total / ~0.3B active with the 151,936-token vocabulary (the design's reference model)
+    "paper": dict(vocab=151936, hidden=1024, layers=12, experts=64, moe=512, heads=16, batch=4, seq=2048),
+    "cpu": dict(vocab=32000, hidden=256, layers=4, experts=16, moe=128, heads=4, batch=4, seq=256),
+}
+
+
+def build(preset: dict, device: str, experts_implementation: str | None):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=preset["vocab"],
+        hidden_size=preset["hidden"],
+        intermediate_size=4 * preset["hidden"],
+        moe_intermediate_size=preset["moe"],
+        num_hidden_layers=preset["layers"],
+        num_attention_heads=preset["heads"],
+        num_key_value_heads=max(preset["heads"] // 4, 1),
+        head_dim=preset["hidden"] // preset["heads"],
+        num_experts=preset["experts"],
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    if experts_implementation:
+        config._experts_implementation = experts_implementation
+    torch.manual_seed(0)
+    teacher = transformers.Qwen3MoeForCausalLM(config).to(device).eval().requires_grad_(False)
+    student = transformers.Qwen3MoeForCausalLM(config).to(device)
+    student.load_state_dict(teacher.state_dict())
+    return teacher, fcsd.apply_farskip(student, "all")
+
+
+def full_logits_step(student, teacher, batch: Packed, loss_fn) -> torch.Tensor:
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    student_logits = student(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    return loss_fn(student_logits, teacher_logits)
+
+
+def hf_kl(student_logits, teacher_logits):
+    s = F.log_softmax(student_logits.float(), dim=-1).flatten(0, 1)
+    t = F.log_softmax(teacher_logits.float(), dim=-1).flatten(0, 1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean")
+
+
+def trl_kl(student_logits, teacher_logits):
+    from trl.experimental.gkd import GKDTrainer
+
+    return GKDTrainer.generalized_jsd_loss(student_logits, teacher_logits, beta=0.0)
+
+
+def make_step(name: str, student, teacher, batch: Packed, optimizer, autocast):
+    config = SimpleNamespace(train=TrainConfig())  # the trainer's defaults: forward KL, fused chunked head
+    tokens = batch.input_ids.numel()
+
+    def step():
+        with autocast():
+            if name == "fcsd":
+                loss = micro_batch_loss(student, student, batch, config, teacher).total / tokens
+            else:
+                loss = full_logits_step(student, teacher, batch, hf_kl if name == "hf_loop" else trl_kl)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--methods", default="hf_loop,trl,fcsd")
+    parser.add_argument("--experts-implementation", help="e.g. eager, grouped_mm (default: the model's default)")
+    args = parser.parse_args()
+    preset = PRESETS[args.preset]
+    bf16 = args.device == "cuda" if args.bf16 is None else args.bf16
+    teacher, student = build(preset, args.device, args.experts_implementation)
+    if bf16:
+        teacher.to(torch.bfloat16)
+
+    def autocast():
+        return torch.autocast(args.device, dtype=torch.bfloat16, enabled=bf16)
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(preset["vocab"], (preset["batch"], preset["seq"]), generator=generator).to(args.device)
+    batch = Packed(ids, torch.arange(preset["seq"], device=args.device).expand_as(ids))
+    tokens = ids.numel()
+    results = {}
+    methods = args.methods.split(",")
+    if "trl" in methods and importlib.util.find_spec("trl") is None:
+        print("trl is not installed (pip install -e '.[bench]'): running without the TRL competitor")
+        methods.remove("trl")
+    for name in methods:
+        optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-6)
+        step = make_step(name, student, teacher, batch, optimizer, autocast)
+        step()  # warm-up (allocations, kernels, AdamW state)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            step()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+        results[name] = (tokens / statistics.median(times), peak)
+        del optimizer
+    print(f"KD step, preset {args.preset}, {tokens} tokens/step, {args.device}, bf16={bf16}")
+    print(f"{'method':<10}{'tokens/s':>12}{'peak GiB':>10}{'vs hf_loop':>12}")
+    base = results.get("hf_loop", next(iter(results.values())))[0]
+    for name, (rate, peak) in results.items():
+        print(f"{name:<10}{rate:>12,.0f}{peak:>10.1f}{rate / base:>11.3f}x")
+
+
+if __name__ == "__main__":
+    main()
