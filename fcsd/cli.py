@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def _convert(args) -> int:
     from fcsd.distill.trainer import convert
 
     result = convert(config)
-    print(f"wrote {result.final_dir} (load it with fcsd.from_pretrained); metrics in {result.output_dir}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"wrote {result.final_dir} (load it with fcsd.from_pretrained); metrics in {result.output_dir}")
     return 0
 
 

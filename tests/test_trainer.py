@@ -211,6 +211,7 @@ def test_bad_input_errors(assets, tmp_path, capsys):
         (["convert", model, *FAST, f"data.path={assets / 'train.jsonl'}", "train.batch_tokens=100"], "multiple of"),
         (["convert", model], "data.path is required"),
         (["convert", model, f"data.path={tmp_path / 'missing.jsonl'}"], "missing.jsonl: no such file"),
+        (["convert", str(tmp_path / "no-model"), f"data.path={assets / 'train.jsonl'}"], "no-model: no such folder"),
         (["convert", str(small), *FAST, f"data.path={assets / 'train.jsonl'}"], "vocabulary mismatch"),
     ]
     for argv, message in cases:

@@ -54,11 +54,39 @@ def final_hidden(model, unwrapped, batch: Packed, **kwargs):
     return hidden.reshape(-1, hidden.shape[-1]), output
 
 
-def teacher_targets(teacher, batch: Packed, want_hidden_states: bool = False):
-    """The online teacher's final hidden states (and all hidden states for Eq. 5), without gradients."""
+def head_inputs(model, unwrapped, batch: Packed, head_in_forward: bool = False, **kwargs):
+    """``(x, head, output)`` with ``head(x)`` the logits of every token of ``batch``, for :func:`chunked_head_loss`.
+
+    By default ``x`` are the final hidden states and ``head`` the LM head, applied chunk by chunk later.
+    ``head_in_forward`` keeps the head inside the model's forward, where FSDP2 / ZeRO-3 gather its weight: ``x``
+    are then the logits (compute dtype) and ``head`` the identity.
+    """
+    if head_in_forward:
+        output = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kwargs)
+        return output.logits.reshape(-1, output.logits.shape[-1]), torch.nn.Identity(), output
+    hidden, output = final_hidden(model, unwrapped, batch, **kwargs)
+    return hidden, unwrapped.get_output_embeddings(), output
+
+
+def teacher_targets(teacher, batch: Packed, want_hidden_states: bool = False, head_in_forward: bool = False):
+    """The online teacher's ``(x, head, hidden states or None)`` (see :func:`head_inputs`), without gradients."""
     with torch.no_grad():
-        hidden, output = final_hidden(teacher, teacher, batch, output_hidden_states=want_hidden_states)
-    return hidden, (output.hidden_states if want_hidden_states else None)
+        x, head, output = head_inputs(teacher, teacher, batch, head_in_forward, output_hidden_states=want_hidden_states)
+    return x, head, (output.hidden_states if want_hidden_states else None)
+
+
+def teacher_token_loss(divergence, teacher_head):
+    """``token_loss(student_logits, teacher_x)`` for :func:`chunked_head_loss`: the teacher's logits come from its
+    head applied to the same chunk, without gradients; keeps the divergence's closed-form gradient if it has one."""
+
+    def token_loss(student_logits, teacher_chunk):
+        with torch.no_grad():
+            teacher_logits = teacher_head(teacher_chunk)
+        return divergence(student_logits, teacher_logits)
+
+    if hasattr(divergence, "loss_and_grad"):
+        token_loss.loss_and_grad = lambda s, t: divergence.loss_and_grad(s, teacher_head(t))
+    return token_loss
 
 
 def micro_batch_loss(
@@ -74,19 +102,12 @@ def micro_batch_loss(
 
     ``teacher`` is the online teacher model; ``cached`` the teacher's cached ``(top-k log-probs, ids)`` rows for
     ``teacher.mode=cache``. Every position is scored for the divergences (Eq. 4 sums over all t); SFT scores the
-    next token inside each packed document. ``head_in_forward`` keeps the student's LM head inside its forward
-    (needed where parameters are only gathered during the root forward, as under FSDP2): the micro-batch's logits
-    then exist in the compute dtype and only the fp32 loss is chunked.
+    next token inside each packed document. ``head_in_forward``: see :func:`head_inputs`.
     """
     train = config.train
     want_l2 = train.objective == "kl_l2"
     options = {"output_hidden_states": want_l2, "output_router_logits": train.router_aux_coef > 0}
-    if head_in_forward:
-        output = student(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **options)
-        hidden, head = output.logits.reshape(-1, output.logits.shape[-1]), torch.nn.Identity()
-    else:
-        hidden, output = final_hidden(student, unwrapped_student, batch, **options)
-        head = unwrapped_student.get_output_embeddings()
+    hidden, head, output = head_inputs(student, unwrapped_student, batch, head_in_forward, **options)
     tokens = hidden.shape[0]
     if train.objective == "sft":
         labels = batch.sft_labels().reshape(-1)
@@ -99,19 +120,10 @@ def micro_batch_loss(
         total = losses.chunked_head_loss(hidden, head, token_loss, (logp, ids), train.loss_chunk_size)
         parts = LossParts(total, tokens, {"kl": total.detach()})
     else:
-        teacher_hidden, teacher_states = teacher_targets(teacher, batch, want_l2)
-        teacher_head = teacher.get_output_embeddings()
+        teacher_x, teacher_head, teacher_states = teacher_targets(teacher, batch, want_l2, head_in_forward)
         divergence = losses.divergence(train.divergence, train.temperature, train.jsd_beta)
-
-        def token_loss(student_logits, teacher_hidden_chunk):
-            with torch.no_grad():
-                teacher_logits = teacher_head(teacher_hidden_chunk)
-            return divergence(student_logits, teacher_logits)
-
-        if hasattr(divergence, "loss_and_grad"):
-            token_loss.loss_and_grad = lambda s, t: divergence.loss_and_grad(s, teacher_head(t))
-
-        total = losses.chunked_head_loss(hidden, head, token_loss, (teacher_hidden,), train.loss_chunk_size)
+        token_loss = teacher_token_loss(divergence, teacher_head)
+        total = losses.chunked_head_loss(hidden, head, token_loss, (teacher_x,), train.loss_chunk_size)
         parts = LossParts(total, tokens, {"kl": total.detach()})
         if want_l2:
             everywhere = torch.ones_like(batch.input_ids, dtype=torch.bool)

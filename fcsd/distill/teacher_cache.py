@@ -72,9 +72,9 @@ def build_cache(
         for begin in range(start, min(start + SHARD_ROWS, len(packed)), batch_size):
             rows = packed.rows(slice(begin, min(begin + batch_size, start + SHARD_ROWS, len(packed))))
             rows = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
-            hidden, _ = teacher_targets(teacher, rows)
+            hidden, head, _ = teacher_targets(teacher, rows)
             with torch.no_grad():
-                logp, top = topk_teacher(teacher.get_output_embeddings()(hidden), meta["top_k"], meta["temperature"])
+                logp, top = topk_teacher(head(hidden), meta["top_k"], meta["temperature"])
             logps.append(logp.view(*rows.input_ids.shape, -1).cpu())
             ids.append(top.view(*rows.input_ids.shape, -1).to(torch.int32).cpu())
             bar.update(rows.input_ids.shape[0])

@@ -24,7 +24,7 @@ from fcsd.connectivity.patch import apply_farskip
 from fcsd.distill import losses, run_io
 from fcsd.distill.config import FCSDConfig
 from fcsd.distill.data import Packed, load_packed, tokens_fingerprint
-from fcsd.distill.objectives import final_hidden, micro_batch_loss
+from fcsd.distill.objectives import head_inputs, micro_batch_loss, teacher_targets, teacher_token_loss
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
@@ -91,13 +91,15 @@ def _dtype(name: str, cuda: bool, cpu_default: str, gpu_default: str) -> torch.d
 
 
 def load_tokenizer(config: FCSDConfig):
+    """The checkpoint's tokenizer; a local-looking MODEL that does not exist is a clear error, not a hub lookup."""
     from transformers import AutoTokenizer
 
     from fcsd.demo import resolve_model
 
-    return AutoTokenizer.from_pretrained(
-        resolve_model(config.model.name), trust_remote_code=config.model.trust_remote_code
-    )
+    path = resolve_model(config.model.name)
+    if path.startswith((".", "/", "~")) and not Path(path).expanduser().exists():
+        raise ValueError(f"model {path}: no such folder (give a local checkpoint folder, a hub id, or 'demo')")
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
 
 
 def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True, need_student: bool = True):
@@ -193,33 +195,32 @@ def all_rows(train: Packed, held: Packed) -> Packed:
 
 
 @torch.no_grad()
-def heldout_metrics(student, held: Packed, config: FCSDConfig, teacher=None, cache=None, cache_offset: int = 0):
+def heldout_metrics(
+    student, held: Packed, config: FCSDConfig, teacher=None, cache=None, cache_offset: int = 0, head_in_forward=False
+) -> dict:
     """Per-token held-out KL(teacher || student) and next-token NLL of ``student`` (unwrapped) on ``held``."""
     was_training = student.training
     student.eval()
     device = next(student.parameters()).device
-    head = student.get_output_embeddings()
     kl_sum, nll_sum, kl_tokens, nll_tokens = 0.0, 0.0, 0, 0
     chunk = config.train.loss_chunk_size
-    teacher_head = None if teacher is None else teacher.get_output_embeddings()
     for start in range(0, len(held), config.train.micro_batch_size):
-        index = slice(start, start + config.train.micro_batch_size)
-        rows = held.rows(index)
+        rows = held.rows(slice(start, start + config.train.micro_batch_size))
         batch = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
-        hidden, _ = final_hidden(student, student, batch)
+        x, head, _ = head_inputs(student, student, batch, head_in_forward)
         labels = batch.sft_labels().reshape(-1)
-        nll_sum += float(losses.chunked_head_loss(hidden, head, losses.cross_entropy, (labels,), chunk))
+        nll_sum += float(losses.chunked_head_loss(x, head, losses.cross_entropy, (labels,), chunk))
         nll_tokens += int((labels != -100).sum())
         if cache is not None:
-            logp, ids = cache.rows(list(range(cache_offset + start, cache_offset + start + rows.input_ids.shape[0])))
-            targets = (logp.reshape(hidden.shape[0], -1).to(device), ids.reshape(hidden.shape[0], -1).to(device))
-            token_loss = lambda s, lp, i: losses.topk_forward_kl(s, lp, i)  # noqa: E731
+            logp, ids = cache.rows(list(range(cache_offset + start, cache_offset + start + len(rows))))
+            targets = (logp.reshape(x.shape[0], -1).to(device), ids.reshape(x.shape[0], -1).to(device))
+            token_loss = losses.topk_forward_kl
         else:
-            teacher_hidden, _ = final_hidden(teacher, teacher, batch)
-            targets = (teacher_hidden,)
-            token_loss = lambda s, t: losses.kl_divergence(s, teacher_head(t))  # noqa: E731
-        kl_sum += float(losses.chunked_head_loss(hidden, head, token_loss, targets, chunk))
-        kl_tokens += hidden.shape[0]
+            teacher_x, teacher_head, _ = teacher_targets(teacher, batch, head_in_forward=head_in_forward)
+            targets = (teacher_x,)
+            token_loss = teacher_token_loss(losses.divergence("forward_kl"), teacher_head)
+        kl_sum += float(losses.chunked_head_loss(x, head, token_loss, targets, chunk))
+        kl_tokens += x.shape[0]
     student.train(was_training)
     return {"eval/kl": kl_sum / kl_tokens, "eval/nll": nll_sum / nll_tokens}
 
@@ -315,6 +316,10 @@ def convert(config: FCSDConfig) -> RunResult:
     optimizer, scheduler = build_optimizer(student, config, plan.total_steps)
     _fill_deepspeed_config(accelerator, plan, train_cfg.grad_clip)
     model, optimizer = accelerator.prepare(student, optimizer)
+    if teacher is not None and shards_parameters(accelerator):
+        from fcsd.parallel.inference_shard import shard_for_inference
+
+        shard_for_inference(teacher, accelerator)
     accelerator.register_for_checkpointing(scheduler)
     unwrapped = accelerator.unwrap_model(model)
 
@@ -335,7 +340,9 @@ def convert(config: FCSDConfig) -> RunResult:
     held_offset = len(train_rows)
 
     def evaluate(step: int) -> dict:
-        result = heldout_metrics(unwrapped, held_rows, config, teacher, cache, held_offset)
+        result = heldout_metrics(
+            unwrapped, held_rows, config, teacher, cache, held_offset, shards_parameters(accelerator)
+        )
         metrics.log({"step": step, **result})
         return result
 
@@ -407,11 +414,8 @@ def convert(config: FCSDConfig) -> RunResult:
 def train_step(accelerator, model, micro_batches: list[list[int]], train_rows: Packed, config, teacher, cache):
     """Forward/backward of one optimizer step's micro-batches on this process, the loss normalised by the step's
     token count over all processes, then gradient clipping. Returns (loss per token, gradient norm, loss terms)."""
-    from accelerate.utils import DistributedType
-
     unwrapped = accelerator.unwrap_model(model)
-    # FSDP2 and ZeRO-3 gather the LM head's weight only inside the model's forward
-    head_in_forward = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    head_in_forward = shards_parameters(accelerator)
     device = accelerator.device
     local_tokens = sum(_loss_tokens(train_rows.rows(rows), config.train.objective) for rows in micro_batches)
     global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=device), "sum"))
@@ -435,6 +439,13 @@ def train_step(accelerator, model, micro_batches: list[list[int]], train_rows: P
     if len(reduced) == 1:
         reduced = {}  # the only term is the loss itself
     return loss, grad_norm, reduced
+
+
+def shards_parameters(accelerator) -> bool:
+    """FSDP2 and ZeRO-3 gather parameters only inside a module's forward: the LM head must stay there."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
 
 def _fill_deepspeed_config(accelerator, plan: StepPlan, grad_clip: float) -> None:
