@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import torchrun
 from tiny_models import build
 
 import fcsd
@@ -153,13 +154,10 @@ def test_killed_run_resumes_exactly(assets, tmp_path):
 
 def test_two_gloo_processes_match_one(assets, tmp_path):
     args = ["-m", "fcsd.cli", "convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}"]
-    args += [f"data.cache_dir={assets / 'cache'}", *FAST, "train.max_steps=3"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533"]
-    subprocess.run([*launch, *args, "train.micro_batch_size=4", f"output_dir={tmp_path / 'two'}"], env=env, check=True)
-    subprocess.run(
-        [sys.executable, *args, "train.micro_batch_size=4", f"output_dir={tmp_path / 'one'}"], env=env, check=True
-    )
+    args += [f"data.cache_dir={assets / 'cache'}", *FAST, "train.max_steps=3", "train.micro_batch_size=4"]
+    torchrun(2, *args, f"output_dir={tmp_path / 'two'}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, *args, f"output_dir={tmp_path / 'one'}"], env=env, check=True, capture_output=True)
     torch.testing.assert_close(torch.tensor(losses_of(tmp_path / "two")), torch.tensor(losses_of(tmp_path / "one")))
 
 
