@@ -127,6 +127,14 @@ def _convert(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from fcsd.export.save import export_checkpoint
+
+    out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite)
+    print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
+    return 0
+
+
 def _cache_teacher(args) -> int:
     from fcsd.distill.config import to_config
     from fcsd.distill.trainer import cache_teacher
@@ -192,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir (same as train.resume=true)")
     p.add_argument("--cfg", choices=["job"], help="print the resolved config as YAML and exit")
     p.set_defaults(func=_convert)
+
+    p = sub.add_parser(
+        "export",
+        help="write a converted checkpoint that loads with and without fcsd (remote code), checked by reloading",
+    )
+    p.add_argument("source", help="a run folder of fcsd convert (uses its final/) or a converted checkpoint folder")
+    p.add_argument("out_dir", help="where the export goes (refused if not empty unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser(
         "cache-teacher",

@@ -9,12 +9,39 @@ def from_pretrained(name_or_path: str, layers=None, **kwargs):
     """Load a causal LM (hub id or local folder) with ``AutoModelForCausalLM`` and apply FarSkip connectivity.
 
     ``layers`` overrides the selection; by default the layers recorded in the checkpoint's ``config.farskip`` are
-    converted (none for a stock checkpoint). ``kwargs`` go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
+    converted (none for a stock checkpoint). An exported folder (model type ``farskip_<stock type>``) loads through
+    the stock transformers classes, without its remote code. ``kwargs`` go to ``from_pretrained`` (``dtype``,
+    ``device_map``, ...).
     """
     from transformers import AutoModelForCausalLM
 
+    config = _stock_config(name_or_path)
+    if config is not None:
+        kwargs.setdefault("config", config)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     if layers is None:
         record = getattr(model.config, CONFIG_KEY, None) or {}
         layers = record.get("layers", [])
     return apply_farskip(model, layers)
+
+
+def _stock_config(name_or_path: str):
+    """The stock transformers config of an exported FarSkip folder, or None for anything else."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type
+
+    path = Path(name_or_path) / "config.json"
+    if not path.exists():
+        return None
+    values = json.loads(path.read_text())
+    if not values.get("model_type", "").startswith(EXPORTED_PREFIX):
+        return None
+    for key in ("auto_map", "architectures"):
+        values.pop(key, None)
+    base_type = base_model_type(values.pop("model_type"))
+    values["architectures"] = values.get(CONFIG_KEY, {}).get("base_architectures")
+    return AutoConfig.for_model(base_type, **values)

@@ -73,7 +73,7 @@ def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, t
     assert [r["step"] for r in records if "eval/kl" in r] == [0, 8]
     assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))
     assert all(r["train/tokens"] == 256 * r["step"] for r in records if "train/loss" in r)
-    for name in ("curves.png", "fcsd_config.yaml", "run_summary.json", "final/fcsd_config.yaml"):
+    for name in ("curves.png", "fcsd_config.yaml", "run_summary.json", "final/fcsd_config.yaml", "export/config.json"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     # the final checkpoint holds the trained student: its held-out KL is the one the run reported

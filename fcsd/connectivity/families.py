@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fcsd.connectivity import adapters
+from fcsd.connectivity.adapters import (
+    llama4_routed,
+    mixtral_routed,
+    qwen2_gated_shared,
+    shared_module,
+    topk_router_then_experts,
+)
 
 MlpPart = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -55,8 +61,8 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("DeepseekV2ForCausalLM",),
         decoder_layer="DeepseekV2DecoderLayer",
         moe_block="DeepseekV2Moe",
-        routed=adapters.topk_router_then_experts,
-        shared=adapters.shared_module("shared_experts"),
+        routed=topk_router_then_experts,
+        shared=shared_module("shared_experts"),
     ),
     MoEFamily(
         name="DeepSeek-V3",
@@ -64,8 +70,8 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("DeepseekV3ForCausalLM",),
         decoder_layer="DeepseekV3DecoderLayer",
         moe_block="DeepseekV3MoE",
-        routed=adapters.topk_router_then_experts,
-        shared=adapters.shared_module("shared_experts"),
+        routed=topk_router_then_experts,
+        shared=shared_module("shared_experts"),
     ),
     MoEFamily(
         name="Qwen3-MoE",
@@ -73,7 +79,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("Qwen3MoeForCausalLM",),
         decoder_layer="Qwen3MoeDecoderLayer",
         moe_block="Qwen3MoeSparseMoeBlock",
-        routed=adapters.topk_router_then_experts,
+        routed=topk_router_then_experts,
     ),
     MoEFamily(
         name="Qwen2-MoE",
@@ -81,8 +87,8 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("Qwen2MoeForCausalLM",),
         decoder_layer="Qwen2MoeDecoderLayer",
         moe_block="Qwen2MoeSparseMoeBlock",
-        routed=adapters.topk_router_then_experts,
-        shared=adapters.qwen2_gated_shared,
+        routed=topk_router_then_experts,
+        shared=qwen2_gated_shared,
     ),
     MoEFamily(
         name="Llama-4",
@@ -90,8 +96,8 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("Llama4ForCausalLM", "Llama4ForConditionalGeneration (text tower)"),
         decoder_layer="Llama4TextDecoderLayer",
         moe_block="Llama4TextMoe",
-        routed=adapters.llama4_routed,
-        shared=adapters.shared_module("shared_expert"),
+        routed=llama4_routed,
+        shared=shared_module("shared_expert"),
         mlp_attr="feed_forward",
     ),
     MoEFamily(
@@ -100,7 +106,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("MixtralForCausalLM",),
         decoder_layer="MixtralDecoderLayer",
         moe_block="MixtralSparseMoeBlock",
-        routed=adapters.mixtral_routed,
+        routed=mixtral_routed,
     ),
     MoEFamily(
         name="OLMoE",
@@ -108,7 +114,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("OlmoeForCausalLM",),
         decoder_layer="OlmoeDecoderLayer",
         moe_block="OlmoeSparseMoeBlock",
-        routed=adapters.topk_router_then_experts,
+        routed=topk_router_then_experts,
     ),
 )
 
@@ -123,9 +129,17 @@ def supported_families_text() -> str:
     return "; ".join(f"{f.name} ({f.model_type}: {', '.join(f.architectures)})" for f in FAMILIES)
 
 
+EXPORTED_PREFIX = "farskip_"  # exported checkpoints carry model_type "farskip_<stock type>" (fcsd.export)
+
+
+def base_model_type(model_type: str) -> str:
+    """The stock transformers model type behind a (possibly exported FarSkip) model type."""
+    return model_type.removeprefix(EXPORTED_PREFIX)
+
+
 def text_config(config):
     """The decoder's config: ``config`` itself, or its ``text_config`` for a multimodal model (Llama-4)."""
-    if config.model_type in _BY_MODEL_TYPE:
+    if base_model_type(config.model_type) in _BY_MODEL_TYPE:
         return config
     sub = getattr(config, "text_config", None)
     if sub is not None and getattr(sub, "model_type", None) in _BY_MODEL_TYPE:
@@ -136,7 +150,7 @@ def text_config(config):
 def family_for_config(config) -> MoEFamily:
     """The family row for a transformers config, or :class:`UnsupportedModelError` listing what is supported."""
     decoder_config = text_config(config)
-    family = _BY_MODEL_TYPE.get(decoder_config.model_type)
+    family = _BY_MODEL_TYPE.get(base_model_type(decoder_config.model_type))
     if family is None:
         archs = ", ".join(getattr(config, "architectures", None) or []) or "unknown architecture"
         raise UnsupportedModelError(

@@ -91,6 +91,8 @@ class FCSDConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     output_dir: str = "outputs/fcsd"
+    export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
+    export: bool = True  # run that export (remote code, reload-parity check)
     overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
     progress: bool = True  # progress bars
 

@@ -398,6 +398,12 @@ def convert(config: FCSDConfig) -> RunResult:
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         save_final(unwrapped, state_dict, tokenizer, config, final_dir)
+        if config.export:
+            from fcsd.export.save import export_checkpoint
+
+            export_dir = Path(config.export_dir or output_dir / "export")
+            export_checkpoint(final_dir, export_dir, overwrite=True)
+            accelerator.print(f"exported {export_dir} (reload parity checked)")
         summary = {
             "steps": plan.total_steps,
             "eval_before": eval_before,

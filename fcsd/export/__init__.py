@@ -1,0 +1,1 @@
+"""Exporting converted checkpoints: folders that load with and without fcsd, checked by reloading them."""

@@ -1,0 +1,94 @@
+"""``fcsd export``: a converted checkpoint as a folder that loads everywhere and never silently runs the wrong
+connectivity, verified by reloading it (design §3: "export must reload and match")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type
+from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
+from fcsd.distill import run_io
+from fcsd.export.remote_code import write_remote_code
+
+PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+class ExportError(ValueError):
+    """An export that cannot be written, or whose reloaded copy does not match the model."""
+
+
+def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, source: str | Path | None = None) -> Path:
+    """Write ``model`` (FarSkip layers applied) and ``tokenizer`` to ``out_dir`` atomically and check reload parity.
+
+    The folder holds safetensors shards in the model's dtype, the config with its ``farskip`` record, model type
+    ``farskip_<stock type>`` and an ``auto_map`` to the shipped modeling code, the generation config and the
+    tokenizer. A non-empty ``out_dir`` is refused unless ``overwrite``; ``source`` (the checkpoint exported) is never
+    written into.
+    """
+    out_dir = Path(out_dir).resolve()
+    if not farskip_layers(model):
+        raise ExportError("the model has no FarSkip layers: convert it (fcsd convert / fcsd.apply_farskip) first")
+    if source is not None and (out_dir == Path(source).resolve() or Path(source).resolve() in out_dir.parents):
+        raise ExportError(f"refusing to export into the source checkpoint's folder {source}; choose another OUT_DIR")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise ExportError(f"{out_dir} is not empty; pass --overwrite (overwrite=True) to replace it")
+    with run_io.atomic_dir(out_dir) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        auto_map = write_remote_code(staging, model.config, type(model))
+        config_path = staging / "config.json"
+        config = json.loads(config_path.read_text())
+        base_type = base_model_type(config["model_type"])
+        config[CONFIG_KEY].update(base_model_type=base_type, base_architectures=config.get("architectures"))
+        config.update(model_type=EXPORTED_PREFIX + base_type, architectures=["FarSkipForCausalLM"], auto_map=auto_map)
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        check_parity(model, staging)
+    return out_dir
+
+
+def parity_batch(model, length: int = 32) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_output_embeddings().out_features
+    return torch.randint(vocab, (2, length), generator=generator)
+
+
+@torch.no_grad()
+def check_parity(model, folder: Path) -> float:
+    """Reload ``folder`` (stock transformers classes + fcsd, no remote code) and compare its logits with ``model``'s
+    on a fixed batch; raises :class:`ExportError` with the numbers when they differ beyond the dtype's tolerance."""
+    from fcsd.loading import from_pretrained
+
+    device = next(model.parameters()).device
+    batch = parity_batch(model).to(device)
+    was_training = model.training
+    model.eval()
+    expected = model(input_ids=batch).logits.float()
+    model.train(was_training)
+    reloaded = from_pretrained(str(folder), dtype="auto").to(device).eval()
+    got = reloaded(input_ids=batch).logits.float()
+    difference = float((got - expected).abs().max())
+    tolerance = PARITY_TOLERANCE.get(next(model.parameters()).dtype, 1e-2)
+    if reloaded.dtype != model.dtype or not difference <= tolerance:
+        raise ExportError(
+            f"reload parity failed: max |logit difference| {difference:.3g} (tolerance {tolerance:g}), dtype "
+            f"{reloaded.dtype} vs {model.dtype}; the export was not written"
+        )
+    return difference
+
+
+def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """``fcsd export``: export a run folder (its ``final/``) or a converted checkpoint folder to ``out_dir``."""
+    from transformers import AutoTokenizer
+
+    from fcsd.loading import from_pretrained
+
+    source = Path(run_or_checkpoint)
+    if (source / "final" / "config.json").exists():
+        source = source / "final"
+    if not (source / "config.json").exists():
+        raise ExportError(f"{run_or_checkpoint}: neither a converted checkpoint nor a run folder with final/")
+    model = from_pretrained(str(source), dtype="auto")
+    return export(model, AutoTokenizer.from_pretrained(source), out_dir, overwrite=overwrite, source=source)

@@ -1,0 +1,106 @@
+"""`fcsd.export`: exported folders of every family reload with remote code (fcsd not importable), with fcsd, fail
+loudly with stock transformers, and are written atomically after a reload-parity check."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import TEXT_FAMILIES, build
+
+import fcsd
+from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.export import save as export_module
+from fcsd.export.save import ExportError, export
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(["add 1 + 2", "sort 3 1 2"] * 10, vocab_size=280)
+
+
+def test_every_family_reloads_with_remote_code_without_fcsd_and_with_fcsd(tmp_path, tokenizer):
+    batch = torch.randint(3, 90, (2, 11))
+    expected, folders = {}, []
+    for name in TEXT_FAMILIES:
+        model = fcsd.apply_farskip(build(name), "last:50%")
+        folder = export(model, tokenizer, tmp_path / name)
+        with torch.no_grad():
+            expected[str(folder)] = model(input_ids=batch).logits
+            reloaded = fcsd.from_pretrained(str(folder))
+            torch.testing.assert_close(reloaded(input_ids=batch).logits, expected[str(folder)])
+        assert fcsd.farskip_layers(reloaded) == fcsd.farskip_layers(model)
+        config = json.loads((folder / "config.json").read_text())
+        assert config["model_type"].startswith("farskip_") and config["architectures"] == ["FarSkipForCausalLM"]
+        assert config["farskip"]["layers"] == fcsd.farskip_layers(model)
+        folders.append(str(folder))
+    torch.save(batch, tmp_path / "batch.pt")
+    worker = Path(__file__).parent / "workers" / "load_remote_code.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, str(worker), str(tmp_path / "batch.pt"), str(tmp_path / "out.pt"), *folders]
+    subprocess.run(command, env=env, check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    remote = torch.load(tmp_path / "out.pt")
+    for folder in folders:
+        torch.testing.assert_close(remote[folder], expected[folder])
+
+
+def test_stock_transformers_refuses_the_folder_without_remote_code(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+
+
+def test_a_corrupted_shard_aborts_the_export_and_leaves_nothing(tmp_path, tokenizer, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    real = export_module.write_remote_code
+
+    def corrupting(folder, config, model_class):
+        shard = folder / "model.safetensors"
+        tensors = load_file(shard)
+        name = next(k for k in tensors if k.endswith("q_proj.weight"))
+        tensors[name] = tensors[name] + 1.0
+        save_file(tensors, shard, metadata={"format": "pt"})
+        return real(folder, config, model_class)
+
+    monkeypatch.setattr(export_module, "write_remote_code", corrupting)
+    with pytest.raises(ExportError, match=r"reload parity failed: max \|logit difference\|"):
+        export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out*"))
+
+
+def test_export_refusals(tmp_path, tokenizer):
+    model = fcsd.apply_farskip(build("qwen3_moe"), "all")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ExportError, match="not empty; pass --overwrite"):
+        export(model, tokenizer, tmp_path / "full")
+    assert (tmp_path / "full" / "keep.txt").exists()
+    export(model, tokenizer, tmp_path / "full", overwrite=True)
+    assert not (tmp_path / "full" / "keep.txt").exists()
+    with pytest.raises(ExportError, match="source checkpoint's folder"):
+        export(model, tokenizer, tmp_path / "src" / "export", source=tmp_path / "src")
+    with pytest.raises(ExportError, match="no FarSkip layers"):
+        export(build("qwen3_moe"), tokenizer, tmp_path / "plain")
+
+
+def test_fcsd_export_command(tmp_path, tokenizer, capsys):
+    from fcsd.cli import main
+
+    model = fcsd.apply_farskip(build("olmoe"), "last:1")
+    model.save_pretrained(tmp_path / "run" / "final")
+    tokenizer.save_pretrained(tmp_path / "run" / "final")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    assert "reload parity checked" in capsys.readouterr().out
+    assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "out"))) == fcsd.farskip_layers(model)
+    assert (tmp_path / "out" / "modeling_farskip.py").exists()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    assert "not empty; pass --overwrite" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+    assert "neither a converted checkpoint nor a run folder" in capsys.readouterr().err
