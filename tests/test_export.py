@@ -36,6 +36,8 @@ def test_every_family_reloads_with_remote_code_without_fcsd_and_with_fcsd(tmp_pa
         config = json.loads((folder / "config.json").read_text())
         assert config["model_type"].startswith("farskip_") and config["architectures"] == ["FarSkipForCausalLM"]
         assert config["farskip"]["layers"] == fcsd.farskip_layers(model)
+        assert json.loads((folder / "fcsd_export.json").read_text())["parity_max_abs_diff"] < 1e-4
+        assert "farskip-collective" in (folder / "README.md").read_text()
         folders.append(str(folder))
     torch.save(batch, tmp_path / "batch.pt")
     worker = Path(__file__).parent / "workers" / "load_remote_code.py"
@@ -104,3 +106,26 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     assert "not empty; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "neither a converted checkpoint nor a run folder" in capsys.readouterr().err
+
+
+def test_model_card_of_a_converted_run(tmp_path):
+    """The card `fcsd convert` exports: metadata, conversion settings and results, loading, citation."""
+    from fcsd.export.model_card import render_card
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "fcsd_config.yaml").write_text(
+        "model: {name: Qwen/Qwen3-30B-A3B}\ndata: {path: chat.jsonl}\n"
+        "train: {objective: kl, divergence: forward_kl, batch_tokens: 65536, lr: 2.0e-05, warmup_steps: 1000}\n"
+    )
+    summary = {"steps": 3000, "eval_before": {"eval/kl": 0.91}, "eval_after": {"eval/kl": 0.05}}
+    (run / "run_summary.json").write_text(json.dumps(summary))
+    (run / "eval_table.md").write_text("| task | original | converted |\n|---|---|---|\n| piqa | 80.1 | 79.8 |")
+    from fcsd.export.model_card import run_facts
+
+    card = render_card({"layers": [2, 3], "spec": "2-3", "fcsd_version": "0.1.0"}, run_facts(run / "final"), 4)
+    assert card.startswith("---\nbase_model: Qwen/Qwen3-30B-A3B\nlibrary_name: transformers\n")
+    for text in ("- farskip-collective", "rewires 2 of its 4 decoder layers", "| tokens | 196,608,000 |",
+                 "| learning rate | 2e-05", "0.9100 before, 0.0500 after", "| piqa | 80.1 | 79.8 |",
+                 "trust_remote_code=True", "arXiv:2511.11505"):  # fmt: skip
+        assert text in card, text

@@ -397,21 +397,17 @@ def convert(config: FCSDConfig) -> RunResult:
     final_dir = output_dir / "final"
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
+        summary = {"steps": plan.total_steps, "eval_before": eval_before, "eval_after": eval_after}
+        summary["data"] = data_summary
+        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
+        run_io.plot_curves(metrics.records(), output_dir / "curves.png", f"FCSD: {config.model.name}")
         save_final(unwrapped, state_dict, tokenizer, config, final_dir)
-        if config.export:
+        if config.export:  # after the summary: the export's model card reads it
             from fcsd.export.save import export_checkpoint
 
             export_dir = Path(config.export_dir or output_dir / "export")
             export_checkpoint(final_dir, export_dir, overwrite=True)
             accelerator.print(f"exported {export_dir} (reload parity checked)")
-        summary = {
-            "steps": plan.total_steps,
-            "eval_before": eval_before,
-            "eval_after": eval_after,
-            "data": data_summary,
-        }
-        (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
-        run_io.plot_curves(metrics.records(), output_dir / "curves.png", f"FCSD: {config.model.name}")
     metrics.close()
     accelerator.wait_for_everyone()
     return RunResult(output_dir, final_dir, plan.total_steps, eval_before, eval_after, data_summary)

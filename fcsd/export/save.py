@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 
-from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type
+from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type, family_for_config, find_decoder_layers
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
 from fcsd.distill import run_io
+from fcsd.export.model_card import render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
 
+PARITY_RECORD = "fcsd_export.json"  # written only after the reload-parity check passed; `fcsd push` requires it
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
@@ -45,7 +47,11 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         config[CONFIG_KEY].update(base_model_type=base_type, base_architectures=config.get("architectures"))
         config.update(model_type=EXPORTED_PREFIX + base_type, architectures=["FarSkipForCausalLM"], auto_map=auto_map)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        check_parity(model, staging)
+        num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
+        (staging / "README.md").write_text(render_card(config[CONFIG_KEY], run_facts(Path(source or ".")), num_layers))
+        difference = check_parity(model, staging)
+        record = {"parity_max_abs_diff": difference, "dtype": str(model.dtype), "farskip": config[CONFIG_KEY]}
+        (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
 
 

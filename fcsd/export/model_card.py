@@ -1,0 +1,126 @@
+"""The model card (``README.md``) of an exported checkpoint: hub metadata, what was converted and how, the
+evaluation table when one exists, how to load it, and the paper to cite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CITATION = """@article{farskip2025,
+  title   = {FarSkip-Collective: Unhobbling Blocking Communication in Mixture of Experts Models},
+  journal = {arXiv preprint arXiv:2511.11505},
+  year    = {2025}
+}"""
+
+
+def run_facts(checkpoint: Path) -> dict:
+    """What the run that produced ``checkpoint`` (a run's ``final/``) recorded: its config and summary."""
+    from omegaconf import OmegaConf
+
+    facts: dict = {}
+    config_path = checkpoint / "fcsd_config.yaml"
+    if config_path.exists():
+        facts["config"] = OmegaConf.to_container(OmegaConf.load(config_path))
+    summary_path = checkpoint.parent / "run_summary.json"
+    if summary_path.exists():
+        facts["summary"] = json.loads(summary_path.read_text())
+    metrics_path = checkpoint.parent / "metrics.jsonl"
+    if metrics_path.exists():
+        losses = [json.loads(line).get("train/loss") for line in metrics_path.read_text().splitlines()]
+        facts["final_train_loss"] = next((x for x in reversed(losses) if x is not None), None)
+    table_path = checkpoint.parent / "eval_table.md"
+    if table_path.exists():
+        facts["eval_table"] = table_path.read_text().strip()
+    return facts
+
+
+def base_license(base_model: str | None) -> str | None:
+    """The base checkpoint's license from its own model card (a local folder or the hub), when it can be read."""
+    if not base_model:
+        return None
+    try:
+        from huggingface_hub import ModelCard
+
+        local = Path(base_model) / "README.md"
+        card = ModelCard.load(str(local) if local.exists() else base_model)
+        return card.data.to_dict().get("license")
+    except Exception:  # offline, gated or missing card: the license stays unknown rather than guessed
+        return None
+
+
+def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
+    """The card's markdown with YAML metadata (huggingface_hub's ``ModelCardData``)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    config = facts.get("config", {})
+    base = (config.get("model") or {}).get("name")
+    on_hub = bool(base) and not base.startswith((".", "/", "~")) and base != "demo"
+    data = ModelCardData(
+        base_model=base if on_hub else None,
+        license=base_license(base),
+        library_name="transformers",
+        tags=["moe", "farskip-collective", "fcsd"],
+    )
+    lines = [
+        "---",
+        data.to_yaml(),
+        "---",
+        "",
+        f"# {base or 'model'} with FarSkip-Collective connectivity",
+        "",
+        f"This checkpoint keeps the weights of `{base or 'its base model'}` and rewires "
+        f"{len(farskip['layers'])} of its {num_layers} decoder layers (`{farskip['spec']}`) with FarSkip-Collective "
+        "connectivity: attention reads the residual stream without the previous layer's routed experts and the MoE "
+        "block reads it without this layer's attention, so expert-parallel communication can overlap computation. "
+        f"Converted with fcsd {farskip.get('fcsd_version', '')}.",
+        "",
+    ]
+    train, summary = config.get("train") or {}, facts.get("summary") or {}
+    if train:
+        steps = summary.get("steps")
+        tokens = steps * train["batch_tokens"] if steps else None
+        lines += [
+            "## How it was converted",
+            "",
+            "| setting | value |",
+            "|---|---|",
+            f"| objective | `{train['objective']}` ({train.get('divergence', '')}) |",
+            f"| converted layers | `{farskip['spec']}` |",
+            f"| steps | {steps if steps is not None else 'unknown'} |",
+            f"| tokens | {tokens:,} |" if tokens else "| tokens | unknown |",
+            f"| batch size | {train['batch_tokens']:,} tokens |",
+            f"| learning rate | {train['lr']:g} (AdamW, cosine, {train['warmup_steps']} warm-up steps) |",
+            f"| data | `{(config.get('data') or {}).get('path')}` |",
+        ]
+        before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
+        if before and after:
+            lines.append(f"| held-out KL(original \\|\\| converted) | {before['eval/kl']:.4f} before, "
+                         f"{after['eval/kl']:.4f} after |")  # fmt: skip
+        if facts.get("final_train_loss") is not None:
+            lines.append(f"| final training loss | {facts['final_train_loss']:.4f} |")
+        lines.append("")
+    if facts.get("eval_table"):
+        lines += ["## Evaluation", "", facts["eval_table"], ""]
+    lines += [
+        "## How to load",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        'model = AutoModelForCausalLM.from_pretrained("THIS_FOLDER_OR_REPO", trust_remote_code=True)',
+        "# or, with fcsd installed and no remote code:",
+        "import fcsd",
+        'model = fcsd.from_pretrained("THIS_FOLDER_OR_REPO")',
+        "```",
+        "",
+        "Without `trust_remote_code` stock transformers refuses this folder (its model type is "
+        "`farskip_<base type>`) instead of silently running the regular connectivity. The `farskip` block of "
+        "`config.json` lists the converted layers for serving engines.",
+        "",
+        "## Citation",
+        "",
+        "```bibtex",
+        CITATION,
+        "```",
+        "",
+    ]
+    return ModelCard("\n".join(lines)).content
