@@ -135,6 +135,19 @@ def _export(args) -> int:
     return 0
 
 
+def _push(args) -> int:
+    from fcsd.export.push import push
+
+    result = push(args.folder, args.repo_id, private=args.private, revision=args.revision, dry_run=args.dry_run)
+    if args.dry_run:
+        print(f"would upload {len(result)} files from {args.folder} to {args.repo_id}:")
+        for path in result:
+            print(f"  {path} ({(Path(args.folder) / path).stat().st_size:,} bytes)")
+    else:
+        print(f"pushed {args.folder} to {args.repo_id}: {result}")
+    return 0
+
+
 def _cache_teacher(args) -> int:
     from fcsd.distill.config import to_config
     from fcsd.distill.trainer import cache_teacher
@@ -209,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="where the export goes (refused if not empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("push", help="upload an exported folder to the Hugging Face hub in one commit")
+    p.add_argument("folder", help="a folder written by fcsd export (its reload-parity record is required)")
+    p.add_argument("repo_id", help="hub repository, e.g. my-org/Qwen3-30B-A3B-FarSkip")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--revision", help="branch to push to (created if needed; default: main)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded and exit")
+    p.set_defaults(func=_push)
 
     p = sub.add_parser(
         "cache-teacher",

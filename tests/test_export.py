@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_server import no_hub_login
 from tiny_models import TEXT_FAMILIES, build
 
 import fcsd
@@ -129,3 +130,55 @@ def test_model_card_of_a_converted_run(tmp_path):
                  "| learning rate | 2e-05", "0.9100 before, 0.0500 after", "| piqa | 80.1 | 79.8 |",
                  "trust_remote_code=True", "arXiv:2511.11505"):  # fmt: skip
         assert text in card, text
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    from hub_server import HubServer
+
+    server = HubServer()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    no_hub_login(monkeypatch, tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    yield server
+    server.close()
+
+
+def test_push_uploads_the_folder_in_one_commit_and_never_prints_the_token(
+    tmp_path, tokenizer, hub, monkeypatch, capsys
+):
+    from fcsd.cli import main
+
+    folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token")
+    assert main(["push", str(folder), "me/qwen3-farskip", "--private"]) == 0
+    printed = capsys.readouterr()
+    assert "hf_secret_token" not in printed.out + printed.err
+    assert f"{hub.url}/me/qwen3-farskip/commit/" in printed.out
+    create = next(r for r in hub.requests if r["path"] == "/api/repos/create")
+    payload = json.loads(create["body"])
+    assert (payload["organization"], payload["name"], payload["visibility"]) == ("me", "qwen3-farskip", "private")
+    assert sum("/commit/" in r["path"] for r in hub.requests) == 1
+    assert all(r["auth"] == "Bearer hf_secret_token" for r in hub.requests if r["path"].startswith("/api/models/"))
+    expected = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert hub.committed_files() == expected
+
+
+def test_push_dry_run_missing_token_and_unverified_folder(tmp_path, tokenizer, hub, monkeypatch, capsys):
+    from fcsd.cli import main
+
+    folder = export(fcsd.apply_farskip(build("olmoe"), "all"), tokenizer, tmp_path / "out")
+    assert main(["push", str(folder), "me/x", "--dry-run"]) == 0
+    listing = capsys.readouterr().out
+    assert "modeling_farskip.py" in listing and "fcsd_export.json" in listing and not hub.requests
+    assert main(["push", str(folder), "me/x"]) == 2
+    assert "no hub token: set HF_TOKEN" in capsys.readouterr().err
+    (folder / "fcsd_export.json").unlink()
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    assert main(["push", str(folder), "me/x"]) == 2
+    assert "only folders written by `fcsd export`" in capsys.readouterr().err
+    assert not hub.requests

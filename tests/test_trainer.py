@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_server import no_hub_login
 from launch import torchrun
 from tiny_models import build
 
@@ -246,3 +247,11 @@ def test_head_inside_or_outside_the_forward_gives_the_same_loss_and_gradients(ob
     torch.testing.assert_close(results[0][0], results[1][0])
     for outside, inside in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(outside, inside)
+
+
+def test_push_to_hub_without_a_token_fails_before_training(assets, tmp_path, monkeypatch, capsys):
+    no_hub_login(monkeypatch, tmp_path)
+    argv = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", "push_to_hub=me/x"]
+    assert main([*argv, f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "needs a hub token: set HF_TOKEN" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

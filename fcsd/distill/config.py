@@ -93,6 +93,7 @@ class FCSDConfig:
     output_dir: str = "outputs/fcsd"
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
     export: bool = True  # run that export (remote code, reload-parity check)
+    push_to_hub: str | None = None  # hub repository to push the export to at the end (needs a token)
     overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
     progress: bool = True  # progress bars
 
@@ -137,6 +138,7 @@ def to_config(cfg) -> FCSDConfig:
         ),
         (config.data.path is not None, "data.path is required: a local data file or folder, or a datasets name"),
         (config.train.batch_tokens >= config.data.seq_len, "train.batch_tokens must be at least data.seq_len"),
+        (config.export or not config.push_to_hub, "push_to_hub pushes the export: it needs export=true"),
     ]
     for ok, message in checks:
         if not ok:

@@ -286,6 +286,11 @@ def convert(config: FCSDConfig) -> RunResult:
     train_cfg = config.train
     output_dir = Path(config.output_dir)
     plan = plan_steps(config, state.num_processes)
+    if config.push_to_hub:  # fail now, not after the training run
+        from huggingface_hub import get_token
+
+        if not get_token():
+            raise ValueError(f"push_to_hub={config.push_to_hub} needs a hub token: set HF_TOKEN or `hf auth login`")
     if state.is_main_process:
         run_io.check_output_dir(output_dir, train_cfg.resume, config.overwrite)
     state.wait_for_everyone()
@@ -408,6 +413,10 @@ def convert(config: FCSDConfig) -> RunResult:
             export_dir = Path(config.export_dir or output_dir / "export")
             export_checkpoint(final_dir, export_dir, overwrite=True)
             accelerator.print(f"exported {export_dir} (reload parity checked)")
+            if config.push_to_hub:
+                from fcsd.export.push import push
+
+                accelerator.print(f"pushed to {config.push_to_hub}: {push(export_dir, config.push_to_hub)}")
     metrics.close()
     accelerator.wait_for_everyone()
     return RunResult(output_dir, final_dir, plan.total_steps, eval_before, eval_after, data_summary)

@@ -1,0 +1,44 @@
+"""``fcsd push``: upload an exported folder to the Hugging Face hub in one commit, through ``huggingface_hub``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fcsd.export.save import PARITY_RECORD, ExportError
+
+
+def files_to_push(folder: Path) -> list[Path]:
+    return sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+def push(
+    folder: str | Path, repo_id: str, private: bool = False, revision: str | None = None, dry_run: bool = False
+) -> list[Path] | str:
+    """Upload ``folder`` to ``repo_id`` (created if needed) in one commit; returns the commit URL, or with
+    ``dry_run`` the files that would be uploaded. The token comes from ``HF_TOKEN`` or the cached login and is
+    never printed; ``HF_ENDPOINT`` selects the hub. Only folders whose reload-parity check passed are pushed."""
+    folder = Path(folder)
+    if not (folder / PARITY_RECORD).exists():
+        raise ExportError(
+            f"{folder} has no {PARITY_RECORD}: only folders written by `fcsd export` (reload parity passed) are "
+            "pushed; run `fcsd export RUN OUT_DIR` first"
+        )
+    files = files_to_push(folder)
+    if dry_run:
+        return files
+    from huggingface_hub import HfApi, get_token
+
+    token = get_token()
+    if not token:
+        raise ExportError("no hub token: set HF_TOKEN or log in with `hf auth login`, then push again")
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if revision:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    commit = api.upload_folder(
+        folder_path=str(folder),
+        repo_id=repo_id,
+        revision=revision,
+        commit_message=f"FarSkip-Collective checkpoint ({len(files)} files, exported by fcsd)",
+    )
+    return commit.commit_url
