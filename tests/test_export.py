@@ -91,6 +91,8 @@ def test_export_refusals(tmp_path, tokenizer):
         export(model, tokenizer, tmp_path / "src" / "export", source=tmp_path / "src")
     with pytest.raises(ExportError, match="no FarSkip layers"):
         export(build("qwen3_moe"), tokenizer, tmp_path / "plain")
+    with pytest.raises(ExportError, match="multimodal Llama4ForConditionalGeneration is not supported yet"):
+        export(fcsd.apply_farskip(build("llama4_multimodal"), "all"), tokenizer, tmp_path / "mm")
 
 
 def test_fcsd_export_command(tmp_path, tokenizer, capsys):

@@ -77,6 +77,8 @@ def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, t
     for name in ("curves.png", "fcsd_config.yaml", "run_summary.json", "final/fcsd_config.yaml", "export/config.json"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    recipe = json.loads((tmp_path / "run" / "export" / "config.json").read_text())["farskip"]["recipe"]
+    assert (recipe["objective"], recipe["steps"], recipe["tokens"], recipe["lr"]) == ("kl", 8, 8 * 256, 3e-4)
     # the final checkpoint holds the trained student: its held-out KL is the one the run reported
     from fcsd.distill.trainer import heldout_metrics, load_data, load_models, load_tokenizer
 

@@ -34,6 +34,24 @@ def run_facts(checkpoint: Path) -> dict:
     return facts
 
 
+def recipe_summary(facts: dict) -> dict | None:
+    """The few facts of the FCSD run that go into ``config.json``'s ``farskip`` block (None when unknown)."""
+    config, summary = facts.get("config") or {}, facts.get("summary") or {}
+    train = config.get("train")
+    if not train:
+        return None
+    steps = summary.get("steps")
+    return {
+        "base_model": (config.get("model") or {}).get("name"),
+        "objective": train["objective"],
+        "lr": train["lr"],
+        "batch_tokens": train["batch_tokens"],
+        "steps": steps,
+        "tokens": steps * train["batch_tokens"] if steps else None,
+        "data": (config.get("data") or {}).get("path"),
+    }
+
+
 def base_license(base_model: str | None) -> str | None:
     """The base checkpoint's license from its own model card (a local folder or the hub), when it can be read."""
     if not base_model:

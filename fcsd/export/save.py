@@ -11,7 +11,7 @@ import torch
 from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type, family_for_config, find_decoder_layers
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
 from fcsd.distill import run_io
-from fcsd.export.model_card import render_card, run_facts
+from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
 
 PARITY_RECORD = "fcsd_export.json"  # written only after the reload-parity check passed; `fcsd push` requires it
@@ -31,6 +31,11 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
     written into.
     """
     out_dir = Path(out_dir).resolve()
+    if hasattr(model, "language_model"):
+        raise ExportError(
+            f"exporting the multimodal {type(model).__name__} is not supported yet (its reload parity is unverified); "
+            "export its language model as a causal LM instead"
+        )
     if not farskip_layers(model):
         raise ExportError("the model has no FarSkip layers: convert it (fcsd convert / fcsd.apply_farskip) first")
     if source is not None and (out_dir == Path(source).resolve() or Path(source).resolve() in out_dir.parents):
@@ -44,11 +49,13 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         config_path = staging / "config.json"
         config = json.loads(config_path.read_text())
         base_type = base_model_type(config["model_type"])
+        facts = run_facts(Path(source or "."))
         config[CONFIG_KEY].update(base_model_type=base_type, base_architectures=config.get("architectures"))
+        config[CONFIG_KEY]["recipe"] = recipe_summary(facts)
         config.update(model_type=EXPORTED_PREFIX + base_type, architectures=["FarSkipForCausalLM"], auto_map=auto_map)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
-        (staging / "README.md").write_text(render_card(config[CONFIG_KEY], run_facts(Path(source or ".")), num_layers))
+        (staging / "README.md").write_text(render_card(config[CONFIG_KEY], facts, num_layers))
         difference = check_parity(model, staging)
         record = {"parity_max_abs_diff": difference, "dtype": str(model.dtype), "farskip": config[CONFIG_KEY]}
         (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
