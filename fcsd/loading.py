@@ -6,19 +6,20 @@ from fcsd.connectivity.patch import CONFIG_KEY, apply_farskip
 
 
 def from_pretrained(name_or_path: str, layers=None, **kwargs):
-    """Load a causal LM (hub id or local folder) with ``AutoModelForCausalLM`` and apply FarSkip connectivity.
+    """Load a causal LM (hub id or local folder) and apply FarSkip connectivity.
+
+    The class is the checkpoint's own architecture when transformers has it (so a multimodal Llama-4 checkpoint
+    stays ``Llama4ForConditionalGeneration`` instead of losing its vision tower), else ``AutoModelForCausalLM``.
 
     ``layers`` overrides the selection; by default the layers recorded in the checkpoint's ``config.farskip`` are
     converted (none for a stock checkpoint). An exported folder (model type ``farskip_<stock type>``) loads through
     the stock transformers classes, without its remote code. ``kwargs`` go to ``from_pretrained`` (``dtype``,
     ``device_map``, ...).
     """
-    from transformers import AutoModelForCausalLM
-
     config = _stock_config(name_or_path)
     if config is not None:
         kwargs.setdefault("config", config)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    model = _model_class(name_or_path, config).from_pretrained(name_or_path, **kwargs)
     if layers is None:
         record = getattr(model.config, CONFIG_KEY, None) or {}
         layers = record.get("layers", [])
@@ -45,3 +46,20 @@ def _stock_config(name_or_path: str):
     base_type = base_model_type(values.pop("model_type"))
     values["architectures"] = values.get(CONFIG_KEY, {}).get("base_architectures")
     return AutoConfig.for_model(base_type, **values)
+
+
+def _model_class(name_or_path: str, config=None):
+    import transformers
+
+    if config is None:
+        try:
+            config = transformers.AutoConfig.from_pretrained(name_or_path)
+        except (OSError, ValueError):  # let AutoModelForCausalLM report the problem
+            return transformers.AutoModelForCausalLM
+    architectures = getattr(config, "architectures", None) or []
+    named = getattr(transformers, architectures[0], None) if architectures else None
+    return (
+        named
+        if isinstance(named, type) and named.__name__.endswith("ForConditionalGeneration")
+        else (transformers.AutoModelForCausalLM)
+    )

@@ -11,6 +11,7 @@ batch = torch.load(sys.argv[1])
 results = {}
 for folder in sys.argv[3:]:
     model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    runner = getattr(model, "language_model", model)  # Llama-4's multimodal forward fails on text-only input
     with torch.no_grad():
-        results[folder] = model(input_ids=batch).logits
+        results[folder] = runner(input_ids=batch).logits
 torch.save(results, sys.argv[2])
