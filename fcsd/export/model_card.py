@@ -75,7 +75,7 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
     on_hub = bool(base) and not base.startswith((".", "/", "~")) and base != "demo"
     data = ModelCardData(
         base_model=base if on_hub else None,
-        license=base_license(base),
+        license=base_license(base) if on_hub or (base and Path(base).is_dir()) else None,  # the demo asks no hub
         library_name="transformers",
         tags=["moe", "farskip-collective", "fcsd"],
     )
