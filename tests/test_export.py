@@ -183,3 +183,16 @@ def test_push_dry_run_missing_token_and_unverified_folder(tmp_path, tokenizer, h
     assert main(["push", str(folder), "me/x"]) == 2
     assert "only folders written by `fcsd export`" in capsys.readouterr().err
     assert not hub.requests
+
+
+def test_model_card_of_a_local_or_demo_base_asks_no_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from fcsd.export.model_card import render_card
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub.ModelCard, "load", lambda *args, **kwargs: asked.append(args))
+    for base in ("demo", str(tmp_path / "missing-local-model")):
+        card = render_card({"layers": [1], "spec": "1"}, {"config": {"model": {"name": base}}}, 2)
+        assert "license" not in card.split("---")[1] and "base_model" not in card.split("---")[1]
+    assert asked == []  # no hub request (offline machines would wait for retries)
