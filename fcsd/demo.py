@@ -126,7 +126,8 @@ def resolve_model(name: str) -> str:
 
 
 def default_data(name: str) -> str | None:
-    return str(prepare_demo() / "data" / "heldout.jsonl") if name == DEMO_NAME else None
+    """The held-out file of ``demo`` (what `fcsd probe demo` scores), None for any other model."""
+    return resolve_data("demo-heldout") if name == DEMO_NAME else None
 
 
 DEMO_DATA = {"demo": "train.jsonl", "demo-heldout": "heldout.jsonl"}
