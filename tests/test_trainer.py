@@ -31,6 +31,7 @@ FAST = [
     "train.warmup_steps=2",
     "train.lr=1e-3",
     "progress=false",
+    "early_stop.enabled=false",
 ]
 
 

@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
+EARLY_STOP_METRICS = ("plus", "base")
 
 
 @dataclass
@@ -84,12 +85,26 @@ class TeacherConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    enabled: bool = False  # MBPP+ early stopping (paper Sec. 3.1, 5.1); recipes/fcsd.yaml turns it on
+    every: int = 1000  # evaluate every N optimizer steps, plus at step 0 and at the end
+    patience: int = 20  # stop after this many evaluations in a row without a significant improvement
+    min_delta: float = 2.0  # significant = more than this many ABSOLUTE pass@1 points above the last significant one
+    metric: str = "plus"  # plus: pass@1 on base + extra tests (MBPP+) | base: base tests only
+    limit: int | None = None  # score only the first N problems (by task number) for speed; None: all
+    data: str | None = None  # MbppPlus .jsonl file; None: $MBPP_OVERRIDE_PATH, else evalplus downloads it
+    max_new_tokens: int = 512  # generation budget per solution (greedy)
+    batch_size: int = 16  # prompts per generate call on each process
+
+
+@dataclass
 class FCSDConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     farskip: FarSkipConfig = field(default_factory=FarSkipConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     output_dir: str = "outputs/fcsd"
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
     export: bool = True  # run that export (remote code, reload-parity check)
@@ -138,6 +153,12 @@ def to_config(cfg) -> FCSDConfig:
         ),
         (config.data.path is not None, "data.path is required: a local data file or folder, or a datasets name"),
         (config.train.batch_tokens >= config.data.seq_len, "train.batch_tokens must be at least data.seq_len"),
+        (
+            config.early_stop.metric in EARLY_STOP_METRICS,
+            f"early_stop.metric={config.early_stop.metric!r}: choose {EARLY_STOP_METRICS}",
+        ),
+        (config.early_stop.every > 0, "early_stop.every must be a positive number of steps"),
+        (config.early_stop.patience > 0, "early_stop.patience must be at least 1 evaluation"),
         (config.export or not config.push_to_hub, "push_to_hub pushes the export: it needs export=true"),
     ]
     for ok, message in checks:

@@ -95,7 +95,8 @@ class MetricsLog:
 
 
 def plot_curves(records: list[dict], path: Path, title: str) -> None:
-    """Training loss and learning rate per step, with the held-out KL evaluations, as one PNG."""
+    """Training loss and learning rate per step, with the held-out KL evaluations (and MBPP+ pass@1 when early
+    stopping ran), as one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +104,9 @@ def plot_curves(records: list[dict], path: Path, title: str) -> None:
 
     train = [r for r in records if "train/loss" in r]
     evals = [r for r in records if "eval/kl" in r]
-    figure, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(11, 4))
+    mbpp = [r for r in records if "early_stop/mbpp_plus" in r]
+    figure, axes = plt.subplots(1, 3 if mbpp else 2, figsize=(16 if mbpp else 11, 4))
+    ax_loss, ax_lr = axes[:2]
     ax_loss.plot([r["step"] for r in train], [r["train/loss"] for r in train], label="training loss (per token)")
     if evals:
         ax_loss.plot([r["step"] for r in evals], [r["eval/kl"] for r in evals], "o-", label="held-out KL")
@@ -114,6 +117,13 @@ def plot_curves(records: list[dict], path: Path, title: str) -> None:
     ax_lr.plot([r["step"] for r in train], [r["train/lr"] for r in train])
     ax_lr.set_xlabel("step")
     ax_lr.set_ylabel("learning rate")
+    if mbpp:
+        steps = [r["step"] for r in mbpp]
+        axes[2].plot(steps, [r["early_stop/mbpp_plus"] for r in mbpp], "o-", label="MBPP+ (base + extra tests)")
+        axes[2].plot(steps, [r["early_stop/mbpp_base"] for r in mbpp], "s--", label="MBPP (base tests)")
+        axes[2].set_xlabel("step")
+        axes[2].set_ylabel("pass@1 (%)")
+        axes[2].legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

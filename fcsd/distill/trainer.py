@@ -28,6 +28,7 @@ from fcsd.distill.objectives import head_inputs, micro_batch_loss, teacher_targe
 
 log = logging.getLogger(__name__)
 TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_RECORD = "fcsd_checkpoint.json"
 
 
 @dataclass
@@ -84,6 +85,7 @@ class RunResult:
     eval_before: dict
     eval_after: dict
     data: dict = field(default_factory=dict)
+    early_stop: dict | None = None  # MBPPPlusEarlyStop.summary() when early stopping ran
 
 
 def _dtype(name: str, cuda: bool, cpu_default: str, gpu_default: str) -> torch.dtype:
@@ -308,6 +310,11 @@ def convert(config: FCSDConfig) -> RunResult:
     tokenizer = load_tokenizer(config)
     with accelerator.main_process_first():
         train_rows, held_rows, data_summary = load_data(config, tokenizer)
+    early = None
+    if config.early_stop.enabled:  # loads MBPP+ now: a missing dataset must not surface hours into the run
+        from fcsd.distill.early_stopping import MBPPPlusEarlyStop
+
+        early = MBPPPlusEarlyStop(config.early_stop)
     teacher, student = load_models(config, tokenizer, accelerator.device, need_teacher=online)
     if accelerator.is_main_process:  # only now: a run that fails on its inputs leaves no folder behind
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -340,6 +347,8 @@ def convert(config: FCSDConfig) -> RunResult:
         saved = json.loads((existing[-1] / TRAINER_STATE).read_text())
         start_step, tokens_seen, eval_before = saved["step"], saved["tokens"], saved["eval_before"]
         guard = SpikeGuard(guard.factor, guard.window, guard.max_bad, **saved["guard"])
+        if early is not None and saved.get("early_stop"):
+            early.load(saved["early_stop"])
         accelerator.print(f"resuming from {existing[-1]} (step {start_step})")
     metrics = run_io.MetricsLog(output_dir, start_step if existing else None, accelerator.is_main_process)
     held_offset = len(train_rows)
@@ -355,6 +364,28 @@ def convert(config: FCSDConfig) -> RunResult:
         with accelerator.autocast():
             eval_before = evaluate(0)
         accelerator.print(f"step 0 (converted, before training): held-out KL {eval_before['eval/kl']:.4f}")
+    best_dir = output_dir / "best"
+
+    def early_stop_check(step: int) -> bool:
+        """MBPP+ at ``step``; saves ``best/`` on a new best; True when patience is exhausted."""
+        decision = early.evaluate(accelerator, unwrapped, tokenizer, step, synced_gpus=shards_parameters(accelerator))
+        scores = early.scores[str(step)]
+        metrics.log({"step": step, "early_stop/mbpp_plus": scores["plus"], "early_stop/mbpp_base": scores["base"]})
+        accelerator.print(
+            f"step {step}: MBPP+ pass@1 {scores['plus']:.1f} (base {scores['base']:.1f}); best "
+            f"{early.rule.best_score:.1f} at step {early.rule.best_step}; "
+            f"{early.rule.evals_without_improvement}/{early.config.patience} evaluations without a gain > "
+            f"{early.config.min_delta} points"
+        )
+        if decision.new_best:
+            best_state = accelerator.get_state_dict(model)
+            if accelerator.is_main_process:
+                record = {"step": step, "mbpp_plus": scores["plus"], "mbpp_base": scores["base"]}
+                save_final(unwrapped, best_state, tokenizer, config, best_dir, record)
+        return decision.stop
+
+    if early is not None and not early.evaluated(0):
+        early_stop_check(0)
 
     model.train()
     bar = tqdm(
@@ -362,6 +393,7 @@ def convert(config: FCSDConfig) -> RunResult:
         disable=not (config.progress and accelerator.is_main_process),
     )  # fmt: skip
     rank, started = accelerator.process_index, time.perf_counter()
+    done = start_step
     for step in range(start_step, plan.total_steps):
         step_rows = plan.rows(step, len(train_rows), train_cfg.seed)
         micro_batches = [plan.micro_rows(step_rows, i, rank) for i in range(plan.accumulation)]
@@ -390,11 +422,18 @@ def convert(config: FCSDConfig) -> RunResult:
         if train_cfg.eval_every and done % train_cfg.eval_every == 0 and done != plan.total_steps:
             with accelerator.autocast():
                 evaluate(done)
+        if early is not None and done % early.config.every == 0 and early_stop_check(done):
+            accelerator.print(f"early stop at step {done}: the best MBPP+ checkpoint is step {early.rule.best_step}")
+            break
         if train_cfg.save_every and done % train_cfg.save_every == 0 and done != plan.total_steps:
-            save_checkpoint(accelerator, output_dir, done, tokens_seen, guard, eval_before, train_cfg.keep_checkpoints)
+            state = {"step": done, "tokens": tokens_seen, "guard": guard.state(), "eval_before": eval_before}
+            state["early_stop"] = early.state() if early is not None else None
+            save_checkpoint(accelerator, output_dir, done, state, train_cfg.keep_checkpoints)
     bar.close()
+    if early is not None and not early.evaluated(done):
+        early_stop_check(done)  # the final score (it may be the best)
     with accelerator.autocast():
-        eval_after = evaluate(plan.total_steps)
+        eval_after = evaluate(done)
     accelerator.print(
         f"final: held-out KL {eval_after['eval/kl']:.4f} (step 0: {eval_before['eval/kl']:.4f}), "
         f"NLL {eval_after['eval/nll']:.4f}"
@@ -402,24 +441,27 @@ def convert(config: FCSDConfig) -> RunResult:
     final_dir = output_dir / "final"
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        summary = {"steps": plan.total_steps, "eval_before": eval_before, "eval_after": eval_after}
-        summary["data"] = data_summary
+        summary = {"steps": done, "eval_before": eval_before, "eval_after": eval_after, "data": data_summary}
+        if early is not None:
+            summary["early_stop"] = early.summary()
         (output_dir / "run_summary.json").write_text(json.dumps(summary, indent=2))
         run_io.plot_curves(metrics.records(), output_dir / "curves.png", f"FCSD: {config.model.name}")
-        save_final(unwrapped, state_dict, tokenizer, config, final_dir)
+        save_final(unwrapped, state_dict, tokenizer, config, final_dir, {"step": done})
         if config.export:  # after the summary: the export's model card reads it
             from fcsd.export.save import export_checkpoint
 
             export_dir = Path(config.export_dir or output_dir / "export")
-            export_checkpoint(final_dir, export_dir, overwrite=True)
-            accelerator.print(f"exported {export_dir} (reload parity checked)")
+            source = best_dir if early is not None else final_dir  # early stopping exports its best checkpoint
+            export_checkpoint(source, export_dir, overwrite=True)
+            accelerator.print(f"exported {source.name}/ to {export_dir} (reload parity checked)")
             if config.push_to_hub:
                 from fcsd.export.push import push
 
                 accelerator.print(f"pushed to {config.push_to_hub}: {push(export_dir, config.push_to_hub)}")
     metrics.close()
     accelerator.wait_for_everyone()
-    return RunResult(output_dir, final_dir, plan.total_steps, eval_before, eval_after, data_summary)
+    early_summary = early.summary() if early is not None else None
+    return RunResult(output_dir, final_dir, done, eval_before, eval_after, data_summary, early_summary)
 
 
 def train_step(accelerator, model, micro_batches: list[list[int]], train_rows: Packed, config, teacher, cache):
@@ -484,9 +526,10 @@ def cache_dir(config: FCSDConfig) -> Path:
     return Path(config.teacher.cache_dir or Path(config.output_dir) / "teacher-cache")
 
 
-def save_checkpoint(accelerator, output_dir: Path, step: int, tokens: int, guard, eval_before, keep: int) -> Path:
-    """Model, optimizer, scheduler and RNG states (accelerate ``save_state``) plus the data position and guard
-    state, staged under a dotted name and renamed into place, so a killed run never leaves a half checkpoint."""
+def save_checkpoint(accelerator, output_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
+    """Model, optimizer, scheduler and RNG states (accelerate ``save_state``) plus ``trainer_state`` (data position,
+    spike-guard and early-stopping state), staged under a dotted name and renamed into place, so a killed run never
+    leaves a half checkpoint."""
     import os
     import shutil
 
@@ -498,17 +541,16 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, tokens: int, guard
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging))
     if accelerator.is_main_process:
-        state = {"step": step, "tokens": tokens, "guard": guard.state(), "eval_before": eval_before}
-        (staging / TRAINER_STATE).write_text(json.dumps(state))
+        (staging / TRAINER_STATE).write_text(json.dumps(trainer_state))
         os.replace(staging, target)
         run_io.prune_checkpoints(output_dir, keep)
     accelerator.wait_for_everyone()
     return target
 
 
-def save_final(student, state_dict, tokenizer, config: FCSDConfig, final_dir: Path) -> None:
-    """``final/``: the converted checkpoint in the source dtype with its ``config.farskip`` record, the tokenizer and
-    the resolved run config; written atomically."""
+def save_final(student, state_dict, tokenizer, config: FCSDConfig, final_dir: Path, record: dict | None = None):
+    """``final/`` (or ``best/``): the converted checkpoint in the source dtype with its ``config.farskip`` record, the
+    tokenizer, the resolved run config and ``record`` (``fcsd_checkpoint.json``: which step this is); atomic."""
     from omegaconf import OmegaConf
 
     dtype = student.config.dtype or torch.float32
@@ -518,3 +560,5 @@ def save_final(student, state_dict, tokenizer, config: FCSDConfig, final_dir: Pa
         student.save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
         OmegaConf.save(OmegaConf.structured(config), staging / "fcsd_config.yaml")
+        if record is not None:
+            (staging / CHECKPOINT_RECORD).write_text(json.dumps(record, indent=2))
