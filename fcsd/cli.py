@@ -135,6 +135,37 @@ def _export(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from fcsd.evaluate.report import evaluate_and_report
+    from fcsd.evaluate.suites import load_suite, suite_from_tasks
+
+    if args.tasks:
+        suite = suite_from_tasks(args.tasks)
+    else:
+        suite = load_suite(args.suite or ("demo" if args.model == "demo" else "paper"))
+    for spec in suite.tasks:
+        if args.chat_template:
+            spec.apply_chat_template = True
+        if args.num_fewshot is not None:
+            spec.num_fewshot = args.num_fewshot
+    options = {
+        "include_paths": args.include_path,
+        "limit": args.limit,
+        "batch_size": int(args.batch_size) if args.batch_size.isdigit() else args.batch_size,
+        "allow_code_execution": args.allow_code_execution,
+        "log_samples": args.log_samples,
+    }
+    table = evaluate_and_report(
+        args.model, suite, args.compare, args.output, device=args.device, dtype=args.dtype, **options
+    )
+    from fcsd.evaluate.report import TABLE, default_output
+
+    out = Path(args.output) if args.output else default_output(args.model)
+    print((out / TABLE).read_text(), end="")
+    print(f"wrote {out}: results_*.json (lm-eval layout), {TABLE}, eval_table.png, eval_summary.json")
+    return 0 if table else 1
+
+
 def _push(args) -> int:
     from fcsd.export.push import push
 
@@ -218,10 +249,37 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="write a converted checkpoint that loads with and without fcsd (remote code), checked by reloading",
     )
-    p.add_argument("source", help="a run folder of fcsd convert (uses its final/) or a converted checkpoint folder")
+    p.add_argument(
+        "source", help="a run folder of fcsd convert (its best/ after early stopping, else final/) or a checkpoint"
+    )
     p.add_argument("out_dir", help="where the export goes (refused if not empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser(
+        "eval",
+        help="score a converted checkpoint (and the original, --compare) with lm-eval: JSON, Table-1 markdown, PNG",
+        description="MODEL is an exported or converted folder, a run folder of fcsd convert, a hub id, or 'demo'. "
+        "FarSkip connectivity is applied from the checkpoint's config before lm-eval sees the model.",
+    )
+    p.add_argument("model", help="exported/converted folder, run folder, hub id, or 'demo'")
+    which = p.add_mutually_exclusive_group()
+    suite_help = "suite under eval/suites (paper, quick, demo) or a suite YAML (default: paper; demo for 'demo')"
+    which.add_argument("--suite", help=suite_help)
+    which.add_argument("--tasks", help="comma-separated lm-eval task names instead of a suite")
+    p.add_argument("--include-path", action="append", default=[], help="folder of extra lm-eval task YAML")
+    p.add_argument("--compare", metavar="BASE", help="also score the original checkpoint BASE (rows + delta)")
+    p.add_argument("--limit", type=float, help="examples per task (a fraction if < 1), for smoke runs")
+    p.add_argument("--output", help="report folder (default: RUN/eval for a run folder, else outputs/eval/NAME)")
+    p.add_argument("--batch-size", default="8", help="lm-eval batch size (a number or 'auto')")
+    p.add_argument("--num-fewshot", type=int, help="override every task's few-shot count")
+    p.add_argument("--chat-template", action="store_true", help="render every prompt with the chat template")
+    code_help = "let code tasks (humaneval_plus, mbpp_plus) run model-written code in sandboxed subprocesses"
+    p.add_argument("--allow-code-execution", action="store_true", help=code_help)
+    p.add_argument("--log-samples", action="store_true", help="keep every prompt and response in the JSON")
+    p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float32")
+    p.set_defaults(func=_eval)
 
     p = sub.add_parser("push", help="upload an exported folder to the Hugging Face hub in one commit")
     p.add_argument("folder", help="a folder written by fcsd export (its reload-parity record is required)")

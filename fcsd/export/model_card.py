@@ -34,6 +34,19 @@ def run_facts(checkpoint: Path) -> dict:
     return facts
 
 
+def refresh_card(export_dir: Path, run_dir: Path) -> None:
+    """Re-render ``export_dir/README.md`` from the run's current facts (``fcsd eval`` of a run adds its table)."""
+    import os
+
+    config = json.loads((export_dir / "config.json").read_text())
+    text_config = config.get("text_config") or {}
+    num_layers = config.get("num_hidden_layers") or text_config.get("num_hidden_layers")
+    card = render_card(config["farskip"], run_facts(run_dir / "final"), num_layers)
+    staging = export_dir / ".README.md.partial"
+    staging.write_text(card)
+    os.replace(staging, export_dir / "README.md")
+
+
 def recipe_summary(facts: dict) -> dict | None:
     """The few facts of the FCSD run that go into ``config.json``'s ``farskip`` block (None when unknown)."""
     config, summary = facts.get("config") or {}, facts.get("summary") or {}
@@ -114,6 +127,13 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
         if before and after:
             lines.append(f"| held-out KL(original \\|\\| converted) | {before['eval/kl']:.4f} before, "
                          f"{after['eval/kl']:.4f} after |")  # fmt: skip
+        early = summary.get("early_stop")
+        if early and early.get("step_0"):
+            lines.append(
+                f"| MBPP+ early stopping | pass@1 {early['step_0']['plus']:.1f} at step 0, best "
+                f"{early['best_score']:.1f} at step {early['best_step']} (this checkpoint), "
+                + (f"stopped at step {early['stopped_at']} |" if early.get("stopped_at") else "ran to the end |")
+            )
         if facts.get("final_train_loss") is not None:
             lines.append(f"| final training loss | {facts['final_train_loss']:.4f} |")
         lines.append("")

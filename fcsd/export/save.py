@@ -97,14 +97,17 @@ def check_parity(model, folder: Path) -> float:
 
 
 def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """``fcsd export``: export a run folder (its ``final/``) or a converted checkpoint folder to ``out_dir``."""
+    """``fcsd export``: export a run folder (its ``best/`` when MBPP+ early stopping kept one, else ``final/``) or a
+    converted checkpoint folder to ``out_dir``."""
     from transformers import AutoTokenizer
 
     from fcsd.loading import from_pretrained
 
     source = Path(run_or_checkpoint)
-    if (source / "final" / "config.json").exists():
-        source = source / "final"
+    for inner in ("best", "final"):
+        if (source / inner / "config.json").exists():
+            source = source / inner
+            break
     if not (source / "config.json").exists():
         raise ExportError(f"{run_or_checkpoint}: neither a converted checkpoint nor a run folder with final/")
     model = from_pretrained(str(source), dtype="auto")

@@ -1,0 +1,149 @@
+"""lm-evaluation-harness on a loaded model, FarSkip connectivity included (paper Table 1).
+
+The model is loaded by fcsd (:func:`fcsd.from_pretrained` applies the checkpoint's FarSkip layers) and handed to
+lm-eval's ``HFLM`` as an object, so lm-eval never reloads it with stock connectivity. lm-eval takes one few-shot
+count and one chat-template setting per call: the suite's tasks are grouped by those settings and the calls' results
+merged back into one dict with lm-eval's layout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fcsd.evaluate.suites import SuiteConfig
+
+MERGED_KEYS = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
+
+
+def resolve_checkpoint(ref: str) -> str:
+    """The folder (or hub id) to load for ``ref``: ``demo``; a run folder (its ``export/``, else ``best/``, else
+    ``final/``); an exported or converted folder; a stock checkpoint; or a hub id."""
+    from fcsd.demo import resolve_model
+
+    path = Path(ref).expanduser()
+    if not path.exists():
+        if ref.startswith((".", "/", "~")):
+            raise ValueError(f"model {ref}: no such folder (give a checkpoint or run folder, a hub id, or 'demo')")
+        return resolve_model(ref)
+    if (path / "config.json").exists():
+        return str(path)
+    for inner in ("export", "best", "final"):
+        if (path / inner / "config.json").exists():
+            return str(path / inner)
+    raise ValueError(f"{ref} holds no checkpoint: expected config.json, or a run folder with export/ or final/")
+
+
+def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
+    """(model, tokenizer) of ``ref`` with its FarSkip connectivity applied, in eval mode."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from fcsd.loading import from_pretrained
+
+    path = resolve_checkpoint(ref)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    model = getattr(model, "language_model", None) or model  # Llama-4 multimodal: score the text model
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def check_code_execution(suite: SuiteConfig, allowed: bool) -> None:
+    """Refuse, before any model is loaded, a suite that runs model-written code without the opt-in."""
+    risky = [t.task for t in suite.tasks if t.code_execution]
+    if risky and not allowed:
+        raise ValueError(
+            f"suite {suite.name!r} scores {', '.join(risky)} by running model-written code: add "
+            "--allow-code-execution (lm-eval then runs it in the `code_eval` metric's sandboxed subprocesses with "
+            "timeouts, never in this process), or choose tasks with --tasks"
+        )
+
+
+def run_suite(
+    model,
+    tokenizer,
+    suite: SuiteConfig,
+    include_paths: list[str] = (),
+    limit: float | None = None,
+    batch_size: int | str = 8,
+    allow_code_execution: bool = False,
+    log_samples: bool = False,
+) -> dict:
+    """lm-eval results of ``model`` on the suite (lm-eval's result layout; one ``config`` block per call under
+    ``config``)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    check_code_execution(suite, allow_code_execution)
+    if allow_code_execution:
+        os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # the opt-in HF `evaluate`'s code_eval asks for
+    paths = [*([suite.include_path] if suite.include_path else []), *include_paths]
+    manager = TaskManager(include_path=paths or None)
+    unknown = [t.task for t in suite.tasks if t.task not in manager.all_tasks]
+    if unknown:
+        raise ValueError(
+            f"unknown lm-eval task(s) {unknown}; add --include-path DIR for local task YAML (`lm-eval ls tasks` "
+            "lists the built-in ones)"
+        )
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
+    groups: dict[tuple, list[str]] = {}
+    for spec in suite.tasks:
+        groups.setdefault((spec.num_fewshot, spec.apply_chat_template), []).append(spec.task)
+    merged: dict = {key: {} for key in MERGED_KEYS}
+    merged["config"] = []
+    for (num_fewshot, use_chat), tasks in groups.items():
+        out = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            apply_chat_template=use_chat,
+            fewshot_as_multiturn=use_chat,
+            confirm_run_unsafe_code=allow_code_execution,
+            log_samples=log_samples,
+        )
+        for key in MERGED_KEYS:
+            merged[key].update(out.get(key) or {})
+        merged["config"].append({**out["config"], "tasks": tasks, "apply_chat_template": use_chat})
+        if log_samples:
+            merged.setdefault("samples", {}).update(out.get("samples") or {})
+        for key in ("lm_eval_version", "transformers_version", "date"):
+            merged[key] = out.get(key)
+    return merged
+
+
+def task_score(results: dict, spec) -> float:
+    """The suite column's score in percent: ``spec.metric`` (``metric,filter``; a bare metric name takes its first
+    filter) or the task's first metric."""
+    row = results["results"].get(spec.task)
+    if row is None:
+        raise KeyError(f"lm-eval returned no result for {spec.task}")
+    metrics = [k for k in row if "," in k and "_stderr" not in k and isinstance(row[k], (int, float))]
+    if spec.metric:
+        wanted = spec.metric if "," in spec.metric else f"{spec.metric},"
+        metrics = [k for k in metrics if k == wanted or (wanted.endswith(",") and k.startswith(wanted))]
+    if not metrics:
+        raise KeyError(f"{spec.task}: no metric {spec.metric!r} among {sorted(row)}")
+    return 100.0 * float(row[metrics[0]])
+
+
+def evaluate_checkpoints(refs: dict[str, str], suite: SuiteConfig, device: str | None = None, dtype="auto", **options):
+    """lm-eval results per label (e.g. ``{"original": base, "converted": model}``), one model in memory at a time,
+    all under identical settings."""
+    import gc
+
+    import torch
+
+    check_code_execution(suite, options.get("allow_code_execution", False))
+    results = {}
+    for label, ref in refs.items():
+        model, tokenizer = load_for_eval(ref, device, dtype)
+        print(f"fcsd eval: {label} = {ref} ({resolve_checkpoint(ref)})")
+        results[label] = run_suite(model, tokenizer, suite, **options)
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results

@@ -1,0 +1,116 @@
+"""The evaluation report in the layout of the paper's Table 1: one row per model, one column per task, the average,
+and a delta row (converted minus original); plus lm-eval's JSON per model and a PNG bar chart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fcsd.evaluate.harness import task_score
+from fcsd.evaluate.suites import SuiteConfig
+
+TABLE = "eval_table.md"
+
+
+def score_table(results: dict[str, dict], suite: SuiteConfig) -> dict[str, dict[str, float]]:
+    """label -> {column: score in percent, ..., "Avg": mean of the columns}."""
+    table = {}
+    for label, result in results.items():
+        row = {spec.column or spec.task: task_score(result, spec) for spec in suite.tasks}
+        row["Avg"] = sum(row.values()) / len(row)
+        table[label] = row
+    if {"original", "converted"} <= set(table):
+        table["delta"] = {k: table["converted"][k] - table["original"][k] for k in table["converted"]}
+    return table
+
+
+def format_table(table: dict[str, dict[str, float]], names: dict[str, str], suite: SuiteConfig) -> str:
+    """Markdown: Model | task columns | Avg, scores in percent with one decimal, deltas signed."""
+    columns = list(next(iter(table.values())))
+    lines = [
+        "| Model | " + " | ".join(columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for label, row in table.items():
+        name = f"{label} ({names[label]})" if label in names else label
+        cells = [f"{v:+.1f}" if label == "delta" else f"{v:.1f}" for v in row.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    settings = "; ".join(_describe(spec) for spec in suite.tasks)
+    return "\n".join([f"lm-eval suite `{suite.name}`, scores in % ({settings})", "", *lines])
+
+
+def _describe(spec) -> str:
+    shots = "default shots" if spec.num_fewshot is None else f"{spec.num_fewshot}-shot"
+    chat = ", chat template" if spec.apply_chat_template else ""
+    return f"{spec.column or spec.task} = {spec.task} `{spec.metric or 'first metric'}` {shots}{chat}"
+
+
+def plot_table(table: dict[str, dict[str, float]], path: Path, title: str) -> None:
+    """Grouped bars per task (models side by side), deltas left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = {label: row for label, row in table.items() if label != "delta"}
+    columns = list(next(iter(rows.values())))
+    x = np.arange(len(columns))
+    width = 0.8 / len(rows)
+    figure, axis = plt.subplots(figsize=(max(6, 0.9 * len(columns) + 2), 4))
+    for i, (label, row) in enumerate(rows.items()):
+        axis.bar(x + (i - (len(rows) - 1) / 2) * width, [row[c] for c in columns], width, label=label)
+    axis.set_xticks(x, columns, rotation=30, ha="right")
+    axis.set_ylabel("score (%)")
+    axis.set_title(title)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_report(out: Path, results: dict[str, dict], names: dict[str, str], suite: SuiteConfig) -> dict:
+    """``results_<label>.json`` (lm-eval layout), ``eval_table.md``, ``eval_table.png`` and ``eval_summary.json``
+    in ``out``; returns the score table."""
+    from lm_eval.utils import handle_non_serializable
+
+    out.mkdir(parents=True, exist_ok=True)
+    for label, result in results.items():
+        text = json.dumps(result, indent=2, default=handle_non_serializable)
+        (out / f"results_{label}.json").write_text(text)
+    table = score_table(results, suite)
+    (out / TABLE).write_text(format_table(table, names, suite) + "\n")
+    plot_table(table, out / "eval_table.png", f"lm-eval suite {suite.name}")
+    summary = {"suite": suite.name, "models": names, "scores": table}
+    (out / "eval_summary.json").write_text(json.dumps(summary, indent=2))
+    return table
+
+
+def default_output(model: str) -> Path:
+    """``RUN/eval`` for a run folder (so the export's model card can show the table), else ``outputs/eval/<name>``."""
+    path = Path(model)
+    if (path / "final").is_dir() or (path / "export").is_dir():
+        return path / "eval"
+    return Path("outputs") / "eval" / (path.name or "model")
+
+
+def evaluate_and_report(
+    model: str, suite: SuiteConfig, compare: str | None = None, output: str | Path | None = None, **options
+) -> dict:
+    """``fcsd eval``: score ``model`` (and ``compare``, the original, under the same settings), write the report to
+    ``output``; for a run folder also ``RUN/eval_table.md`` and a refreshed model card in ``RUN/export``."""
+    import shutil
+
+    from fcsd.evaluate.harness import evaluate_checkpoints
+
+    refs = {"original": compare, "converted": model} if compare else {"converted": model}
+    out = Path(output) if output else default_output(model)
+    results = evaluate_checkpoints(refs, suite, **options)
+    table = write_report(out, results, refs, suite)
+    run = Path(model)
+    if out.parent.resolve() == run.resolve() and (run / "export" / "config.json").exists():
+        from fcsd.export.model_card import refresh_card
+
+        shutil.copyfile(out / TABLE, run / TABLE)
+        refresh_card(run / "export", run)
+    return table
