@@ -140,7 +140,8 @@ def resolve_data(name: str | None) -> str | None:
 
 def run_demo(config) -> dict:
     """``fcsd convert demo``: FCSD and, with the same budget, the SFT baseline (paper Tab. 2), then a table of
-    exact-match accuracy and held-out KL for the teacher, the converted model before training, and both runs."""
+    exact-match accuracy and held-out KL for the teacher, the converted model before training, and both runs; last,
+    lm-eval's score of the teacher vs the FCSD model on the demo suite (``eval/suites/demo.yaml``)."""
     import dataclasses
     import json
     from pathlib import Path
@@ -172,11 +173,19 @@ def run_demo(config) -> dict:
     for objective, label in (("kl", "after FCSD (KL)"), ("sft", "after SFT, same budget")):
         model = from_pretrained(str(runs[objective].final_dir))
         report[label] = {"kl": runs[objective].eval_after["eval/kl"], **exact_match(model, tokenizer, rows)}
-    table = format_report(report, config)
-    print(table)
-    (out / "demo_report.md").write_text(table + "\n")
-    (out / "demo_report.json").write_text(json.dumps(report, indent=2))
+    text = format_report(report, config)
+    print(text)
+    (out / "demo_report.md").write_text(text + "\n")
     print(f"wrote {out / 'demo_report.md'}")
+    from fcsd.evaluate.report import evaluate_and_report
+    from fcsd.evaluate.suites import load_suite
+
+    print("demo: lm-eval, teacher (original) vs FCSD (converted), suite `demo`")
+    fcsd_run, suite = runs["kl"].output_dir, load_suite("demo")
+    table = evaluate_and_report(str(fcsd_run), suite, str(root / "model"), fcsd_run / "eval", batch_size=64)
+    print((fcsd_run / "eval" / "eval_table.md").read_text())
+    report["lm-eval"] = table
+    (out / "demo_report.json").write_text(json.dumps(report, indent=2))
     return report
 
 

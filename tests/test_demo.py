@@ -48,3 +48,7 @@ def test_convert_demo_prints_the_comparison_table(tmp_path, monkeypatch, capsys)
     assert set(report["teacher"]) == {"kl", "add", "sort", "reverse", "recall", "all"}
     for run in ("fcsd-kl", "fcsd-sft"):
         assert (out / run / "final" / "config.json").exists()
+    # it ends with lm-eval on the demo suite: teacher vs the FCSD model, the table also in the export's card
+    assert set(report["lm-eval"]) == {"original", "converted", "delta"}
+    assert set(report["lm-eval"]["converted"]) == {"demo-gen", "demo-choice", "Avg"}
+    assert "| converted (" in (out / "fcsd-kl" / "export" / "README.md").read_text()
