@@ -35,7 +35,8 @@ def resolve_checkpoint(ref: str) -> str:
 
 
 def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
-    """(model, tokenizer) of ``ref`` with its FarSkip connectivity applied, in eval mode."""
+    """(model, tokenizer) of ``ref`` with its FarSkip connectivity applied, in eval mode (on CUDA placed by
+    ``device_map="auto"``)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -43,9 +44,14 @@ def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
 
     path = resolve_checkpoint(ref)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = from_pretrained(path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    options = {"dtype": dtype if dtype == "auto" else getattr(torch, dtype)}
+    if device == "cuda":  # load straight onto the GPUs, spread over all visible ones when one is too small
+        options["device_map"] = "auto"
+    model = from_pretrained(path, **options)
     model = getattr(model, "language_model", None) or model  # Llama-4 multimodal: score the text model
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+    if device != "cuda":
+        model = model.to(device)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
 
 
 def check_code_execution(suite: SuiteConfig, allowed: bool) -> None:
