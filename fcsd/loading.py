@@ -26,6 +26,15 @@ def from_pretrained(name_or_path: str, layers=None, **kwargs):
     return apply_farskip(model, layers)
 
 
+def tokenizer_from_pretrained(name_or_path: str):
+    """The tokenizer of a checkpoint; for an exported FarSkip folder without asking to run its remote code (the
+    tokenizer is a stock one: only the model type is new)."""
+    from transformers import AutoTokenizer
+
+    config = _stock_config(name_or_path)
+    return AutoTokenizer.from_pretrained(name_or_path, **({"config": config} if config is not None else {}))
+
+
 def _stock_config(name_or_path: str):
     """The stock transformers config of an exported FarSkip folder, or None for anything else."""
     import json

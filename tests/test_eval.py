@@ -63,10 +63,12 @@ def hand_loglikelihood(model, tokenizer, context: str, continuation: str) -> flo
     return float(sum(logp[i - 1, whole[i]] for i in range(len(context_ids), len(whole))))
 
 
-def test_lm_eval_scores_the_farskip_connectivity(assets, exported):  # noqa: F811
+def test_lm_eval_scores_the_farskip_connectivity(assets, exported, capfd):  # noqa: F811
     suite = load_suite("demo")
     suite.tasks = [spec for spec in suite.tasks if spec.task == "fcsd_demo_choice"]
     model, tokenizer = load_for_eval(str(exported), device="cpu")
+    loading = capfd.readouterr()
+    assert "custom code" not in loading.out + loading.err  # an export loads without a remote-code prompt
     assert fcsd.farskip_layers(model) == [0, 1, 2, 3]
     samples = run_suite(model, tokenizer, suite, limit=3, log_samples=True)["samples"]["fcsd_demo_choice"]
     stock = fcsd.from_pretrained(str(assets / "model")).eval()

@@ -38,9 +38,8 @@ def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
     """(model, tokenizer) of ``ref`` with its FarSkip connectivity applied, in eval mode (on CUDA placed by
     ``device_map="auto"``)."""
     import torch
-    from transformers import AutoTokenizer
 
-    from fcsd.loading import from_pretrained
+    from fcsd.loading import from_pretrained, tokenizer_from_pretrained
 
     path = resolve_checkpoint(ref)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,7 +50,7 @@ def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
     model = getattr(model, "language_model", None) or model  # Llama-4 multimodal: score the text model
     if device != "cuda":
         model = model.to(device)
-    return model.eval(), AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer_from_pretrained(path)
 
 
 def check_code_execution(suite: SuiteConfig, allowed: bool) -> None:
