@@ -88,9 +88,10 @@ def _perfmodel(args) -> int:
     return 0
 
 
-def _run_config(args):
-    """The composed Hydra config of ``fcsd convert`` / ``cache-teacher``: recipe, MODEL, then the overrides."""
-    from fcsd.distill.config import compose
+def _run_overrides(args) -> list[str]:
+    """The Hydra overrides of ``fcsd convert`` / ``cache-teacher`` / ``sweep``: MODEL (and the preset that names it,
+    e.g. ``demo`` or ``Qwen/Qwen3-30B-A3B``), then the user's overrides."""
+    from fcsd.distill.config import preset_for
 
     overrides = list(args.overrides)
     if args.model is not None and "=" in args.model:  # no MODEL given: the first token is already an override
@@ -98,10 +99,19 @@ def _run_config(args):
         args.model = None
     if args.model is not None:
         overrides.insert(0, f"model.name={args.model}")
+        preset = preset_for(args.model)
+        if preset and not any(o.startswith("model=") for o in overrides):
+            overrides.insert(0, f"model={preset}")
     if getattr(args, "resume", False):
         overrides.append("train.resume=true")
-    recipe = "demo" if args.model == "demo" else "fcsd"
-    return compose(overrides, recipe=recipe)
+    return overrides
+
+
+def _run_config(args):
+    """The composed config of ``recipes/fcsd.yaml`` with :func:`_run_overrides`."""
+    from fcsd.distill.config import compose
+
+    return compose(_run_overrides(args))
 
 
 def _convert(args) -> int:
@@ -176,6 +186,21 @@ def _push(args) -> int:
             print(f"  {path} ({(Path(args.folder) / path).stat().st_size:,} bytes)")
     else:
         print(f"pushed {args.folder} to {args.repo_id}: {result}")
+    return 0
+
+
+def _sweep(args) -> int:
+    from fcsd.distill.config import compose, to_config
+    from fcsd.distill.sweep import run_sweep, sweep_dir
+
+    overrides = _run_overrides(args)
+    if "model=demo" in overrides and not any(o.startswith("sweep=") for o in overrides):
+        overrides.append("sweep=demo")  # the demo's minutes-long variant of the paper's sweep
+    config = to_config(compose(overrides))
+    selection = run_sweep(config, overrides)
+    print((sweep_dir(config) / "sweep_table.md").read_text(), end="")
+    print(f"wrote {sweep_dir(config)}: sweep_table.md, sweep.csv, sweep_losses.png, selection.json")
+    print(f"full conversion: {selection['command']}")
     return 0
 
 
@@ -288,6 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="branch to push to (created if needed; default: main)")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded and exit")
     p.set_defaults(func=_push)
+
+    p = sub.add_parser(
+        "sweep",
+        help="the paper's two-stage batch-size / learning-rate sweep (Hydra multirun), then the chosen settings",
+        description="Stage 1 runs sweep.batch_tokens at sweep.stage1_lr, stage 2 sweep.lrs at the chosen batch size, "
+        "sweep.steps steps each, selected by the mean training loss of the last sweep.select_last steps. Finished "
+        "or crashed runs are not run again on a restart. 'demo' runs a CPU-sized variant (recipes/sweep/demo.yaml).",
+    )
+    p.add_argument("model", nargs="?", help="hub id, local folder, or 'demo' (or model=PRESET)")
+    p.add_argument("overrides", nargs="*", help=overrides_help + " sweep=slurm sweep.steps=500")
+    p.set_defaults(func=_sweep)
 
     p = sub.add_parser(
         "cache-teacher",

@@ -23,6 +23,7 @@ class ModelConfig:
     dtype: str = "auto"  # weights of the student (master copy): auto = float32 (bf16 compute comes from autocast)
     attn_implementation: str | None = None  # e.g. sdpa, flash_attention_2; None = the transformers default
     trust_remote_code: bool = False
+    accelerate_config: str | None = None  # recommended `accelerate launch --config_file` (presets set it)
 
 
 @dataclass
@@ -98,6 +99,19 @@ class EarlyStopConfig:
 
 
 @dataclass
+class SweepConfig:
+    batch_tokens: list[int] = field(default_factory=lambda: [65536, 131072, 262144])  # stage 1 (paper Sec. 5.1)
+    stage1_lr: float = 2e-5  # the learning rate of stage 1
+    lrs: list[float] = field(default_factory=lambda: [2e-5, 4e-5, 8e-5])  # stage 2, at the chosen batch size
+    steps: int = 2000  # optimizer steps of every sweep run
+    select_last: int = 100  # selection: lowest mean training loss (per token) over the last N steps of a run
+    launcher: str = "basic"  # Hydra launcher: basic (one run after another here) | submitit_slurm | submitit_local
+    launcher_overrides: list[str] = field(default_factory=list)  # e.g. [hydra.launcher.partition=gpu]
+    launch_final: bool = False  # after the sweep, run the full conversion with the chosen settings
+    dir: str | None = None  # sweep folder; None: <output_dir>/sweep
+
+
+@dataclass
 class FCSDConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     farskip: FarSkipConfig = field(default_factory=FarSkipConfig)
@@ -105,6 +119,7 @@ class FCSDConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     output_dir: str = "outputs/fcsd"
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
     export: bool = True  # run that export (remote code, reload-parity check)
@@ -122,6 +137,21 @@ def register_schemas() -> None:
 def recipes_dir() -> Path:
     """``$FCSD_RECIPES``, else the ``recipes/`` folder of the source tree."""
     return Path(os.environ.get("FCSD_RECIPES", Path(__file__).resolve().parents[2] / "recipes"))
+
+
+def presets() -> dict[str, str]:
+    """Model preset name -> the ``model.name`` it sets (``recipes/model/*.yaml``)."""
+    from omegaconf import OmegaConf
+
+    found = {}
+    for path in sorted((recipes_dir() / "model").glob("*.yaml")):
+        found[path.stem] = OmegaConf.select(OmegaConf.load(path), "model.name")
+    return found
+
+
+def preset_for(model_name: str | None) -> str | None:
+    """The preset whose ``model.name`` is ``model_name`` (so a hub id picks its preset by itself), else None."""
+    return next((preset for preset, name in presets().items() if name == model_name), None)
 
 
 def compose(overrides: list[str], recipe: str = "fcsd"):

@@ -32,12 +32,21 @@ class LossParts:
 def capture_final_hidden(model):
     """Collect the output of ``model``'s final norm (the LM head's input) during the ``with`` block."""
     captured: list[torch.Tensor] = []
-    norm = model.get_decoder().norm
+    norm = final_norm(model)
     handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
         yield captured
     finally:
         handle.remove()
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The decoder's final norm. ``get_decoder()`` is not enough: transformers 5 returns the ``Llama4ForCausalLM``
+    itself (its base-model prefix names the multimodal wrapper's attribute), whose norm sits in ``.model``."""
+    for decoder in (model.get_decoder(), getattr(model, "model", None)):
+        if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+            return decoder.norm
+    raise ValueError(f"{type(model).__name__}: no final norm found (expected get_decoder().norm or model.norm)")
 
 
 def final_hidden(model, unwrapped, batch: Packed, **kwargs):

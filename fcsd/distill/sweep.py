@@ -1,0 +1,221 @@
+"""The paper's two-stage batch-size / learning-rate sweep (Sec. 5.1) on Hydra multirun.
+
+Stage 1 trains ``sweep.batch_tokens`` at ``sweep.stage1_lr``, stage 2 ``sweep.lrs`` at the chosen batch size, each
+run ``sweep.steps`` steps; the selection is the lowest mean training loss over the last ``sweep.select_last`` steps
+(the loss is per token, so it compares across batch sizes). Each stage is one ``--multirun`` of
+:mod:`fcsd.distill.sweep_app` with the configured Hydra launcher (basic: one run after another here; submitit: one
+cluster job per run). A run that finished (``run_summary.json``) or crashed (``sweep_status.json``) is not run again
+on a restart; a run that was killed resumes from its last checkpoint. With ``teacher.mode=cache`` all runs read one
+teacher cache, built once before stage 1.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from fcsd.distill.config import FCSDConfig
+
+STATUS = "sweep_status.json"
+SUMMARY = "run_summary.json"
+
+
+def sweep_dir(config: FCSDConfig) -> Path:
+    return Path(config.sweep.dir or Path(config.output_dir) / "sweep")
+
+
+def run_name(batch_tokens: int, lr: float) -> str:
+    return f"bt{batch_tokens}-lr{lr:g}"
+
+
+def job_config(config: FCSDConfig, run_dir: Path) -> FCSDConfig:
+    """A sweep run: ``sweep.steps`` steps into ``run_dir``, resumable, without early stopping, export or push."""
+    train = dataclasses.replace(config.train, max_steps=config.sweep.steps, resume=True)
+    early_stop = dataclasses.replace(config.early_stop, enabled=False)
+    return dataclasses.replace(
+        config, train=train, early_stop=early_stop, output_dir=str(run_dir), export=False, push_to_hub=None
+    )
+
+
+def run_job(config: FCSDConfig, run_dir: Path, task_overrides: list[str]) -> str:
+    """One sweep run (the Hydra task function's body); returns its status. Exceptions are recorded, not raised, so
+    that the other runs of the stage go on."""
+    import torch
+
+    if (run_dir / SUMMARY).exists():
+        print(f"sweep: {run_dir.name} finished earlier, not run again")
+        return "finished"
+    if (run_dir / STATUS).exists():
+        print(f"sweep: {run_dir.name} crashed earlier, not run again (delete {run_dir / STATUS} to retry)")
+        return "crashed"
+    job = job_config(config, run_dir)
+    try:
+        if config.model.accelerate_config and torch.cuda.device_count() > 1:
+            command = ["accelerate", "launch", "--config_file", config.model.accelerate_config, "-m", "fcsd.cli"]
+            command += ["convert", *task_overrides, f"output_dir={run_dir}", f"train.max_steps={config.sweep.steps}"]
+            command += ["train.resume=true", "export=false", "early_stop.enabled=false", "push_to_hub=null"]
+            subprocess.run(command, check=True)
+        else:
+            from fcsd.distill.trainer import convert
+
+            convert(job)
+        return "finished"
+    except Exception as error:  # noqa: BLE001 - any failure of one run is that run's result
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / STATUS).write_text(json.dumps({"status": "crashed", "error": f"{type(error).__name__}: {error}"}))
+        print(f"sweep: {run_dir.name} crashed: {error}", file=sys.stderr)
+        return "crashed"
+
+
+def launch_stage(overrides: list[str], stage_dir: Path, batch_tokens: list[int], lrs: list[float], sweep) -> None:
+    """One Hydra multirun over ``batch_tokens`` x ``lrs`` into ``stage_dir/bt<B>-lr<LR>/``."""
+    grid = [f"train.batch_tokens={','.join(map(str, batch_tokens))}", f"train.lr={','.join(map(repr, lrs))}"]
+    command = [sys.executable, "-m", "fcsd.distill.sweep_app", "--multirun", *overrides, *grid]
+    command += [f"hydra.sweep.dir={stage_dir}", "hydra.sweep.subdir=.hydra-jobs/${hydra.job.num}"]
+    command += [f"hydra/launcher={sweep.launcher}", *sweep.launcher_overrides]
+    subprocess.run(command, check=True)
+
+
+def read_run(run_dir: Path, select_last: int) -> dict:
+    """Status, loss curve and selection loss of one run folder."""
+    curve = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        curve = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r and not r.get("train/skipped")]
+    status = "finished" if (run_dir / SUMMARY).exists() else "crashed" if (run_dir / STATUS).exists() else "missing"
+    tail = [loss for _, loss in curve[-select_last:]]
+    loss = sum(tail) / len(tail) if status == "finished" and tail else None
+    error = json.loads((run_dir / STATUS).read_text())["error"] if status == "crashed" else None
+    return {"status": status, "loss": loss, "steps": len(curve), "curve": curve, "error": error}
+
+
+def stage_results(stage_dir: Path, stage: int, pairs: list[tuple[int, float]], select_last: int) -> list[dict]:
+    rows = []
+    for batch_tokens, lr in pairs:
+        run = read_run(stage_dir / run_name(batch_tokens, lr), select_last)
+        rows.append({"stage": stage, "batch_tokens": batch_tokens, "lr": lr, **run})
+    return rows
+
+
+def choose(rows: list[dict], stage: int) -> dict:
+    finished = [row for row in rows if row["loss"] is not None]
+    if not finished:
+        errors = "; ".join(f"{run_name(r['batch_tokens'], r['lr'])}: {r['error'] or r['status']}" for r in rows)
+        raise RuntimeError(f"sweep stage {stage}: no run finished ({errors})")
+    return min(finished, key=lambda row: row["loss"])
+
+
+def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
+    """``fcsd sweep``: both stages, then the table (markdown + CSV), the loss-curve PNG and ``selection.json`` in the
+    sweep folder; returns the selection."""
+    sweep, root = config.sweep, sweep_dir(config)
+    overrides = [o for o in overrides if not o.startswith(("output_dir=", "train.resume="))]
+    if sweep.launcher != "basic":
+        _check_launcher(sweep.launcher)
+    if config.teacher.mode == "cache":
+        from fcsd.distill.trainer import cache_teacher
+
+        cache = config.teacher.cache_dir or str(root / "teacher-cache")
+        overrides.append(f"teacher.cache_dir={cache}")
+        teacher = dataclasses.replace(config.teacher, cache_dir=cache)
+        if not (Path(cache) / "meta.json").exists():
+            cache_teacher(dataclasses.replace(config, teacher=teacher))
+    root.mkdir(parents=True, exist_ok=True)
+    first = [(b, sweep.stage1_lr) for b in sweep.batch_tokens]
+    launch_stage(overrides, root / "stage1", sweep.batch_tokens, [sweep.stage1_lr], sweep)
+    rows = stage_results(root / "stage1", 1, first, sweep.select_last)
+    batch_tokens = choose(rows, 1)["batch_tokens"]
+    launch_stage(overrides, root / "stage2", [batch_tokens], sweep.lrs, sweep)
+    rows += stage_results(root / "stage2", 2, [(batch_tokens, lr) for lr in sweep.lrs], sweep.select_last)
+    best = choose(rows[len(first) :], 2)
+    selection = {"batch_tokens": best["batch_tokens"], "lr": best["lr"], "loss": best["loss"]}
+    selection["command"] = final_command(config, overrides, selection)
+    write_outputs(root, rows, selection, sweep.select_last)
+    if sweep.launch_final:
+        launch_final(config, overrides, selection)
+    return selection
+
+
+def final_command(config: FCSDConfig, overrides: list[str], selection: dict) -> str:
+    """The full conversion with the chosen settings (accelerate launch when the preset names a config)."""
+    chosen = [f"train.batch_tokens={selection['batch_tokens']}", f"train.lr={selection['lr']:g}"]
+    kept = [o for o in overrides if not o.startswith(("sweep", "train.batch_tokens=", "train.lr="))]
+    kept.append(f"output_dir={Path(config.output_dir) / 'fcsd'}")  # beside the sweep/ folder
+    launcher = "fcsd"
+    if config.model.accelerate_config:
+        launcher = f"accelerate launch --config_file {config.model.accelerate_config} -m fcsd.cli"
+    return " ".join([launcher, "convert", *kept, *chosen])
+
+
+def launch_final(config: FCSDConfig, overrides: list[str], selection: dict) -> None:
+    import shlex
+
+    command = shlex.split(final_command(config, overrides, selection))
+    if command[0] == "fcsd":
+        command = [sys.executable, "-m", "fcsd.cli", *command[1:]]
+    print("sweep: launching the full conversion:", " ".join(command))
+    subprocess.run(command, check=True)
+
+
+def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: int) -> None:
+    columns = ["stage", "batch_tokens", "lr", "status", "steps", "loss"]
+    with open(root / "sweep.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [
+        f"Training loss per token, mean of the last {select_last} steps; lowest per stage is chosen (**bold**).",
+        "",
+        "| stage | batch tokens | LR | status | steps | loss |",
+        "|---:|---:|---:|---|---:|---:|",
+    ]
+    for row in rows:
+        chosen = (row["batch_tokens"], row["lr"]) == (selection["batch_tokens"], selection["lr"]) or (
+            row["stage"] == 1 and row["batch_tokens"] == selection["batch_tokens"]
+        )
+        loss = "" if row["loss"] is None else f"{row['loss']:.5g}"
+        if chosen and loss:
+            loss = f"**{loss}**"
+        lines.append(f"| {row['stage']} | {row['batch_tokens']:,} | {row['lr']:g} | {row['status']} | {row['steps']} "
+                     f"| {loss} |")  # fmt: skip
+    lines += ["", f"Chosen: batch {selection['batch_tokens']:,} tokens, LR {selection['lr']:g}.", "",
+              f"Full conversion: `{selection['command']}`"]  # fmt: skip
+    (root / "sweep_table.md").write_text("\n".join(lines) + "\n")
+    (root / "selection.json").write_text(json.dumps(selection, indent=2))
+    plot_sweep(rows, root / "sweep_losses.png")
+
+
+def plot_sweep(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for stage, axis in zip((1, 2), axes, strict=True):
+        for row in (r for r in rows if r["stage"] == stage and r["curve"]):
+            steps, loss = zip(*row["curve"], strict=True)
+            axis.plot(steps, loss, label=f"batch {row['batch_tokens']:,}, LR {row['lr']:g}")
+        axis.set_title(f"stage {stage}: " + ("batch size" if stage == 1 else "learning rate"))
+        axis.set_xlabel("step")
+        axis.set_yscale("log")
+        axis.legend()
+    axes[0].set_ylabel("training loss per token")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _check_launcher(name: str) -> None:
+    try:
+        import hydra_plugins.hydra_submitit_launcher  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"sweep.launcher={name} needs Hydra's submitit launcher: pip install 'fcsd[slurm]' "
+            "(hydra-submitit-launcher), or sweep.launcher=basic"
+        ) from None
