@@ -84,6 +84,7 @@ def test_demo_sweep_selects_and_does_not_rerun(small_demo, tmp_path, capsys):
     argv = ["sweep", "demo", f"output_dir={out}", "sweep.steps=4", "sweep.select_last=2", "progress=false"]
     # 1000 tokens are not whole 128-token sequences: that run crashes, the others go on
     argv += ["sweep.batch_tokens=[1024,2048,1000]", "sweep.lrs=[0.001,0.002]", "train.micro_batch_size=8"]
+    argv += ["teacher.mode=cache", "teacher.top_k=16"]  # one teacher cache for every run
     assert main(argv) == 0
     printed = capsys.readouterr().out
     root = out / "sweep"
@@ -98,16 +99,20 @@ def test_demo_sweep_selects_and_does_not_rerun(small_demo, tmp_path, capsys):
     selection = json.loads((root / "selection.json").read_text())
     assert (selection["batch_tokens"], selection["lr"]) == (chosen, min(stage2, key=stage2.get))
     settings = f"train.batch_tokens={chosen} train.lr={selection['lr']:g}"
-    kept = f"model=demo model.name=demo progress=false train.micro_batch_size=8 output_dir={out / 'fcsd'}"
+    kept = "model=demo model.name=demo progress=false train.micro_batch_size=8 teacher.mode=cache teacher.top_k=16 "
+    kept += f"teacher.cache_dir={root / 'teacher-cache'} output_dir={out / 'fcsd'}"  # the full run reuses the cache
     assert selection["command"] == f"fcsd convert {kept} {settings}"
     assert f"full conversion: {selection['command']}" in printed
     status = json.loads((root / "stage1" / "bt1000-lr0.001" / "sweep_status.json").read_text())
     assert "batch_tokens=1000 is not a multiple of data.seq_len=128" in status["error"]
+    cache = root / "teacher-cache"
+    configs = [yaml.safe_load(path.read_text()) for path in root.glob("stage*/bt*/fcsd_config.yaml")]
+    assert [(c["teacher"]["mode"], c["teacher"]["cache_dir"]) for c in configs] == [("cache", str(cache))] * 4
     # a restart runs nothing again: the finished runs keep their files, the crashed one stays crashed
-    stamps = {p: p.stat().st_mtime_ns for p in root.glob("stage*/bt*/metrics.jsonl")}
-    assert len(stamps) == 4
+    stamps = {p: p.stat().st_mtime_ns for p in [*root.glob("stage*/bt*/metrics.jsonl"), cache / "meta.json"]}
+    assert len(stamps) == 5
     assert main(argv) == 0
-    assert {p: p.stat().st_mtime_ns for p in root.glob("stage*/bt*/metrics.jsonl")} == stamps
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads((root / "selection.json").read_text()) == selection
 
 
