@@ -368,7 +368,8 @@ def convert(config: FCSDConfig) -> RunResult:
 
     def early_stop_check(step: int) -> bool:
         """MBPP+ at ``step``; saves ``best/`` on a new best; True when patience is exhausted."""
-        decision = early.evaluate(accelerator, unwrapped, tokenizer, step, synced_gpus=shards_parameters(accelerator))
+        with accelerator.autocast():  # bf16 generation on GPU
+            decision = early.evaluate(accelerator, unwrapped, tokenizer, step, shards_parameters(accelerator))
         scores = early.scores[str(step)]
         metrics.log({"step": step, "early_stop/mbpp_plus": scores["plus"], "early_stop/mbpp_base": scores["base"]})
         accelerator.print(
@@ -384,8 +385,8 @@ def convert(config: FCSDConfig) -> RunResult:
                 save_final(unwrapped, best_state, tokenizer, config, best_dir, record)
         return decision.stop
 
-    if early is not None and not early.evaluated(0):
-        early_stop_check(0)
+    if early is not None and not early.scores:  # the baseline: step 0, or where a run resumed without this state
+        early_stop_check(start_step)
 
     model.train()
     bar = tqdm(
