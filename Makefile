@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install test demo bench lint
+.PHONY: install test demo sweep-demo bench lint
 
 install:  ## install fcsd (CPU torch from the local wheel index if present) with test tools
 	$(PYTHON) -m pip install torch==2.13.0
@@ -12,6 +12,9 @@ test:  ## the fast CPU test-suite (no network, no GPU)
 demo:  ## the embedded default job, offline on CPU (~8 min the first time): build the demo teacher, convert it with FCSD
 	$(PYTHON) -m fcsd.cli inspect demo --layers last:50%
 	$(PYTHON) -m fcsd.cli convert demo
+
+sweep-demo:  ## the paper's two-stage batch-size / LR sweep, scaled to the demo (a few minutes on CPU)
+	$(PYTHON) -m fcsd.cli sweep demo
 
 bench:  ## benchmarks, ours and the stock competitor side by side (see BENCHMARKS.md)
 	$(PYTHON) benchmarks/connectivity_overhead.py

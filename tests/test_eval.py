@@ -2,6 +2,7 @@
 comparison mode, FarSkip connectivity inside lm-eval, run folders and the model card, and input errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,21 @@ def test_eval_input_errors(exported, tmp_path, capsys):
     assert main(["eval", str(tmp_path / "missing"), "--suite", "demo"]) == 2
     assert "no such folder" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_users_own_task_loads_through_the_include_path(exported, tmp_path):
+    import shutil
+
+    folder = tmp_path / "my_tasks"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "eval" / "tasks" / "fcsd_demo", folder)
+    for path in folder.glob("*.yaml"):
+        path.unlink()
+    task = (Path(__file__).resolve().parents[1] / "eval" / "tasks" / "fcsd_demo" / "fcsd_demo_choice.yaml").read_text()
+    (folder / "my_choice.yaml").write_text(task.replace("task: fcsd_demo_choice", "task: my_choice"))
+    out = tmp_path / "report"
+    argv = ["eval", str(exported), "--tasks", "my_choice", "--include-path", str(folder), "--limit", "4"]
+    assert main([*argv, "--output", str(out)]) == 0
+    result = json.loads((out / "results_converted.json").read_text())
+    assert list(result["results"]) == ["my_choice"] and result["n-samples"]["my_choice"]["effective"] == 4
+    scores = json.loads((out / "eval_summary.json").read_text())["scores"]["converted"]
+    assert scores["my_choice"] == pytest.approx(100 * result["results"]["my_choice"]["acc,none"])

@@ -91,11 +91,14 @@ def test_demo_sweep_selects_and_does_not_rerun(small_demo, tmp_path, capsys):
     for name in ("sweep_table.md", "sweep.csv", "sweep_losses.png", "selection.json"):
         assert (root / name).stat().st_size > 0
     rows = (root / "sweep.csv").read_text().splitlines()
-    assert rows[0] == "stage,batch_tokens,lr,status,steps,loss" and len(rows) == 6
+    assert rows[0] == "stage,batch_tokens,lr,status,steps,loss,run" and len(rows) == 6
     assert [row.split(",")[3] for row in rows[1:]] == ["finished", "finished", "crashed", "finished", "finished"]
     stage1 = {b: run_losses(root / "stage1" / f"bt{b}-lr0.001", 2) for b in (1024, 2048)}
     chosen = min(stage1, key=stage1.get)
-    stage2 = {lr: run_losses(root / "stage2" / f"bt{chosen}-lr{lr:g}", 2) for lr in (0.001, 0.002)}
+    # stage 2 trains only the new LR: the stage-1 run of the chosen batch size stands in for LR 0.001
+    assert [p.name for p in (root / "stage2").glob("bt*")] == [f"bt{chosen}-lr0.002"]
+    assert rows[4].split(",")[-1] == f"stage1/bt{chosen}-lr0.001"
+    stage2 = {0.001: stage1[chosen], 0.002: run_losses(root / "stage2" / f"bt{chosen}-lr0.002", 2)}
     selection = json.loads((root / "selection.json").read_text())
     assert (selection["batch_tokens"], selection["lr"]) == (chosen, min(stage2, key=stage2.get))
     settings = f"train.batch_tokens={chosen} train.lr={selection['lr']:g}"
@@ -107,10 +110,10 @@ def test_demo_sweep_selects_and_does_not_rerun(small_demo, tmp_path, capsys):
     assert "batch_tokens=1000 is not a multiple of data.seq_len=128" in status["error"]
     cache = root / "teacher-cache"
     configs = [yaml.safe_load(path.read_text()) for path in root.glob("stage*/bt*/fcsd_config.yaml")]
-    assert [(c["teacher"]["mode"], c["teacher"]["cache_dir"]) for c in configs] == [("cache", str(cache))] * 4
+    assert [(c["teacher"]["mode"], c["teacher"]["cache_dir"]) for c in configs] == [("cache", str(cache))] * 3
     # a restart runs nothing again: the finished runs keep their files, the crashed one stays crashed
     stamps = {p: p.stat().st_mtime_ns for p in [*root.glob("stage*/bt*/metrics.jsonl"), cache / "meta.json"]}
-    assert len(stamps) == 5
+    assert len(stamps) == 4
     assert main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
     assert json.loads((root / "selection.json").read_text()) == selection
@@ -147,9 +150,10 @@ def test_sweep_through_the_submitit_launcher(small_demo, tmp_path):
     """The cluster launcher option, with submitit's local executor standing in for SLURM."""
     out = tmp_path / "demo"
     argv = ["sweep", "demo", f"output_dir={out}", "sweep.steps=2", "sweep.select_last=1", "progress=false"]
-    argv += ["sweep.batch_tokens=[1024]", "sweep.lrs=[0.001]", "train.micro_batch_size=8"]
+    argv += ["sweep.batch_tokens=[1024]", "sweep.lrs=[0.002]", "train.micro_batch_size=8"]
     assert main([*argv, "sweep.launcher=submitit_local"]) == 0
     root = out / "sweep"
     assert json.loads((root / "selection.json").read_text())["batch_tokens"] == 1024
-    assert (root / "stage2" / "bt1024-lr0.001" / "run_summary.json").exists()
-    assert list((root / "stage1" / ".submitit").iterdir())  # the jobs went through submitit
+    for run in ("stage1/bt1024-lr0.001", "stage2/bt1024-lr0.002"):
+        assert (root / run / "run_summary.json").exists()
+        assert list((root / run.split("/")[0] / ".submitit").iterdir())  # the job went through submitit

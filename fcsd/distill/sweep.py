@@ -1,12 +1,12 @@
 """The paper's two-stage batch-size / learning-rate sweep (Sec. 5.1) on Hydra multirun.
 
-Stage 1 trains ``sweep.batch_tokens`` at ``sweep.stage1_lr``, stage 2 ``sweep.lrs`` at the chosen batch size, each
-run ``sweep.steps`` steps; the selection is the lowest mean training loss over the last ``sweep.select_last`` steps
-(the loss is per token, so it compares across batch sizes). Each stage is one ``--multirun`` of
-:mod:`fcsd.distill.sweep_app` with the configured Hydra launcher (basic: one run after another here; submitit: one
-cluster job per run). A run that finished (``run_summary.json``) or crashed (``sweep_status.json``) is not run again
-on a restart; a run that was killed resumes from its last checkpoint. With ``teacher.mode=cache`` all runs read one
-teacher cache, built once before stage 1.
+Stage 1 trains ``sweep.batch_tokens`` at ``sweep.stage1_lr``, stage 2 ``sweep.lrs`` at the chosen batch size (the
+stage-1 run stands in for the stage-1 LR), each run ``sweep.steps`` steps; the selection is the lowest mean training
+loss over the last ``sweep.select_last`` steps (the loss is per token, so it compares across batch sizes). Each stage
+is one ``--multirun`` of :mod:`fcsd.distill.sweep_app` with the configured Hydra launcher (basic: one run after
+another here; submitit: one cluster job per run). A run that finished (``run_summary.json``) or crashed
+(``sweep_status.json``) is not run again on a restart; a run that was killed resumes from its last checkpoint. With
+``teacher.mode=cache`` all runs read one teacher cache, built once before stage 1.
 """
 
 from __future__ import annotations
@@ -97,8 +97,11 @@ def read_run(run_dir: Path, select_last: int) -> dict:
 def stage_results(stage_dir: Path, stage: int, pairs: list[tuple[int, float]], select_last: int) -> list[dict]:
     rows = []
     for batch_tokens, lr in pairs:
-        run = read_run(stage_dir / run_name(batch_tokens, lr), select_last)
-        rows.append({"stage": stage, "batch_tokens": batch_tokens, "lr": lr, **run})
+        folder = stage_dir / run_name(batch_tokens, lr)
+        run = read_run(folder, select_last)
+        rows.append(
+            {"stage": stage, "batch_tokens": batch_tokens, "lr": lr, **run, "run": f"{stage_dir.name}/{folder.name}"}
+        )
     return rows
 
 
@@ -129,10 +132,16 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
     first = [(b, sweep.stage1_lr) for b in sweep.batch_tokens]
     launch_stage(overrides, root / "stage1", sweep.batch_tokens, [sweep.stage1_lr], sweep)
     rows = stage_results(root / "stage1", 1, first, sweep.select_last)
-    batch_tokens = choose(rows, 1)["batch_tokens"]
-    launch_stage(overrides, root / "stage2", [batch_tokens], sweep.lrs, sweep)
-    rows += stage_results(root / "stage2", 2, [(batch_tokens, lr) for lr in sweep.lrs], sweep.select_last)
-    best = choose(rows[len(first) :], 2)
+    winner = choose(rows, 1)
+    batch_tokens = winner["batch_tokens"]
+    new_lrs = [lr for lr in sweep.lrs if lr != sweep.stage1_lr]  # the stage-1 LR at this batch size already ran
+    if new_lrs:
+        launch_stage(overrides, root / "stage2", [batch_tokens], new_lrs, sweep)
+    second = stage_results(root / "stage2", 2, [(batch_tokens, lr) for lr in new_lrs], sweep.select_last)
+    if sweep.stage1_lr in sweep.lrs:
+        second.insert(sweep.lrs.index(sweep.stage1_lr), {**winner, "stage": 2})
+    rows += second
+    best = choose(second, 2)
     selection = {"batch_tokens": best["batch_tokens"], "lr": best["lr"], "loss": best["loss"]}
     selection["command"] = final_command(config, overrides, selection)
     write_outputs(root, rows, selection, sweep.select_last)
@@ -163,7 +172,7 @@ def launch_final(config: FCSDConfig, overrides: list[str], selection: dict) -> N
 
 
 def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: int) -> None:
-    columns = ["stage", "batch_tokens", "lr", "status", "steps", "loss"]
+    columns = ["stage", "batch_tokens", "lr", "status", "steps", "loss", "run"]
     with open(root / "sweep.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -171,8 +180,8 @@ def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: in
     lines = [
         f"Training loss per token, mean of the last {select_last} steps; lowest per stage is chosen (**bold**).",
         "",
-        "| stage | batch tokens | LR | status | steps | loss |",
-        "|---:|---:|---:|---|---:|---:|",
+        "| stage | batch tokens | LR | status | steps | loss | run |",
+        "|---:|---:|---:|---|---:|---:|---|",
     ]
     for row in rows:
         chosen = (row["batch_tokens"], row["lr"]) == (selection["batch_tokens"], selection["lr"]) or (
@@ -182,7 +191,7 @@ def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: in
         if chosen and loss:
             loss = f"**{loss}**"
         lines.append(f"| {row['stage']} | {row['batch_tokens']:,} | {row['lr']:g} | {row['status']} | {row['steps']} "
-                     f"| {loss} |")  # fmt: skip
+                     f"| {loss} | `{row['run']}` |")  # fmt: skip
     lines += ["", f"Chosen: batch {selection['batch_tokens']:,} tokens, LR {selection['lr']:g}.", "",
               f"Full conversion: `{selection['command']}`"]  # fmt: skip
     (root / "sweep_table.md").write_text("\n".join(lines) + "\n")
