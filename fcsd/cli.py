@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="MODEL is a hub id, a local folder, or 'demo' (the embedded offline example: builds a tiny "
         "teacher, runs FCSD and an SFT baseline, prints exact-match accuracy and held-out KL).",
     )
-    p.add_argument("model", nargs="?", help="hub id, local folder, or 'demo' (or set model.name=...)")
+    p.add_argument("model", nargs="?", help="hub id, local folder, or 'demo' (or model=PRESET, model.name=...)")
     p.add_argument("overrides", nargs="*", help=overrides_help)
     p.add_argument("--resume", action="store_true", help="continue the run in output_dir (same as train.resume=true)")
     p.add_argument("--cfg", choices=["job"], help="print the resolved config as YAML and exit")
