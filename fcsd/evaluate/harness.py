@@ -64,6 +64,21 @@ def check_code_execution(suite: SuiteConfig, allowed: bool) -> None:
         )
 
 
+def task_manager(suite: SuiteConfig, include_paths: list[str] = ()):
+    """lm-eval's task index with the suite's and the user's include paths; unknown task names are an error."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [*([suite.include_path] if suite.include_path else []), *include_paths]
+    manager = TaskManager(include_path=paths or None)
+    unknown = [t.task for t in suite.tasks if t.task not in manager.all_tasks]
+    if unknown:
+        raise ValueError(
+            f"unknown lm-eval task(s) {unknown}; add --include-path DIR for local task YAML (`lm-eval ls tasks` "
+            "lists the built-in ones)"
+        )
+    return manager
+
+
 def run_suite(
     model,
     tokenizer,
@@ -73,24 +88,17 @@ def run_suite(
     batch_size: int | str = 8,
     allow_code_execution: bool = False,
     log_samples: bool = False,
+    manager=None,
 ) -> dict:
     """lm-eval results of ``model`` on the suite (lm-eval's result layout; one ``config`` block per call under
-    ``config``)."""
+    ``config``). ``manager``: a :func:`task_manager` already built for the suite."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
     check_code_execution(suite, allow_code_execution)
     if allow_code_execution:
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # the opt-in HF `evaluate`'s code_eval asks for
-    paths = [*([suite.include_path] if suite.include_path else []), *include_paths]
-    manager = TaskManager(include_path=paths or None)
-    unknown = [t.task for t in suite.tasks if t.task not in manager.all_tasks]
-    if unknown:
-        raise ValueError(
-            f"unknown lm-eval task(s) {unknown}; add --include-path DIR for local task YAML (`lm-eval ls tasks` "
-            "lists the built-in ones)"
-        )
+    manager = manager or task_manager(suite, include_paths)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     groups: dict[tuple, list[str]] = {}
     for spec in suite.tasks:
@@ -142,6 +150,7 @@ def evaluate_checkpoints(refs: dict[str, str], suite: SuiteConfig, device: str |
     import torch
 
     check_code_execution(suite, options.get("allow_code_execution", False))
+    options["manager"] = task_manager(suite, options.get("include_paths", ()))  # before any model is loaded
     results = {}
     for label, ref in refs.items():
         model, tokenizer = load_for_eval(ref, device, dtype)
