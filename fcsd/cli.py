@@ -146,7 +146,7 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from fcsd.evaluate.report import evaluate_and_report
+    from fcsd.evaluate.report import TABLE, evaluate_and_report
     from fcsd.evaluate.suites import load_suite, suite_from_tasks
 
     if args.tasks:
@@ -165,15 +165,12 @@ def _eval(args) -> int:
         "allow_code_execution": args.allow_code_execution,
         "log_samples": args.log_samples,
     }
-    table = evaluate_and_report(
+    out, _ = evaluate_and_report(
         args.model, suite, args.compare, args.output, device=args.device, dtype=args.dtype, **options
     )
-    from fcsd.evaluate.report import TABLE, default_output
-
-    out = Path(args.output) if args.output else default_output(args.model)
     print((out / TABLE).read_text(), end="")
     print(f"wrote {out}: results_*.json (lm-eval layout), {TABLE}, eval_table.png, eval_summary.json")
-    return 0 if table else 1
+    return 0
 
 
 def _push(args) -> int:

@@ -182,8 +182,8 @@ def run_demo(config) -> dict:
 
     print("demo: lm-eval, teacher (original) vs FCSD (converted), suite `demo`")
     fcsd_run, suite = runs["kl"].output_dir, load_suite("demo")
-    table = evaluate_and_report(str(fcsd_run), suite, str(root / "model"), fcsd_run / "eval", batch_size=64)
-    print((fcsd_run / "eval" / "eval_table.md").read_text())
+    folder, table = evaluate_and_report(str(fcsd_run), suite, str(root / "model"), fcsd_run / "eval", batch_size=64)
+    print((folder / "eval_table.md").read_text())
     report["lm-eval"] = table
     (out / "demo_report.json").write_text(json.dumps(report, indent=2))
     return report

@@ -32,18 +32,15 @@ def run_name(batch_tokens: int, lr: float) -> str:
     return f"bt{batch_tokens}-lr{lr:g}"
 
 
-def job_config(config: FCSDConfig, run_dir: Path) -> FCSDConfig:
-    """A sweep run: ``sweep.steps`` steps into ``run_dir``, resumable, without early stopping, export or push."""
-    train = dataclasses.replace(config.train, max_steps=config.sweep.steps, resume=True)
-    early_stop = dataclasses.replace(config.early_stop, enabled=False)
-    return dataclasses.replace(
-        config, train=train, early_stop=early_stop, output_dir=str(run_dir), export=False, push_to_hub=None
-    )
+def job_overrides(run_dir: Path, steps: int) -> list[str]:
+    """What makes a run a sweep run: ``steps`` steps into ``run_dir``, resumable, no early stopping, export or push."""
+    settings = ["train.resume=true", "export=false", "early_stop.enabled=false", "push_to_hub=null"]
+    return [f"output_dir={run_dir}", f"train.max_steps={steps}", *settings]
 
 
-def run_job(config: FCSDConfig, run_dir: Path, task_overrides: list[str]) -> str:
-    """One sweep run (the Hydra task function's body); returns its status. Exceptions are recorded, not raised, so
-    that the other runs of the stage go on."""
+def run_job(config: FCSDConfig, run_dir: Path, overrides: list[str]) -> str:
+    """One sweep run (the Hydra task function's body): ``config`` and ``overrides`` both already hold
+    :func:`job_overrides`. Returns its status; exceptions are recorded, not raised, so the other runs go on."""
     import torch
 
     if (run_dir / SUMMARY).exists():
@@ -52,17 +49,14 @@ def run_job(config: FCSDConfig, run_dir: Path, task_overrides: list[str]) -> str
     if (run_dir / STATUS).exists():
         print(f"sweep: {run_dir.name} crashed earlier, not run again (delete {run_dir / STATUS} to retry)")
         return "crashed"
-    job = job_config(config, run_dir)
     try:
         if config.model.accelerate_config and torch.cuda.device_count() > 1:
             command = ["accelerate", "launch", "--config_file", config.model.accelerate_config, "-m", "fcsd.cli"]
-            command += ["convert", *task_overrides, f"output_dir={run_dir}", f"train.max_steps={config.sweep.steps}"]
-            command += ["train.resume=true", "export=false", "early_stop.enabled=false", "push_to_hub=null"]
-            subprocess.run(command, check=True)
+            subprocess.run([*command, "convert", *overrides], check=True)
         else:
             from fcsd.distill.trainer import convert
 
-            convert(job)
+            convert(config)
         return "finished"
     except Exception as error:  # noqa: BLE001 - any failure of one run is that run's result
         run_dir.mkdir(parents=True, exist_ok=True)

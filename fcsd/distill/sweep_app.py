@@ -13,14 +13,16 @@ def main(cfg) -> None:
     from pathlib import Path
 
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
     from fcsd.distill.config import to_config
-    from fcsd.distill.sweep import run_job, run_name
+    from fcsd.distill.sweep import job_overrides, run_job, run_name
 
-    config = to_config(cfg)
     hydra_config = HydraConfig.get()
-    run_dir = Path(hydra_config.sweep.dir) / run_name(config.train.batch_tokens, config.train.lr)
-    run_job(config, run_dir, list(hydra_config.overrides.task))
+    run_dir = Path(hydra_config.sweep.dir) / run_name(cfg.train.batch_tokens, cfg.train.lr)
+    job = job_overrides(run_dir, cfg.sweep.steps)
+    config = to_config(OmegaConf.merge(cfg, OmegaConf.from_dotlist(job)))
+    run_job(config, run_dir, [*hydra_config.overrides.task, *job])
 
 
 if __name__ == "__main__":

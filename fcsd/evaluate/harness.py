@@ -16,6 +16,14 @@ from fcsd.evaluate.suites import SuiteConfig
 MERGED_KEYS = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
 
 
+RUN_CHECKPOINTS = ("export", "best", "final")  # what a run folder of `fcsd convert` holds, in order of preference
+
+
+def run_checkpoint(path: Path) -> Path | None:
+    """The checkpoint of a run folder (its ``export/``, else ``best/``, else ``final/``), or None."""
+    return next((path / inner for inner in RUN_CHECKPOINTS if (path / inner / "config.json").exists()), None)
+
+
 def resolve_checkpoint(ref: str) -> str:
     """The folder (or hub id) to load for ``ref``: ``demo``; a run folder (its ``export/``, else ``best/``, else
     ``final/``); an exported or converted folder; a stock checkpoint; or a hub id."""
@@ -28,9 +36,8 @@ def resolve_checkpoint(ref: str) -> str:
         return resolve_model(ref)
     if (path / "config.json").exists():
         return str(path)
-    for inner in ("export", "best", "final"):
-        if (path / inner / "config.json").exists():
-            return str(path / inner)
+    if run_checkpoint(path):
+        return str(run_checkpoint(path))
     raise ValueError(f"{ref} holds no checkpoint: expected config.json, or a run folder with export/ or final/")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fcsd.evaluate.harness import task_score
+from fcsd.evaluate.harness import run_checkpoint, task_score
 from fcsd.evaluate.suites import SuiteConfig
 
 TABLE = "eval_table.md"
@@ -89,16 +89,15 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
 def default_output(model: str) -> Path:
     """``RUN/eval`` for a run folder (so the export's model card can show the table), else ``outputs/eval/<name>``."""
     path = Path(model)
-    if (path / "final").is_dir() or (path / "export").is_dir():
-        return path / "eval"
-    return Path("outputs") / "eval" / (path.name or "model")
+    return path / "eval" if run_checkpoint(path) else Path("outputs") / "eval" / (path.name or "model")
 
 
 def evaluate_and_report(
     model: str, suite: SuiteConfig, compare: str | None = None, output: str | Path | None = None, **options
-) -> dict:
+) -> tuple[Path, dict]:
     """``fcsd eval``: score ``model`` (and ``compare``, the original, under the same settings), write the report to
-    ``output``; for a run folder also ``RUN/eval_table.md`` and a refreshed model card in ``RUN/export``."""
+    ``output``; for a run folder also ``RUN/eval_table.md`` and a refreshed model card in ``RUN/export``. Returns
+    the report folder and the score table."""
     import shutil
 
     from fcsd.evaluate.harness import evaluate_checkpoints
@@ -113,4 +112,4 @@ def evaluate_and_report(
 
         shutil.copyfile(out / TABLE, run / TABLE)
         refresh_card(run / "export", run)
-    return table
+    return out, table
