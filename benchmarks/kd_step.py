@@ -82,8 +82,8 @@ def trl_kl(student_logits, teacher_logits):
     return GKDTrainer.generalized_jsd_loss(student_logits, teacher_logits, beta=0.0)
 
 
-def make_step(name: str, student, teacher, batch: Packed, optimizer, autocast):
-    config = SimpleNamespace(train=TrainConfig())  # the trainer's defaults: forward KL, fused chunked head
+def make_step(name: str, student, teacher, batch: Packed, optimizer, autocast, loss_chunk_size: int):
+    config = SimpleNamespace(train=TrainConfig(loss_chunk_size=loss_chunk_size))  # forward KL, fused chunked head
     tokens = batch.input_ids.numel()
 
     def step():
@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--methods", default="hf_loop,trl,fcsd")
     parser.add_argument("--experts-implementation", help="e.g. eager, grouped_mm (default: the model's default)")
+    chunk_help = "tokens per chunk of fcsd's fused LM head + loss (train.loss_chunk_size)"
+    parser.add_argument("--loss-chunk-size", type=int, default=TrainConfig.loss_chunk_size, help=chunk_help)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     bf16 = args.device == "cuda" if args.bf16 is None else args.bf16
@@ -128,7 +130,7 @@ def main() -> None:
         methods.remove("trl")
     for name in methods:
         optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-6)
-        step = make_step(name, student, teacher, batch, optimizer, autocast)
+        step = make_step(name, student, teacher, batch, optimizer, autocast, args.loss_chunk_size)
         step()  # warm-up (allocations, kernels, AdamW state)
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -143,7 +145,8 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
         results[name] = (tokens / statistics.median(times), peak)
         del optimizer
-    print(f"KD step, preset {args.preset}, {tokens} tokens/step, {args.device}, bf16={bf16}")
+    print(f"KD step, preset {args.preset}, {tokens} tokens/step, {args.device}, bf16={bf16}, "
+          f"loss chunks of {args.loss_chunk_size} tokens")  # fmt: skip
     print(f"{'method':<10}{'tokens/s':>12}{'peak GiB':>10}{'vs hf_loop':>12}")
     base = results.get("hf_loop", next(iter(results.values())))[0]
     for name, (rate, peak) in results.items():

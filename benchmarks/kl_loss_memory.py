@@ -3,8 +3,9 @@
 * ``naive``: the logits of student and teacher are the inputs; ``F.kl_div`` on fp32 log-softmaxes of the whole
   batch, then backward. Reported: peak memory beyond those inputs.
 * ``fcsd``: the final hidden states and the LM heads are the inputs; :func:`fcsd.distill.losses.chunked_head_loss`
-  applies the heads and the KL to ``--chunk`` tokens at a time and recomputes each chunk in backward. Reported: peak
-  memory beyond its inputs (it never holds full logits).
+  applies the heads and the KL to ``--chunk`` tokens at a time and computes each chunk's gradients (closed-form
+  KL gradient) right in the forward, so nothing is recomputed in backward. Reported: peak memory beyond its inputs
+  (it never holds full logits).
 
 Each method runs in its own subprocess so that the peaks do not mix. On CUDA the peak is
 ``torch.cuda.max_memory_allocated``; on CPU it is the process's peak resident set size.
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from fcsd.distill import losses
 from fcsd.distill.config import TrainConfig
+from fcsd.distill.objectives import teacher_token_loss
 
 
 def current_bytes(device: str) -> int:
@@ -64,11 +66,7 @@ def measure(method: str, tokens: int, vocab: int, hidden: int, chunk: int, devic
         t = F.log_softmax(teacher_logits.float(), dim=-1)
         loss = F.kl_div(s, t, log_target=True, reduction="sum") / tokens
     else:
-
-        def token_loss(student_logits, teacher_chunk):
-            return losses.kl_divergence(student_logits, teacher_head(teacher_chunk))
-
-        token_loss.loss_and_grad = lambda s, t: losses.forward_kl_and_grad(s, teacher_head(t))
+        token_loss = teacher_token_loss(losses.divergence("forward_kl"), teacher_head)
         loss = losses.chunked_head_loss(student_hidden, head, token_loss, (teacher_hidden,), chunk) / tokens
     loss.backward()
     if device == "cuda":

@@ -10,8 +10,8 @@ from pathlib import Path
 
 
 def _inspect(args) -> int:
-    from fcsd.connectivity.inspect import summarize
-    from fcsd.demo import resolve_model
+    from fcsd.connectivity.summary import summarize
+    from fcsd.sources import resolve_model
 
     summary = summarize(resolve_model(args.model), layers=args.layers)
     summary.name = args.model
@@ -20,35 +20,10 @@ def _inspect(args) -> int:
 
 
 def _probe(args) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from fcsd.evaluate.probe import probe_checkpoint
 
-    from fcsd.connectivity.families import family_for_config, find_decoder_layers
-    from fcsd.demo import default_data, resolve_model
-    from fcsd.distill.data import load_texts, pack_sequences
-    from fcsd.evaluate.probe import parse_grid, plot, run_probe, write_csv
-
-    data = args.data or default_data(args.model)
-    if data is None:
-        raise SystemExit("fcsd probe: --data is required (a local .jsonl/.json/.txt/.parquet file or a dataset name)")
-    path = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
-    num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
-    grid = parse_grid(args.grid, num_layers)
-    rows = load_texts(data, tokenizer, split=args.split)
-    sequences = pack_sequences(rows.texts, tokenizer, args.seq_len, args.num_sequences)
-    print(f"probe: {args.model} ({num_layers} layers), {sequences.numel()} tokens from {data}, grid {grid}")
-    results = run_probe(model, sequences, grid, batch_size=args.batch_size)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(results, out / "probe.csv")
-    plot(results, out / "probe.png", f"FarSkip without training: {args.model}")
-    print(f"{'side':<6}{'N':>4}{'loss':>10}{'KL':>10}")
-    for r in results:
-        print(f"{r.side:<6}{r.n_converted:>4}{r.loss:>10.4f}{r.kl:>10.4f}")
-    print(f"wrote {out / 'probe.csv'} and {out / 'probe.png'}")
+    options = {k: getattr(args, k) for k in ("data", "split", "grid", "seq_len", "num_sequences", "batch_size")}
+    probe_checkpoint(args.model, dtype=args.dtype, device=args.device, output_dir=args.output_dir, **options)
     return 0
 
 
@@ -66,22 +41,7 @@ def _perfmodel(args) -> int:
     if args.json:
         print(json.dumps({"rows": [r.to_dict() for r in rows], "training": training.to_dict()}, indent=2))
     else:
-        print(f"prefill, batch {args.batch} x {args.context} tokens, TP={args.tp} EP={args.ep}, {hw}")
-        print(
-            f"{'sparsity':>8} {'scenario':<20}{'regular ms':>12}{'farskip ms':>12}{'exposed reg':>12}"
-            f"{'exposed far':>12}{'speedup':>9}"
-        )
-        for r in rows:
-            print(
-                f"{r.sparsity:>7}x {r.scenario:<20}{r.regular_ms:>12.1f}{r.farskip_ms:>12.1f}"
-                f"{r.exposed_regular_ms:>12.1f}{r.exposed_farskip_ms:>12.1f}{r.speedup:>8.3f}x"
-            )
-        t = training
-        print(
-            f"training, one MoE layer, {t.tokens_per_gpu} tokens/GPU, EP={args.ep}: dispatch+combine "
-            f"{t.dispatch_combine_ms:.2f} ms vs Eq. 9 window {t.overlap_window_ms:.2f} ms; fwd+bwd regular "
-            f"{t.regular_ms:.2f} ms, FarSkip {t.farskip_ms:.2f} ms ({t.speedup:.3f}x)"
-        )
+        print(pm.format_report(rows, training, args.batch, args.context, args.tp, args.ep, hw))
     if args.plot:
         pm.plot_sweep(rows, args.plot, f"FarSkip prefill speedup: {args.model or args.preset}")
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
@@ -129,7 +89,7 @@ def _convert(args) -> int:
 
         run_demo(config)
         return 0
-    from fcsd.distill.trainer import convert
+    from fcsd.distill.convert import convert
 
     result = convert(config)
     if os.environ.get("RANK", "0") == "0":
@@ -203,7 +163,7 @@ def _sweep(args) -> int:
 
 def _cache_teacher(args) -> int:
     from fcsd.distill.config import to_config
-    from fcsd.distill.trainer import cache_teacher
+    from fcsd.distill.teacher_cache import cache_teacher
 
     folder = cache_teacher(to_config(_run_config(args)))
     print(f"teacher cache ready at {folder}; train from it with teacher.mode=cache teacher.cache_dir={folder}")

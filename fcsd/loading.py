@@ -5,11 +5,13 @@ from __future__ import annotations
 from fcsd.connectivity.patch import CONFIG_KEY, apply_farskip
 
 
-def from_pretrained(name_or_path: str, layers=None, **kwargs):
-    """Load a causal LM (hub id or local folder) and apply FarSkip connectivity.
+def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **kwargs):
+    """Load a causal LM (hub id or local folder) and apply FarSkip connectivity. Every fcsd command loads models
+    through here (training, evaluation, export, the demo), so an exported ``farskip_*`` folder works everywhere.
 
     The class is the checkpoint's own architecture when transformers has it (so a multimodal Llama-4 checkpoint
-    stays ``Llama4ForConditionalGeneration`` instead of losing its vision tower), else ``AutoModelForCausalLM``.
+    stays ``Llama4ForConditionalGeneration`` instead of losing its vision tower), else ``AutoModelForCausalLM``;
+    ``text_only`` always takes ``AutoModelForCausalLM`` (the text tower of a multimodal checkpoint: what FCSD trains).
 
     ``layers`` overrides the selection; by default the layers recorded in the checkpoint's ``config.farskip`` are
     converted (none for a stock checkpoint). An exported folder (model type ``farskip_<stock type>``) loads through
@@ -19,7 +21,10 @@ def from_pretrained(name_or_path: str, layers=None, **kwargs):
     config = _stock_config(name_or_path)
     if config is not None:
         kwargs.setdefault("config", config)
-    model = _model_class(name_or_path, config).from_pretrained(name_or_path, **kwargs)
+    import transformers
+
+    model_class = transformers.AutoModelForCausalLM if text_only else _model_class(name_or_path, config)
+    model = model_class.from_pretrained(name_or_path, **kwargs)
     if layers is None:
         record = getattr(model.config, CONFIG_KEY, None) or {}
         layers = record.get("layers", [])

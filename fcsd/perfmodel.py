@@ -350,3 +350,24 @@ def plot_sweep(rows: list[PrefillResult], path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def format_report(rows: list[PrefillResult], training, batch: int, context: int, tp: int, ep: int, hw) -> str:
+    """The text table of ``fcsd perfmodel``: prefill rows per sparsity and scenario, then the training estimate."""
+    lines = [
+        f"prefill, batch {batch} x {context} tokens, TP={tp} EP={ep}, {hw}",
+        f"{'sparsity':>8} {'scenario':<20}{'regular ms':>12}{'farskip ms':>12}{'exposed reg':>12}"
+        f"{'exposed far':>12}{'speedup':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.sparsity:>7}x {r.scenario:<20}{r.regular_ms:>12.1f}{r.farskip_ms:>12.1f}"
+            f"{r.exposed_regular_ms:>12.1f}{r.exposed_farskip_ms:>12.1f}{r.speedup:>8.3f}x"
+        )
+    t = training
+    lines.append(
+        f"training, one MoE layer, {t.tokens_per_gpu} tokens/GPU, EP={ep}: dispatch+combine "
+        f"{t.dispatch_combine_ms:.2f} ms vs Eq. 9 window {t.overlap_window_ms:.2f} ms; fwd+bwd regular "
+        f"{t.regular_ms:.2f} ms, FarSkip {t.farskip_ms:.2f} ms ({t.speedup:.3f}x)"
+    )
+    return "\n".join(lines)

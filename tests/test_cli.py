@@ -7,7 +7,7 @@ import pytest
 from tiny_models import build
 
 from fcsd.cli import main
-from fcsd.connectivity.inspect import summarize
+from fcsd.connectivity.summary import summarize
 from fcsd.distill.synthetic import make_dataset, write_jsonl
 from fcsd.distill.tokenizer import train_tokenizer
 

@@ -2,20 +2,20 @@
 
 import json
 
-from fcsd import demo
+from fcsd import embedded
 from fcsd.cli import main
 
 
 def test_demo_is_built_once_and_resolves(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FCSD_CACHE", str(tmp_path))
-    monkeypatch.setattr(demo, "PRETRAIN_STEPS", 30)
-    root = demo.prepare_demo()
+    monkeypatch.setattr(embedded, "PRETRAIN_STEPS", 30)
+    root = embedded.prepare_demo()
     config = json.loads((root / "model" / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe"
     rows = (root / "data" / "train.jsonl").read_text().splitlines()
     assert {json.loads(r)["task"] for r in rows} == {"add", "sort", "reverse", "recall"}
     stamp = (root / "model" / "config.json").stat().st_mtime_ns
-    assert demo.prepare_demo() == root and (root / "model" / "config.json").stat().st_mtime_ns == stamp
+    assert embedded.prepare_demo() == root and (root / "model" / "config.json").stat().st_mtime_ns == stamp
     assert main(["inspect", "demo", "--layers", "last:50%", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["converted_layers"] == [3, 4, 5]
 
@@ -28,15 +28,15 @@ def test_teacher_pretraining_learns(tmp_path):
 
     rows = make_dataset(300)
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=300)
-    model = Qwen3MoeForCausalLM(demo.demo_config(len(tokenizer)))
-    losses = demo.pretrain_teacher(model, tokenizer, rows, steps=40, batch_size=4, seq_len=64)
+    model = Qwen3MoeForCausalLM(embedded.demo_config(len(tokenizer)))
+    losses = embedded.pretrain_teacher(model, tokenizer, rows, steps=40, batch_size=4, seq_len=64)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
 def test_convert_demo_prints_the_comparison_table(tmp_path, monkeypatch, capsys):
     """`fcsd convert demo` end to end on a tiny budget: FCSD and SFT runs, then the four-row report."""
     monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(demo, "PRETRAIN_STEPS", 30)
+    monkeypatch.setattr(embedded, "PRETRAIN_STEPS", 30)
     out = tmp_path / "demo"
     argv = ["convert", "demo", "train.max_steps=2", "train.warmup_steps=1", f"output_dir={out}", "progress=false"]
     assert main(argv) == 0

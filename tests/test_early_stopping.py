@@ -11,8 +11,8 @@ from launch import torchrun
 from test_trainer import FAST, assets, config_for  # noqa: F401  (the module fixture is shared)
 
 import fcsd
+from fcsd.distill.convert import convert
 from fcsd.distill.early_stopping import EarlyStopping
-from fcsd.distill.trainer import convert
 from fcsd.evaluate import mbpp_plus
 
 FIXTURE = Path(__file__).resolve().parents[1] / "eval" / "fixtures" / "mbpp_plus_mini.jsonl"

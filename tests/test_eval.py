@@ -10,7 +10,7 @@ from test_trainer import assets, config_for  # noqa: F401  (the module fixture i
 
 import fcsd
 from fcsd.cli import main
-from fcsd.distill.trainer import convert
+from fcsd.distill.convert import convert
 from fcsd.evaluate.harness import load_for_eval, run_suite
 from fcsd.evaluate.suites import load_suite
 

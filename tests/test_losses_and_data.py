@@ -153,13 +153,18 @@ def test_packing_resets_positions_per_document_and_labels_stay_inside_documents(
     assert packed.sft_labels().tolist() == [[6, 7, -100, -100], [-100, 11, 12, -100]]
 
 
-def test_packed_documents_do_not_attend_to_each_other():
-    """A packed row scores each document exactly as if it were alone (block-diagonal mask from position ids)."""
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "flex_attention"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "llama4_text"])
+def test_packed_documents_do_not_attend_to_each_other(family, attention):
+    """A packed row scores each document exactly as if it were alone (block-diagonal mask from position ids), with
+    every attention kernel the trainer may load (sdpa is its default), Llama-4's chunked attention included."""
     from tiny_models import build
 
     import fcsd
 
-    model = fcsd.apply_farskip(build("qwen3_moe"), "all")
+    model = build(family).requires_grad_(False)  # flex attention has no CPU backward in torch 2.13
+    model.set_attn_implementation(attention)
+    model = fcsd.apply_farskip(model, "all")
     docs = [torch.randint(3, 90, (n,)).tolist() for n in (5, 7, 4)]
     packed = pack_documents(docs, seq_len=16)
     together = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]

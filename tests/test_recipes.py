@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fcsd import demo
+from fcsd import embedded
 from fcsd.cli import main
 from fcsd.distill.config import compose, preset_for, presets, recipes_dir, to_config
 
@@ -75,8 +75,8 @@ def run_losses(run: Path, last: int) -> float:
 @pytest.fixture
 def small_demo(tmp_path, monkeypatch):
     monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))  # the sweep's processes find this small demo
-    monkeypatch.setattr(demo, "PRETRAIN_STEPS", 30)
-    demo.prepare_demo()
+    monkeypatch.setattr(embedded, "PRETRAIN_STEPS", 30)
+    embedded.prepare_demo()
 
 
 def test_demo_sweep_selects_and_does_not_rerun(small_demo, tmp_path, capsys):
@@ -126,9 +126,9 @@ def test_a_multimodal_llama4_checkpoint_trains_its_text_model(tmp_path):
     from tiny_models import CONFIGS
 
     import fcsd
+    from fcsd.distill.convert import convert
     from fcsd.distill.synthetic import make_dataset, write_jsonl
     from fcsd.distill.tokenizer import train_tokenizer
-    from fcsd.distill.trainer import convert
 
     rows = make_dataset(120, seed=3)
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=200)

@@ -17,11 +17,12 @@ from tiny_models import build
 
 import fcsd
 from fcsd.cli import main
-from fcsd.demo import pretrain_teacher
 from fcsd.distill.config import compose, to_config
+from fcsd.distill.convert import convert
+from fcsd.distill.optim import SpikeGuard
 from fcsd.distill.synthetic import make_dataset, write_jsonl
 from fcsd.distill.tokenizer import train_tokenizer
-from fcsd.distill.trainer import SpikeGuard, convert
+from fcsd.embedded import pretrain_teacher
 
 FAST = [
     "data.seq_len=32",
@@ -81,21 +82,38 @@ def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, t
     recipe = json.loads((tmp_path / "run" / "export" / "config.json").read_text())["farskip"]["recipe"]
     assert (recipe["objective"], recipe["steps"], recipe["tokens"], recipe["lr"]) == ("kl", 8, 8 * 256, 3e-4)
     # the final checkpoint holds the trained student: its held-out KL is the one the run reported
-    from fcsd.distill.trainer import heldout_metrics, load_data, load_models, load_tokenizer
+    from fcsd.distill.heldout import heldout_metrics
+    from fcsd.distill.models import load_models, load_tokenizer
+    from fcsd.distill.run_data import load_run_data
 
     config = config_for(assets, tmp_path / "run")
     tokenizer = load_tokenizer(config)
     teacher, _ = load_models(config, tokenizer, torch.device("cpu"), need_student=False)
-    _, held, _ = load_data(config, tokenizer)
+    _, held, _ = load_run_data(config, tokenizer)
     reloaded = heldout_metrics(model, held, config, teacher)
     assert reloaded["eval/kl"] == pytest.approx(result.eval_after["eval/kl"], rel=1e-4)
 
 
+def records_of(out, key: str) -> list[float]:
+    return [r[key] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines()) if key in r]
+
+
+def assert_same_training(a, b):
+    """Same losses, same gradient norms (a constant gradient-scale error changes them, even where AdamW and
+    clipping hide it in the losses) and the same parameters after the steps."""
+    for key in ("train/loss", "train/grad_norm"):
+        torch.testing.assert_close(torch.tensor(records_of(a, key)), torch.tensor(records_of(b, key)))
+    first, second = fcsd.from_pretrained(str(Path(a) / "final")), fcsd.from_pretrained(str(Path(b) / "final"))
+    for (name, x), (_, y) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
+        torch.testing.assert_close(x, y, msg=name)
+
+
 def test_loss_does_not_depend_on_micro_batching(assets, tmp_path):
-    one = convert(config_for(assets, tmp_path / "a", "train.max_steps=3", "train.micro_batch_size=8"))
-    four = convert(config_for(assets, tmp_path / "b", "train.max_steps=3", "train.micro_batch_size=2"))
-    assert one.steps == four.steps == 3
-    torch.testing.assert_close(torch.tensor(losses_of(tmp_path / "a")), torch.tensor(losses_of(tmp_path / "b")))
+    extra = ["train.max_steps=2", "train.grad_clip=0", "export=false"]  # no clipping: gradients reach AdamW raw
+    one = convert(config_for(assets, tmp_path / "a", *extra, "train.micro_batch_size=8"))
+    four = convert(config_for(assets, tmp_path / "b", *extra, "train.micro_batch_size=2"))
+    assert one.steps == four.steps == 2
+    assert_same_training(tmp_path / "a", tmp_path / "b")
 
 
 @pytest.mark.parametrize("objective", ["sft", "kl_l2"])
@@ -159,10 +177,14 @@ def test_killed_run_resumes_exactly(assets, tmp_path):
 def test_two_gloo_processes_match_one(assets, tmp_path):
     args = ["-m", "fcsd.cli", "convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}"]
     args += [f"data.cache_dir={assets / 'cache'}", *FAST, "train.max_steps=3", "train.micro_batch_size=4"]
+    args += ["train.save_every=2", "train.grad_clip=0", "export=false"]
     torchrun(2, *args, f"output_dir={tmp_path / 'two'}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, *args, f"output_dir={tmp_path / 'one'}"], env=env, check=True, capture_output=True)
-    torch.testing.assert_close(torch.tensor(losses_of(tmp_path / "two")), torch.tensor(losses_of(tmp_path / "one")))
+    assert_same_training(tmp_path / "two", tmp_path / "one")
+    # the checkpoint was renamed into place only after both processes wrote their RNG states into it
+    checkpoint = tmp_path / "two" / "checkpoints" / "step-2"
+    assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
 
 
 def test_non_finite_and_spiking_steps_are_skipped(assets, tmp_path, monkeypatch):
@@ -198,6 +220,112 @@ def test_spike_guard_decisions():
         guard.check(1.0, float("inf"))
 
 
+def test_deepspeed_guard_never_reports_a_skip_it_cannot_make():
+    guard = SpikeGuard(factor=0, window=3, max_bad=5, can_skip=False)
+    assert guard.check(1.0, 1.0) is None
+    with pytest.raises(RuntimeError, match="DeepSpeed, which has already applied it"):
+        guard.check(float("nan"), 1.0)
+
+
+def test_fp16_overflow_and_refused_steps_keep_the_loss_scaler_working():
+    """A refused step must close the scaler's iteration (clipping unscaled the gradients); an overflow is the
+    scaler's own skip and not a bad step. accelerate's fp16 optimizer wrapper, with torch's GradScaler on CPU."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from fcsd.distill.optim import apply_update
+
+    model = torch.nn.Linear(4, 4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=scaler)
+    guard = SpikeGuard(factor=2.0, window=1, max_bad=3)
+
+    def step(loss_value: float, poison: bool = False):
+        loss = model(torch.ones(2, 4)).sum()
+        scaler.scale(loss * (float("inf") if poison else 1.0)).backward()
+        scaler.unscale_(optimizer.optimizer)  # what accelerate's clip_grad_norm_ does
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        result = apply_update(optimizer, scaler, guard, loss_value, norm)
+        optimizer.zero_grad()
+        return result
+
+    assert step(1.0) == (True, None)
+    applied, reason = step(100.0)  # a spike: refused
+    assert not applied and "loss spike" in reason
+    assert step(1.0) == (True, None)  # before the fix: "unscale_() has already been called"
+    scale = scaler.get_scale()
+    applied, reason = step(1.0, poison=True)
+    assert not applied and "overflow" in reason and scaler.get_scale() < scale and guard.bad_streak == 0
+
+
+def test_teacher_and_student_of_a_bf16_checkpoint_share_the_cache_fingerprint(assets, tmp_path):
+    from fcsd.distill.models import load_models, load_tokenizer
+    from fcsd.distill.teacher_cache import model_fingerprint
+
+    bf16 = tmp_path / "bf16"
+    model = fcsd.from_pretrained(str(assets / "model"), dtype=torch.bfloat16)
+    model.save_pretrained(bf16)
+    load_tokenizer(config_for(assets, tmp_path)).save_pretrained(bf16)
+    config = config_for(assets, tmp_path / "run", f"model.name={bf16}")
+    tokenizer = load_tokenizer(config)
+    teacher, _ = load_models(config, tokenizer, torch.device("cpu"), need_student=False)  # fp32 on CPU
+    _, student = load_models(config, tokenizer, torch.device("cpu"), need_teacher=False)  # config.dtype: bf16
+    assert str(student.config.dtype).endswith("bfloat16")
+    assert model_fingerprint(teacher) == model_fingerprint(student)
+    other = fcsd.from_pretrained(str(assets / "model"))
+    with torch.no_grad():
+        other.get_output_embeddings().weight[0, 0] += 1
+    assert model_fingerprint(other) != model_fingerprint(teacher)
+
+
+def test_heldout_kl_from_a_cache_uses_its_temperature(assets, tmp_path):
+    """eval/kl_topk at T=2 from a cache of the whole vocabulary equals the full KL at T=2 (scaled by T^2)."""
+    from fcsd.distill import losses
+    from fcsd.distill.heldout import heldout_metrics
+    from fcsd.distill.models import load_models, load_tokenizer
+    from fcsd.distill.objectives import teacher_targets
+    from fcsd.distill.run_data import load_run_data
+
+    config = config_for(assets, tmp_path, "train.temperature=2.0")
+    tokenizer = load_tokenizer(config)
+    teacher, student = load_models(config, tokenizer, torch.device("cpu"))
+    _, held, _ = load_run_data(config, tokenizer)
+    x, head, _ = teacher_targets(teacher, held)
+    logits = head(x)
+    logp, ids = losses.topk_teacher(logits, logits.shape[-1], temperature=2.0)
+
+    class Cache:
+        def rows(self, indices):
+            return logp.view(len(held), -1, logp.shape[-1])[indices], ids.view(len(held), -1, ids.shape[-1])[indices]
+
+    cached = heldout_metrics(student, held, config, cache=Cache())
+    assert set(cached) == {"eval/kl_topk", "eval/nll"}
+    student_logits = head(teacher_targets(student, held)[0])
+    expected = losses.kl_divergence(student_logits, logits, temperature=2.0).mean()
+    assert cached["eval/kl_topk"] == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_sweep_runs_follow_the_full_runs_schedule_and_stop_early(assets, tmp_path):
+    from fcsd.distill.optim import build_optimizer, plan_steps
+    from fcsd.distill.sweep import job_overrides
+
+    assert "train.stop_after=30" in job_overrides(tmp_path, 30)
+    assert "train.max_steps=30" in job_overrides(tmp_path, 30, "truncated")
+    full = config_for(assets, tmp_path, "train.max_steps=100", "train.warmup_steps=10")
+    sweep = config_for(assets, tmp_path, "train.max_steps=100", "train.warmup_steps=10", "train.stop_after=30")
+    truncated = config_for(assets, tmp_path, "train.max_steps=30", "train.warmup_steps=10")
+    lrs = {}
+    for name, config in (("full", full), ("sweep", sweep), ("truncated", truncated)):
+        plan = plan_steps(config, 1)
+        _, scheduler = build_optimizer(torch.nn.Linear(2, 2), config, plan)
+        lrs[name] = []
+        for _ in range(plan.total_steps):
+            lrs[name].append(scheduler.get_last_lr()[0])
+            scheduler.step()
+    assert len(lrs["sweep"]) == len(lrs["truncated"]) == 30 and len(lrs["full"]) == 100
+    assert lrs["sweep"] == lrs["full"][:30]
+    assert lrs["truncated"][-1] < lrs["sweep"][-1]  # the truncated cosine has already annealed
+
+
 def test_bad_input_errors(assets, tmp_path, capsys):
     model = str(assets / "model")
     small = tmp_path / "small-vocab"  # a checkpoint predicting fewer tokens than its tokenizer holds
@@ -215,6 +343,17 @@ def test_bad_input_errors(assets, tmp_path, capsys):
         (["convert", model, f"data.path={tmp_path / 'missing.jsonl'}"], "missing.jsonl: no such file"),
         (["convert", str(tmp_path / "no-model"), f"data.path={assets / 'train.jsonl'}"], "no-model: no such folder"),
         (["convert", str(small), *FAST, f"data.path={assets / 'train.jsonl'}"], "vocabulary mismatch"),
+        (["convert", model, *FAST, f"data.path={assets / 'train.jsonl'}", "train.jsd_beta=0"], "strictly between"),
+        (["convert", model, *FAST, f"data.path={assets / 'train.jsonl'}", "train.temperature=0"], "must be > 0"),
+        (
+            ["convert", model, f"data.path={assets / 'train.jsonl'}", "train.max_steps=300"],
+            "train.warmup_steps=1000 is longer than the run (300 steps)",
+        ),
+        (
+            ["convert", model, *FAST, f"data.path={assets / 'train.jsonl'}", "teacher.mode=cache"]
+            + ["train.divergence=reverse_kl"],
+            "train.divergence=reverse_kl needs the full teacher distribution",
+        ),
     ]
     for argv, message in cases:
         assert main([*argv, f"output_dir={tmp_path / 'new'}"] if "output_dir" not in argv[-1] else argv) == 2, argv

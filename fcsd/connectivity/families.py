@@ -147,6 +147,26 @@ def text_config(config):
     return config
 
 
+def text_model(model: nn.Module) -> nn.Module:
+    """The causal text model to run on text-only input: the model itself, or the language model of a multimodal
+    wrapper (Llama-4's ``Llama4ForConditionalGeneration``, whose own forward fails on text-only input in
+    transformers 5)."""
+    runner = getattr(model, "language_model", None)
+    if text_config(model.config) is not model.config and isinstance(runner, nn.Module):
+        return runner
+    return model
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The decoder's final norm (the LM head's input). ``get_decoder()`` is not enough: transformers 5 returns a
+    ``Llama4ForCausalLM`` itself (its base-model prefix names the multimodal wrapper's attribute), whose norm sits in
+    ``.model``."""
+    for decoder in (model.get_decoder(), getattr(model, "model", None)):
+        if isinstance(getattr(decoder, "norm", None), nn.Module):
+            return decoder.norm
+    raise ValueError(f"{type(model).__name__}: no final norm found (expected get_decoder().norm or model.norm)")
+
+
 def family_for_config(config) -> MoEFamily:
     """The family row for a transformers config, or :class:`UnsupportedModelError` listing what is supported."""
     decoder_config = text_config(config)

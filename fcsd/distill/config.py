@@ -14,6 +14,7 @@ from omegaconf import MISSING
 
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
+SWEEP_SCHEDULES = ("full", "truncated")
 EARLY_STOP_METRICS = ("plus", "base")
 
 
@@ -22,12 +23,13 @@ class ModelConfig:
     name: str = MISSING  # hub id, local folder, or 'demo'; the MODEL argument of `fcsd convert` sets it
     dtype: str = "auto"  # weights of the student (master copy): auto = float32 (bf16 compute comes from autocast)
     attn_implementation: str | None = None  # e.g. sdpa, flash_attention_2; None = the transformers default
+    experts_implementation: str | None = None  # transformers' expert kernels: grouped_mm (default), batched_mm, eager
     trust_remote_code: bool = False
     accelerate_config: str | None = None  # recommended `accelerate launch --config_file` (presets set it)
 
 
 @dataclass
-class FarSkipConfig:
+class ConnectivityConfig:
     layers: str = "all"  # layer spec: all, none, last:N, first:N, last:50%, 0,3,5-7 (paper Tab. 2 converts the last)
 
 
@@ -62,6 +64,7 @@ class TrainConfig:
     batch_tokens: int = 65536  # tokens per optimizer step, all processes together (paper: 2^16 .. 2^18)
     micro_batch_size: int = 1  # sequences per forward pass and process; the rest is gradient accumulation
     max_steps: int | None = None  # stop after this many optimizer steps (None: from max_tokens)
+    stop_after: int | None = None  # stop early after N steps, keeping the LR schedule of the whole run (sweep runs)
     max_tokens: int = 10_000_000_000  # token budget (paper: up to 10B); the smaller of the two limits wins
     seed: int = 0  # data order, initialisation of anything random
     mixed_precision: str = "auto"  # bf16 | fp16 | no; auto = bf16 on GPU, no on CPU
@@ -107,6 +110,8 @@ class SweepConfig:
     select_last: int = 100  # selection: lowest mean training loss (per token) over the last N steps of a run
     launcher: str = "basic"  # Hydra launcher: basic (one run after another here) | submitit_slurm | submitit_local
     launcher_overrides: list[str] = field(default_factory=list)  # e.g. [hydra.launcher.partition=gpu]
+    schedule: str = "full"  # full: sweep runs follow the full run's LR schedule and stop after `steps` |
+    # truncated: warm-up and cosine squeezed into `steps` (each sweep run is a complete short run)
     launch_final: bool = False  # after the sweep, run the full conversion with the chosen settings
     dir: str | None = None  # sweep folder; None: <output_dir>/sweep
 
@@ -114,7 +119,7 @@ class SweepConfig:
 @dataclass
 class FCSDConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    farskip: FarSkipConfig = field(default_factory=FarSkipConfig)
+    farskip: ConnectivityConfig = field(default_factory=ConnectivityConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -126,6 +131,13 @@ class FCSDConfig:
     push_to_hub: str | None = None  # hub repository to push the export to at the end (needs a token)
     overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
     progress: bool = True  # progress bars
+
+
+def schedule_steps(train: TrainConfig) -> int:
+    """The LR schedule's horizon: the run's length from ``train.max_tokens`` and ``train.max_steps`` (the smaller
+    wins); ``train.stop_after`` ends a run early without changing it."""
+    total = train.max_tokens // train.batch_tokens
+    return min(total, train.max_steps) if train.max_steps is not None else total
 
 
 def register_schemas() -> None:
@@ -174,6 +186,7 @@ def to_config(cfg) -> FCSDConfig:
     from omegaconf import OmegaConf
 
     config: FCSDConfig = OmegaConf.to_object(cfg)
+    train = config.train
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
         (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
@@ -181,6 +194,19 @@ def to_config(cfg) -> FCSDConfig:
             config.teacher.mode == "online" or config.train.objective == "kl",
             "teacher.mode=cache holds logits only: it works with train.objective=kl (use online for kl_l2)",
         ),
+        (
+            config.teacher.mode == "online" or train.divergence == "forward_kl",
+            f"teacher.mode=cache trains the top-k forward KL only; train.divergence={train.divergence} needs the "
+            "full teacher distribution: use teacher.mode=online, or train.divergence=forward_kl",
+        ),
+        (train.temperature > 0, f"train.temperature={train.temperature}: it must be > 0"),
+        (0 < train.jsd_beta < 1, f"train.jsd_beta={train.jsd_beta}: it must lie strictly between 0 and 1"),
+        (
+            train.warmup_steps <= schedule_steps(train),
+            f"train.warmup_steps={train.warmup_steps} is longer than the run ({schedule_steps(train)} steps): the LR "
+            f"would never reach train.lr; set train.warmup_steps below {schedule_steps(train)}",
+        ),
+        (config.sweep.schedule in SWEEP_SCHEDULES, f"sweep.schedule: choose {SWEEP_SCHEDULES}"),
         (config.data.path is not None, "data.path is required: a local data file or folder, or a datasets name"),
         (config.train.batch_tokens >= config.data.seq_len, "train.batch_tokens must be at least data.seq_len"),
         (

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,20 +71,30 @@ def jensen_shannon(
     return (beta * kl_tm + (1 - beta) * kl_sm) * temperature**2
 
 
-def divergence(name: str, temperature: float = 1.0, jsd_beta: float = 0.5) -> Callable:
-    """The per-token divergence ``f(student_logits, teacher_logits) -> (N,)`` called ``name`` (see DIVERGENCES).
+@dataclass(frozen=True)
+class TokenLoss:
+    """A per-token loss ``loss(student_logits, *targets) -> (N,)`` for :func:`chunked_head_loss`, optionally with
+    ``loss_and_grad(student_logits, *targets) -> (loss (N,), d loss / d student_logits)`` in closed form; with it
+    the chunked head loss skips autograd over the vocabulary."""
 
-    Where a closed-form gradient exists, ``f.loss_and_grad(s, t) -> (loss, d loss / d s)`` provides it; the
-    chunked head loss then skips autograd over the vocabulary.
-    """
+    loss: Callable[..., torch.Tensor]
+    loss_and_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __call__(self, *args) -> torch.Tensor:
+        return self.loss(*args)
+
+
+def divergence(name: str, temperature: float = 1.0, jsd_beta: float = 0.5) -> TokenLoss:
+    """The per-token divergence ``f(student_logits, teacher_logits) -> (N,)`` called ``name`` (see DIVERGENCES);
+    forward KL comes with its closed-form gradient."""
     if name == "forward_kl":
-        forward = lambda s, t: kl_divergence(s, t, temperature)  # noqa: E731
-        forward.loss_and_grad = lambda s, t: forward_kl_and_grad(s, t, temperature)
-        return forward
+        return TokenLoss(
+            lambda s, t: kl_divergence(s, t, temperature), lambda s, t: forward_kl_and_grad(s, t, temperature)
+        )
     if name == "reverse_kl":
-        return lambda s, t: kl_divergence(s, t, temperature, reverse=True)
+        return TokenLoss(lambda s, t: kl_divergence(s, t, temperature, reverse=True))
     if name == "jsd":
-        return lambda s, t: jensen_shannon(s, t, jsd_beta, temperature)
+        return TokenLoss(lambda s, t: jensen_shannon(s, t, jsd_beta, temperature))
     raise ValueError(f"unknown divergence {name!r}; choose one of {', '.join(DIVERGENCES)}")
 
 
@@ -130,8 +141,8 @@ def chunked_head_loss(
     """Sum over the ``N`` rows of ``hidden`` ``(N, d)`` of ``token_loss(head(hidden_chunk), *target_chunks)``.
 
     ``head`` is a bias-free ``nn.Linear`` (the LM head) or ``nn.Identity`` (``hidden`` are logits already). Every
-    tensor in ``targets`` is sliced along dim 0 with the hidden states. A ``token_loss`` with a ``loss_and_grad``
-    attribute (see :func:`divergence`) supplies its gradient in closed form. When gradients are needed, each chunk's
+    tensor in ``targets`` is sliced along dim 0 with the hidden states. A :class:`TokenLoss` with ``loss_and_grad``
+    supplies its gradient in closed form. When gradients are needed, each chunk's
     gradients with respect to the hidden states and the head weight are computed right after its loss (Liger-Kernel's
     fused linear + loss pattern), so only one chunk of logits exists at a time and nothing is recomputed.
     """
@@ -164,7 +175,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             chunk = hidden[start : start + chunk_size]
             logits = _project(chunk, weight)
             pieces = tuple(t[start : start + chunk_size] for t in targets)
-            if hasattr(token_loss, "loss_and_grad"):
+            if isinstance(token_loss, TokenLoss) and token_loss.loss_and_grad is not None:
                 loss, grad_logits = token_loss.loss_and_grad(logits, *pieces)
                 loss, grad_logits = loss.sum(), grad_logits.to(logits.dtype)
             else:
@@ -217,11 +228,8 @@ def forward_kl(
     """Sum over tokens of KL(teacher || student) (paper Eq. 4) on ready logits ``(..., vocab)``, and the count."""
     check_vocabularies(student_logits.shape[-1], teacher_logits.shape[-1])
     student, teacher = _flatten(student_logits, mask), _flatten(teacher_logits, mask)
-    total = student.new_zeros((), dtype=torch.float32)
-    for start in range(0, student.shape[0], chunk_size):
-        end = start + chunk_size
-        total = total + kl_divergence(student[start:end], teacher[start:end], temperature).sum()
-    return total, student.shape[0]
+    token_loss = lambda s, t: kl_divergence(s, t, temperature)  # noqa: E731
+    return chunked_head_loss(student, torch.nn.Identity(), token_loss, (teacher,), chunk_size), student.shape[0]
 
 
 def next_token_nll(
@@ -231,11 +239,9 @@ def next_token_nll(
 
     ``labels`` are aligned with ``logits`` (position t predicts ``labels[t]``); ``ignore_index`` entries do not count.
     """
-    flat_logits, flat_labels = _flatten(logits), labels.reshape(-1)
-    total = flat_logits.new_zeros((), dtype=torch.float32)
-    for start in range(0, flat_labels.shape[0], chunk_size):
-        end = start + chunk_size
-        total = total + cross_entropy(flat_logits[start:end], flat_labels[start:end], ignore_index).sum()
+    flat_labels = labels.reshape(-1)
+    token_loss = lambda x, y: cross_entropy(x, y, ignore_index)  # noqa: E731
+    total = chunked_head_loss(_flatten(logits), torch.nn.Identity(), token_loss, (flat_labels,), chunk_size)
     return total, int((flat_labels != ignore_index).sum())
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fcsd.connectivity.families import final_norm
 from fcsd.distill import losses
 from fcsd.distill.data import Packed
 
@@ -38,15 +39,6 @@ def capture_final_hidden(model):
         yield captured
     finally:
         handle.remove()
-
-
-def final_norm(model) -> torch.nn.Module:
-    """The decoder's final norm. ``get_decoder()`` is not enough: transformers 5 returns the ``Llama4ForCausalLM``
-    itself (its base-model prefix names the multimodal wrapper's attribute), whose norm sits in ``.model``."""
-    for decoder in (model.get_decoder(), getattr(model, "model", None)):
-        if isinstance(getattr(decoder, "norm", None), torch.nn.Module):
-            return decoder.norm
-    raise ValueError(f"{type(model).__name__}: no final norm found (expected get_decoder().norm or model.norm)")
 
 
 def final_hidden(model, unwrapped, batch: Packed, **kwargs):
@@ -84,18 +76,19 @@ def teacher_targets(teacher, batch: Packed, want_hidden_states: bool = False, he
     return x, head, (output.hidden_states if want_hidden_states else None)
 
 
-def teacher_token_loss(divergence, teacher_head):
+def teacher_token_loss(divergence: losses.TokenLoss, teacher_head) -> losses.TokenLoss:
     """``token_loss(student_logits, teacher_x)`` for :func:`chunked_head_loss`: the teacher's logits come from its
     head applied to the same chunk, without gradients; keeps the divergence's closed-form gradient if it has one."""
 
-    def token_loss(student_logits, teacher_chunk):
+    def teacher_logits(teacher_chunk):
         with torch.no_grad():
-            teacher_logits = teacher_head(teacher_chunk)
-        return divergence(student_logits, teacher_logits)
+            return teacher_head(teacher_chunk)
 
-    if hasattr(divergence, "loss_and_grad"):
-        token_loss.loss_and_grad = lambda s, t: divergence.loss_and_grad(s, teacher_head(t))
-    return token_loss
+    closed_form = divergence.loss_and_grad
+    return losses.TokenLoss(
+        lambda s, t: divergence(s, teacher_logits(t)),
+        None if closed_form is None else lambda s, t: closed_form(s, teacher_logits(t)),
+    )
 
 
 def micro_batch_loss(

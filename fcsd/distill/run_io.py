@@ -1,16 +1,13 @@
-"""What a run leaves on disk: the output folder rules, atomic folder writes, metrics (JSONL + TensorBoard) and the
-PNG of the training curves."""
+"""What a run writes while it trains: the output folder rule, metrics (JSONL + TensorBoard) and the PNG of the
+training curves (the file names belong to :class:`fcsd.run_folder.RunFolder`)."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
-CHECKPOINTS = "checkpoints"
-METRICS = "metrics.jsonl"
+from fcsd.run_folder import RunFolder
 
 
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
@@ -26,42 +23,23 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     )
 
 
-@contextmanager
-def atomic_dir(target: Path):
-    """Yield a staging folder beside ``target``; on success it replaces ``target`` in one rename."""
-    staging = target.with_name(f".{target.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    old = target.with_name(f".{target.name}.old")
-    if target.exists():
-        os.replace(target, old)
-    os.replace(staging, target)
-    shutil.rmtree(old, ignore_errors=True)
+def write_run_config(run: RunFolder, config) -> None:
+    """The resolved config of the run, ``fcsd_config.yaml``."""
+    from omegaconf import OmegaConf
+
+    run.root.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(config), run.config)
 
 
-def checkpoints(output_dir: Path) -> list[Path]:
-    """Complete step checkpoints, oldest first (a partial one is never listed: it has a dotted staging name)."""
-    folder = output_dir / CHECKPOINTS
-    if not folder.exists():
-        return []
-    return sorted((p for p in folder.iterdir() if p.name.startswith("step-")), key=lambda p: int(p.name[5:]))
-
-
-def prune_checkpoints(output_dir: Path, keep: int) -> None:
-    for old in checkpoints(output_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+def write_summary(run: RunFolder, summary: dict) -> None:
+    run.summary.write_text(json.dumps(summary, indent=2))
 
 
 class MetricsLog:
     """Append-only JSONL metrics plus TensorBoard scalars; on resume, records after the checkpoint are dropped."""
 
     def __init__(self, output_dir: Path, resume_step: int | None = None, enabled: bool = True):
-        self.path = output_dir / METRICS
+        self.path = RunFolder(output_dir).metrics
         self.enabled = enabled
         self.writer = None
         if not enabled:
@@ -72,7 +50,7 @@ class MetricsLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=resume_step)
+            self.writer = SummaryWriter(str(RunFolder(output_dir).tensorboard), purge_step=resume_step)
         except ImportError:  # tensorboard is a dependency; tolerate its absence rather than lose the run
             self.writer = None
 
@@ -103,13 +81,15 @@ def plot_curves(records: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     train = [r for r in records if "train/loss" in r]
-    evals = [r for r in records if "eval/kl" in r]
+    from fcsd.distill.heldout import KL_KEYS, kl_of
+
+    evals = [r for r in records if any(key in r for key in KL_KEYS)]
     mbpp = [r for r in records if "early_stop/mbpp_plus" in r]
     figure, axes = plt.subplots(1, 3 if mbpp else 2, figsize=(16 if mbpp else 11, 4))
     ax_loss, ax_lr = axes[:2]
     ax_loss.plot([r["step"] for r in train], [r["train/loss"] for r in train], label="training loss (per token)")
     if evals:
-        ax_loss.plot([r["step"] for r in evals], [r["eval/kl"] for r in evals], "o-", label="held-out KL")
+        ax_loss.plot([r["step"] for r in evals], [kl_of(r) for r in evals], "o-", label="held-out KL")
     ax_loss.set_xlabel("step")
     ax_loss.set_yscale("log")
     ax_loss.legend()

@@ -19,9 +19,7 @@ import sys
 from pathlib import Path
 
 from fcsd.distill.config import FCSDConfig
-
-STATUS = "sweep_status.json"
-SUMMARY = "run_summary.json"
+from fcsd.run_folder import RunFolder
 
 
 def sweep_dir(config: FCSDConfig) -> Path:
@@ -32,10 +30,15 @@ def run_name(batch_tokens: int, lr: float) -> str:
     return f"bt{batch_tokens}-lr{lr:g}"
 
 
-def job_overrides(run_dir: Path, steps: int) -> list[str]:
-    """What makes a run a sweep run: ``steps`` steps into ``run_dir``, resumable, no early stopping, export or push."""
+def job_overrides(run_dir: Path, steps: int, schedule: str = "full") -> list[str]:
+    """What makes a run a sweep run: ``steps`` steps into ``run_dir``, resumable, no early stopping, export or push.
+
+    ``schedule="full"`` (the default) keeps the LR schedule of the full run (its warm-up and cosine over the whole
+    token budget) and stops after ``steps``, so batch size and LR are chosen under the schedule they will train
+    with; ``"truncated"`` squeezes warm-up and cosine into ``steps`` (each sweep run a complete short run)."""
     settings = ["train.resume=true", "export=false", "early_stop.enabled=false", "push_to_hub=null"]
-    return [f"output_dir={run_dir}", f"train.max_steps={steps}", *settings]
+    length = f"train.stop_after={steps}" if schedule == "full" else f"train.max_steps={steps}"
+    return [f"output_dir={run_dir}", length, *settings]
 
 
 def run_job(config: FCSDConfig, run_dir: Path, overrides: list[str]) -> str:
@@ -43,24 +46,25 @@ def run_job(config: FCSDConfig, run_dir: Path, overrides: list[str]) -> str:
     :func:`job_overrides`. Returns its status; exceptions are recorded, not raised, so the other runs go on."""
     import torch
 
-    if (run_dir / SUMMARY).exists():
+    run = RunFolder(run_dir)
+    if run.summary.exists():
         print(f"sweep: {run_dir.name} finished earlier, not run again")
         return "finished"
-    if (run_dir / STATUS).exists():
-        print(f"sweep: {run_dir.name} crashed earlier, not run again (delete {run_dir / STATUS} to retry)")
+    if run.sweep_status.exists():
+        print(f"sweep: {run_dir.name} crashed earlier, not run again (delete {run.sweep_status} to retry)")
         return "crashed"
     try:
         if config.model.accelerate_config and torch.cuda.device_count() > 1:
             command = ["accelerate", "launch", "--config_file", config.model.accelerate_config, "-m", "fcsd.cli"]
             subprocess.run([*command, "convert", *overrides], check=True)
         else:
-            from fcsd.distill.trainer import convert
+            from fcsd.distill.convert import convert
 
             convert(config)
         return "finished"
     except Exception as error:  # noqa: BLE001 - any failure of one run is that run's result
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / STATUS).write_text(json.dumps({"status": "crashed", "error": f"{type(error).__name__}: {error}"}))
+        run.sweep_status.write_text(json.dumps({"status": "crashed", "error": f"{type(error).__name__}: {error}"}))
         print(f"sweep: {run_dir.name} crashed: {error}", file=sys.stderr)
         return "crashed"
 
@@ -77,14 +81,14 @@ def launch_stage(overrides: list[str], stage_dir: Path, batch_tokens: list[int],
 def read_run(run_dir: Path, select_last: int) -> dict:
     """Status, loss curve and selection loss of one run folder."""
     curve = []
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    run = RunFolder(run_dir)
+    if run.metrics.exists():
+        records = [json.loads(line) for line in run.metrics.read_text().splitlines()]
         curve = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r and not r.get("train/skipped")]
-    status = "finished" if (run_dir / SUMMARY).exists() else "crashed" if (run_dir / STATUS).exists() else "missing"
+    status = "finished" if run.summary.exists() else "crashed" if run.sweep_status.exists() else "missing"
     tail = [loss for _, loss in curve[-select_last:]]
     loss = sum(tail) / len(tail) if status == "finished" and tail else None
-    error = json.loads((run_dir / STATUS).read_text())["error"] if status == "crashed" else None
+    error = json.loads(run.sweep_status.read_text())["error"] if status == "crashed" else None
     return {"status": status, "loss": loss, "steps": len(curve), "curve": curve, "error": error}
 
 
@@ -115,7 +119,7 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
     if sweep.launcher != "basic":
         _check_launcher(sweep.launcher)
     if config.teacher.mode == "cache":
-        from fcsd.distill.trainer import cache_teacher
+        from fcsd.distill.teacher_cache import cache_teacher
 
         cache = config.teacher.cache_dir or str(root / "teacher-cache")
         overrides.append(f"teacher.cache_dir={cache}")

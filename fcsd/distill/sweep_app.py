@@ -20,7 +20,7 @@ def main(cfg) -> None:
 
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.sweep.dir) / run_name(cfg.train.batch_tokens, cfg.train.lr)
-    job = job_overrides(run_dir, cfg.sweep.steps)
+    job = job_overrides(run_dir, cfg.sweep.steps, cfg.sweep.schedule)
     config = to_config(OmegaConf.merge(cfg, OmegaConf.from_dotlist(job)))
     run_job(config, run_dir, [*hydra_config.overrides.task, *job])
 

@@ -30,15 +30,59 @@ class TeacherCacheError(ValueError):
     """A cache that is missing or was made from another model, data or setting."""
 
 
+RUNTIME_CONFIG_KEYS = {  # how a model was loaded or run, not which model it is
+    "farskip",
+    "dtype",
+    "torch_dtype",
+    "_name_or_path",
+    "transformers_version",
+    "attn_implementation",
+    "_attn_implementation",
+    "_experts_implementation",
+    "use_cache",
+    "architectures",
+    "auto_map",
+    "model_type",  # an export's farskip_<type> is the same model as <type>
+}
+
+
 def model_fingerprint(model) -> str:
-    """Config (minus the FarSkip record) + the bytes of the embedding and LM-head weights: cheap, and different for
-    any other checkpoint."""
-    config = model.config.to_dict()
-    config.pop("farskip", None)
+    """What identifies a model, not how it was loaded: its architecture config (without runtime fields such as
+    the dtype or the attention kernel) and the values of its embedding and LM-head weights (compared in fp32, so a
+    bf16 checkpoint loaded in fp32 or in bf16 has one fingerprint)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in RUNTIME_CONFIG_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
         digest.update(module.weight.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def cache_dir(config) -> Path:
+    """``teacher.cache_dir``, else ``output_dir/teacher-cache``."""
+    return Path(config.teacher.cache_dir or Path(config.output_dir) / "teacher-cache")
+
+
+def run_meta(model, rows: Packed, config) -> dict:
+    """What a teacher cache for this run (its packed ``rows``: training then held-out) must have been made from."""
+    from fcsd.distill.data import tokens_fingerprint
+
+    fingerprint = tokens_fingerprint(rows.input_ids)
+    train = config.train
+    return expected_meta(model, fingerprint, len(rows), config.data.seq_len, config.teacher.top_k, train.temperature)
+
+
+def cache_teacher(config, batch_size: int = 4) -> Path:
+    """``fcsd cache-teacher``: run the teacher once over the run's packed rows (training, then held-out) and store
+    its top-k log-probabilities in ``teacher.cache_dir``."""
+    from fcsd.distill.models import load_models, load_tokenizer
+    from fcsd.distill.run_data import all_rows, load_run_data
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(config)
+    train_rows, held_rows, _ = load_run_data(config, tokenizer)
+    teacher, _ = load_models(config, tokenizer, device, need_student=False)
+    rows = all_rows(train_rows, held_rows)
+    return build_cache(teacher, rows, cache_dir(config), run_meta(teacher, rows, config), batch_size, config.progress)
 
 
 def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: int, temperature: float) -> dict:

@@ -9,36 +9,10 @@ merged back into one dict with lm-eval's layout.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from fcsd.evaluate.suites import SuiteConfig
 
 MERGED_KEYS = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
-
-
-RUN_CHECKPOINTS = ("export", "best", "final")  # what a run folder of `fcsd convert` holds, in order of preference
-
-
-def run_checkpoint(path: Path) -> Path | None:
-    """The checkpoint of a run folder (its ``export/``, else ``best/``, else ``final/``), or None."""
-    return next((path / inner for inner in RUN_CHECKPOINTS if (path / inner / "config.json").exists()), None)
-
-
-def resolve_checkpoint(ref: str) -> str:
-    """The folder (or hub id) to load for ``ref``: ``demo``; a run folder (its ``export/``, else ``best/``, else
-    ``final/``); an exported or converted folder; a stock checkpoint; or a hub id."""
-    from fcsd.demo import resolve_model
-
-    path = Path(ref).expanduser()
-    if not path.exists():
-        if ref.startswith((".", "/", "~")):
-            raise ValueError(f"model {ref}: no such folder (give a checkpoint or run folder, a hub id, or 'demo')")
-        return resolve_model(ref)
-    if (path / "config.json").exists():
-        return str(path)
-    if run_checkpoint(path):
-        return str(run_checkpoint(path))
-    raise ValueError(f"{ref} holds no checkpoint: expected config.json, or a run folder with export/ or final/")
 
 
 def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
@@ -46,7 +20,9 @@ def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
     ``device_map="auto"``)."""
     import torch
 
+    from fcsd.connectivity.families import text_model
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
+    from fcsd.sources import resolve_checkpoint
 
     path = resolve_checkpoint(ref)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +30,7 @@ def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
     if device == "cuda":  # load straight onto the GPUs, spread over all visible ones when one is too small
         options["device_map"] = "auto"
     model = from_pretrained(path, **options)
-    model = getattr(model, "language_model", None) or model  # Llama-4 multimodal: score the text model
+    model = text_model(model)  # a multimodal checkpoint (Llama-4) is scored through its text model
     if device != "cuda":
         model = model.to(device)
     return model.eval(), tokenizer_from_pretrained(path)
@@ -155,6 +131,8 @@ def evaluate_checkpoints(refs: dict[str, str], suite: SuiteConfig, device: str |
     import gc
 
     import torch
+
+    from fcsd.sources import resolve_checkpoint
 
     check_code_execution(suite, options.get("allow_code_execution", False))
     options["manager"] = task_manager(suite, options.get("include_paths", ()))  # before any model is loaded

@@ -120,3 +120,45 @@ def plot(rows: list[ProbeRow], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def probe_checkpoint(
+    name: str,
+    data: str | None = None,
+    split: str = "validation",
+    grid: str | None = None,
+    seq_len: int = 256,
+    num_sequences: int = 32,
+    batch_size: int = 4,
+    dtype: str = "float32",
+    device: str = "cpu",
+    output_dir: str | Path = "outputs/probe",
+) -> list[ProbeRow]:
+    """``fcsd probe``: load ``name`` (hub id, folder or ``demo``), score the grid on ``data`` (the model's own
+    held-out data by default), write ``probe.csv`` and ``probe.png`` to ``output_dir`` and print the table."""
+    from fcsd.connectivity.families import family_for_config, find_decoder_layers
+    from fcsd.distill.data import load_texts, pack_sequences
+    from fcsd.loading import from_pretrained, tokenizer_from_pretrained
+    from fcsd.sources import default_data, resolve_model
+
+    data = data or default_data(name)
+    if data is None:
+        raise ValueError("fcsd probe: --data is required (a local .jsonl/.json/.txt/.parquet file or a dataset name)")
+    path = resolve_model(name)
+    tokenizer = tokenizer_from_pretrained(path)
+    model = from_pretrained(path, layers=[], text_only=True, dtype=getattr(torch, dtype)).to(device)
+    num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
+    points = parse_grid(grid, num_layers)
+    rows = load_texts(data, tokenizer, split=split)
+    sequences = pack_sequences(rows.texts, tokenizer, seq_len, num_sequences)
+    print(f"probe: {name} ({num_layers} layers), {sequences.numel()} tokens from {data}, grid {points}")
+    results = run_probe(model, sequences, points, batch_size=batch_size)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(results, out / "probe.csv")
+    plot(results, out / "probe.png", f"FarSkip without training: {name}")
+    print(f"{'side':<6}{'N':>4}{'loss':>10}{'KL':>10}")
+    for r in results:
+        print(f"{r.side:<6}{r.n_converted:>4}{r.loss:>10.4f}{r.kl:>10.4f}")
+    print(f"wrote {out / 'probe.csv'} and {out / 'probe.png'}")
+    return results

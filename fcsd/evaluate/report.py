@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fcsd.evaluate.harness import run_checkpoint, task_score
+from fcsd.evaluate.harness import task_score
 from fcsd.evaluate.suites import SuiteConfig
 
 TABLE = "eval_table.md"
@@ -88,8 +88,10 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
 
 def default_output(model: str) -> Path:
     """``RUN/eval`` for a run folder (so the export's model card can show the table), else ``outputs/eval/<name>``."""
-    path = Path(model)
-    return path / "eval" if run_checkpoint(path) else Path("outputs") / "eval" / (path.name or "model")
+    from fcsd.run_folder import RunFolder
+
+    run = RunFolder(model)
+    return run.eval_dir if run.checkpoint() else Path("outputs") / "eval" / (run.root.name or "model")
 
 
 def evaluate_and_report(
@@ -106,10 +108,12 @@ def evaluate_and_report(
     out = Path(output) if output else default_output(model)
     results = evaluate_checkpoints(refs, suite, **options)
     table = write_report(out, results, refs, suite)
-    run = Path(model)
-    if out.parent.resolve() == run.resolve() and (run / "export" / "config.json").exists():
+    from fcsd.run_folder import RunFolder
+
+    run = RunFolder(model)
+    if out.parent.resolve() == run.root.resolve() and (run.export / "config.json").exists():
         from fcsd.export.model_card import refresh_card
 
-        shutil.copyfile(out / TABLE, run / TABLE)
-        refresh_card(run / "export", run)
+        shutil.copyfile(out / TABLE, run.eval_table)
+        refresh_card(run)
     return out, table

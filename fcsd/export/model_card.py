@@ -14,37 +14,38 @@ CITATION = """@article{farskip2025,
 
 
 def run_facts(checkpoint: Path) -> dict:
-    """What the run that produced ``checkpoint`` (a run's ``final/``) recorded: its config and summary."""
+    """What the run that produced ``checkpoint`` (a run's ``final/`` or ``best/``) recorded: its config, summary,
+    last training loss and evaluation table."""
     from omegaconf import OmegaConf
 
+    from fcsd.run_folder import CONFIG, RunFolder
+
     facts: dict = {}
-    config_path = checkpoint / "fcsd_config.yaml"
-    if config_path.exists():
-        facts["config"] = OmegaConf.to_container(OmegaConf.load(config_path))
-    summary_path = checkpoint.parent / "run_summary.json"
-    if summary_path.exists():
-        facts["summary"] = json.loads(summary_path.read_text())
-    metrics_path = checkpoint.parent / "metrics.jsonl"
-    if metrics_path.exists():
-        losses = [json.loads(line).get("train/loss") for line in metrics_path.read_text().splitlines()]
+    run = RunFolder.of_checkpoint(checkpoint)
+    if (Path(checkpoint) / CONFIG).exists():
+        facts["config"] = OmegaConf.to_container(OmegaConf.load(Path(checkpoint) / CONFIG))
+    if run.summary.exists():
+        facts["summary"] = json.loads(run.summary.read_text())
+    if run.metrics.exists():
+        losses = [json.loads(line).get("train/loss") for line in run.metrics.read_text().splitlines()]
         facts["final_train_loss"] = next((x for x in reversed(losses) if x is not None), None)
-    table_path = checkpoint.parent / "eval_table.md"
-    if table_path.exists():
-        facts["eval_table"] = table_path.read_text().strip()
+    if run.eval_table.exists():
+        facts["eval_table"] = run.eval_table.read_text().strip()
     return facts
 
 
-def refresh_card(export_dir: Path, run_dir: Path) -> None:
-    """Re-render ``export_dir/README.md`` from the run's current facts (``fcsd eval`` of a run adds its table)."""
+def refresh_card(run) -> None:
+    """Re-render the model card of ``run.export`` (a :class:`~fcsd.run_folder.RunFolder`) from the run's current
+    facts (``fcsd eval`` of a run adds its table)."""
     import os
 
-    config = json.loads((export_dir / "config.json").read_text())
+    config = json.loads((run.export / "config.json").read_text())
     text_config = config.get("text_config") or {}
     num_layers = config.get("num_hidden_layers") or text_config.get("num_hidden_layers")
-    card = render_card(config["farskip"], run_facts(run_dir / "final"), num_layers)
-    staging = export_dir / ".README.md.partial"
+    card = render_card(config["farskip"], run_facts(run.final), num_layers)
+    staging = run.export / ".README.md.partial"
     staging.write_text(card)
-    os.replace(staging, export_dir / "README.md")
+    os.replace(staging, run.export / "README.md")
 
 
 def recipe_summary(facts: dict) -> dict | None:
@@ -125,8 +126,11 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
         ]
         before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
         if before and after:
-            lines.append(f"| held-out KL(original \\|\\| converted) | {before['eval/kl']:.4f} before, "
-                         f"{after['eval/kl']:.4f} after |")  # fmt: skip
+            from fcsd.distill.heldout import kl_of
+
+            kind = "" if "eval/kl" in before else " (teacher top-k + rest, from the teacher cache)"
+            lines.append(f"| held-out KL(original \\|\\| converted){kind} | {kl_of(before):.4f} before, "
+                         f"{kl_of(after):.4f} after |")  # fmt: skip
         early = summary.get("early_stop")
         if early and early.get("step_0"):
             lines.append(

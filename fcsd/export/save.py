@@ -8,9 +8,15 @@ from pathlib import Path
 
 import torch
 
-from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type, family_for_config, find_decoder_layers
+from fcsd import safe_io
+from fcsd.connectivity.families import (
+    EXPORTED_PREFIX,
+    base_model_type,
+    family_for_config,
+    find_decoder_layers,
+    text_model,
+)
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
-from fcsd.distill import run_io
 from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
 
@@ -37,7 +43,7 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         raise ExportError(f"refusing to export into the source checkpoint's folder {source}; choose another OUT_DIR")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise ExportError(f"{out_dir} is not empty; pass --overwrite (overwrite=True) to replace it")
-    with run_io.atomic_dir(out_dir) as staging:
+    with safe_io.atomic_dir(out_dir) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         auto_map = write_remote_code(staging, model.config, type(model))
@@ -64,12 +70,9 @@ def parity_batch(model, length: int = 32) -> torch.Tensor:
 
 
 def text_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of a text-only batch. A multimodal model (Llama-4) answers through its language model:
-    transformers 5's ``Llama4ForConditionalGeneration.forward`` fails on text-only input."""
-    runner = getattr(model, "language_model", None)
-    if not (isinstance(runner, torch.nn.Module) and hasattr(runner, "get_output_embeddings")):
-        runner = model
-    return runner(input_ids=input_ids).logits.float()
+    """fp32 logits of a text-only batch (a multimodal model answers through its text model, see
+    :func:`~fcsd.connectivity.families.text_model`)."""
+    return text_model(model)(input_ids=input_ids).logits.float()
 
 
 @torch.no_grad()
@@ -99,16 +102,13 @@ def check_parity(model, folder: Path) -> float:
 def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
     """``fcsd export``: export a run folder (its ``best/`` when MBPP+ early stopping kept one, else ``final/``) or a
     converted checkpoint folder to ``out_dir``."""
-    from transformers import AutoTokenizer
-
-    from fcsd.loading import from_pretrained
+    from fcsd.loading import from_pretrained, tokenizer_from_pretrained
+    from fcsd.run_folder import RunFolder
 
     source = Path(run_or_checkpoint)
-    for inner in ("best", "final"):
-        if (source / inner / "config.json").exists():
-            source = source / inner
-            break
+    if not (source / "config.json").exists():
+        source = RunFolder(source).model_to_export() or source
     if not (source / "config.json").exists():
         raise ExportError(f"{run_or_checkpoint}: neither a converted checkpoint nor a run folder with final/")
     model = from_pretrained(str(source), dtype="auto")
-    return export(model, AutoTokenizer.from_pretrained(source), out_dir, overwrite=overwrite, source=source)
+    return export(model, tokenizer_from_pretrained(str(source)), out_dir, overwrite=overwrite, source=source)

@@ -1,0 +1,63 @@
+"""Checkpoints of an FCSD run (design §3: resume must be exact; nothing half-written is ever visible).
+
+A step checkpoint (``checkpoints/step-N/``) holds accelerate's ``save_state`` (model, optimizer, scheduler, every
+process's RNG) plus the trainer state (data position, spike-guard and early-stopping state); ``final/`` and
+``best/`` hold the model in the checkpoint's dtype with the tokenizer and the run config. Each is written under a
+dotted staging name and renamed into place once every process has finished writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from fcsd.distill.config import FCSDConfig
+from fcsd.run_folder import CHECKPOINT_RECORD, CONFIG, TRAINER_STATE, RunFolder
+from fcsd.safe_io import atomic_dir
+
+
+def save_checkpoint(accelerator, run: RunFolder, step: int, trainer_state: dict, keep: int) -> Path:
+    """``checkpoints/step-<step>/``, staged and renamed into place after every process has written its files."""
+    target = run.step_checkpoint(step)
+    staging = target.with_name(f".{target.name}.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    accelerator.wait_for_everyone()  # every process's RNG file is in the staging folder before it is renamed
+    if accelerator.is_main_process:
+        (staging / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        os.replace(staging, target)
+        run.prune_checkpoints(keep)
+    accelerator.wait_for_everyone()
+    return target
+
+
+def restore_checkpoint(accelerator, run: RunFolder) -> dict | None:
+    """Load the newest complete checkpoint into the prepared objects; its trainer state, or None if there is none."""
+    existing = run.checkpoints()
+    if not existing:
+        return None
+    accelerator.load_state(str(existing[-1]))
+    accelerator.print(f"resuming from {existing[-1]}")
+    return json.loads((existing[-1] / TRAINER_STATE).read_text())
+
+
+def save_model(student, state_dict, tokenizer, config: FCSDConfig, folder: Path, record: dict) -> None:
+    """``final/`` (or ``best/``): the converted checkpoint in the source dtype with its ``config.farskip`` record,
+    the tokenizer, the resolved run config and ``record`` (which step this is); atomic."""
+    from omegaconf import OmegaConf
+
+    dtype = student.config.dtype or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    with atomic_dir(folder) as staging:
+        student.save_pretrained(staging, state_dict=state_dict)
+        tokenizer.save_pretrained(staging)
+        OmegaConf.save(OmegaConf.structured(config), staging / CONFIG)
+        (staging / CHECKPOINT_RECORD).write_text(json.dumps(record, indent=2))

@@ -1,0 +1,45 @@
+"""``fcsd convert``: FarSkip conversion + FCSD self-distillation (paper Sec. 3.1, 5.1), then the export of the
+result (its ``best/`` when MBPP+ early stopping kept one) and, when asked, the push to the hub."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fcsd.distill import run_io
+from fcsd.distill.config import FCSDConfig
+from fcsd.distill.trainer import RunResult, train
+
+
+def convert(config: FCSDConfig) -> RunResult:
+    """Check the output folder and the hub token, train, export, push; returns the training result."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not _cuda())
+    if config.push_to_hub:  # fail now, not after the training run
+        from huggingface_hub import get_token
+
+        if not get_token():
+            raise ValueError(f"push_to_hub={config.push_to_hub} needs a hub token: set HF_TOKEN or `hf auth login`")
+    if state.is_main_process:
+        run_io.check_output_dir(Path(config.output_dir), config.train.resume, config.overwrite)
+    state.wait_for_everyone()
+    result = train(config)
+    if config.export and state.is_main_process:  # after the summary: the export's model card reads it
+        from fcsd.export.save import export_checkpoint
+
+        export_dir = Path(config.export_dir or Path(config.output_dir) / "export")
+        source = result.best_dir or result.final_dir
+        export_checkpoint(source, export_dir, overwrite=True)
+        print(f"exported {source.name}/ to {export_dir} (reload parity checked)")
+        if config.push_to_hub:
+            from fcsd.export.push import push
+
+            print(f"pushed to {config.push_to_hub}: {push(export_dir, config.push_to_hub)}")
+    state.wait_for_everyone()
+    return result
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

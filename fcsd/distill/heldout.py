@@ -1,0 +1,55 @@
+"""Held-out figures of the student (paper Sec. 5.1 scores the converted model before and after training):
+per-token KL(teacher || student) and next-token NLL.
+
+With an online teacher the KL is the full-vocabulary forward KL at temperature 1 (``eval/kl``). From a teacher
+cache only the top-k log-probabilities at ``train.temperature`` exist, so the figure is the KL of the two
+distributions coarsened to k+1 outcomes at that temperature, scaled by T² like the loss (``eval/kl_topk``; equal to
+the full KL when k is the vocabulary size and T = 1): a different number, logged under its own name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fcsd.distill import losses
+from fcsd.distill.data import Packed
+from fcsd.distill.objectives import head_inputs, teacher_targets, teacher_token_loss
+
+KL_KEYS = ("eval/kl", "eval/kl_topk")
+
+
+def kl_of(metrics: dict) -> float:
+    """The held-out KL of a record of :func:`heldout_metrics`, whichever kind it is."""
+    return next(metrics[key] for key in KL_KEYS if key in metrics)
+
+
+@torch.no_grad()
+def heldout_metrics(
+    student, held: Packed, config, teacher=None, cache=None, cache_offset: int = 0, head_in_forward=False
+) -> dict:
+    """``eval/kl`` (online teacher) or ``eval/kl_topk`` (``cache``, rows from ``cache_offset``), and ``eval/nll``
+    of ``student`` (unwrapped) on ``held``."""
+    was_training = student.training
+    student.eval()
+    device = next(student.parameters()).device
+    kl_sum, nll_sum, kl_tokens, nll_tokens = 0.0, 0.0, 0, 0
+    chunk, temperature = config.train.loss_chunk_size, config.train.temperature
+    for start in range(0, len(held), config.train.micro_batch_size):
+        rows = held.rows(slice(start, start + config.train.micro_batch_size))
+        batch = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
+        x, head, _ = head_inputs(student, student, batch, head_in_forward)
+        labels = batch.sft_labels().reshape(-1)
+        nll_sum += float(losses.chunked_head_loss(x, head, losses.cross_entropy, (labels,), chunk))
+        nll_tokens += int((labels != -100).sum())
+        if cache is not None:
+            logp, ids = cache.rows(list(range(cache_offset + start, cache_offset + start + len(rows))))
+            targets = (logp.reshape(x.shape[0], -1).to(device), ids.reshape(x.shape[0], -1).to(device))
+            token_loss = lambda s, lp, i: losses.topk_forward_kl(s, lp, i, temperature)  # noqa: E731
+        else:
+            teacher_x, teacher_head, _ = teacher_targets(teacher, batch, head_in_forward=head_in_forward)
+            targets = (teacher_x,)
+            token_loss = teacher_token_loss(losses.divergence("forward_kl"), teacher_head)
+        kl_sum += float(losses.chunked_head_loss(x, head, token_loss, targets, chunk))
+        kl_tokens += x.shape[0]
+    student.train(was_training)
+    return {KL_KEYS[cache is not None]: kl_sum / kl_tokens, "eval/nll": nll_sum / nll_tokens}

@@ -1,0 +1,62 @@
+"""FCSD's two models from one checkpoint (paper Sec. 3.1): the frozen teacher (the checkpoint as it is) and the
+student (the same weights with FarSkip connectivity on ``farskip.layers``). Both load through
+:func:`fcsd.loading.from_pretrained`, so a stock checkpoint, an exported ``farskip_*`` folder, a hub id and ``demo``
+are all valid sources."""
+
+from __future__ import annotations
+
+import torch
+
+from fcsd.distill import losses
+from fcsd.distill.config import FCSDConfig
+from fcsd.sources import resolve_model
+
+
+def load_tokenizer(config: FCSDConfig):
+    """The checkpoint's tokenizer (an export's without its remote code)."""
+    from fcsd.loading import tokenizer_from_pretrained
+
+    return tokenizer_from_pretrained(resolve_model(config.model.name))
+
+
+def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True, need_student: bool = True):
+    """Frozen teacher and FarSkip student (each ``None`` when not needed) from the same checkpoint.
+
+    The student's master weights are fp32 (``model.dtype=auto``; bf16 compute comes from autocast) and its
+    ``config.dtype`` is the checkpoint's, which is what ``final/`` is saved in. A multimodal checkpoint contributes
+    its text model (what FCSD trains and exports)."""
+    from transformers import AutoConfig
+
+    from fcsd.loading import from_pretrained
+
+    path = resolve_model(config.model.name)
+    cuda = device.type == "cuda"
+    common = {"trust_remote_code": config.model.trust_remote_code, "text_only": True}
+    if config.model.attn_implementation:
+        common["attn_implementation"] = config.model.attn_implementation
+    if config.model.experts_implementation:
+        common["experts_implementation"] = config.model.experts_implementation
+    teacher = student = None
+    if need_teacher:
+        dtype = _dtype(config.teacher.dtype, cuda, "float32", "bfloat16")
+        teacher = from_pretrained(path, dtype=dtype, **common)
+        teacher.eval().requires_grad_(False).to(device)
+    if need_student:
+        source_dtype = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code).dtype
+        dtype = _dtype(config.model.dtype, cuda, "float32", "float32")
+        student = from_pretrained(path, layers=config.farskip.layers, dtype=dtype, **common)
+        student.config.dtype = source_dtype
+    model = student or teacher
+    vocab = model.get_output_embeddings().out_features
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"vocabulary mismatch: the tokenizer has {len(tokenizer)} tokens but {path} predicts only {vocab}; "
+            "use the tokenizer saved with the checkpoint"
+        )
+    if teacher is not None and student is not None:
+        losses.check_vocabularies(vocab, teacher.get_output_embeddings().out_features)
+    return teacher, student
+
+
+def _dtype(name: str, cuda: bool, cpu_default: str, gpu_default: str) -> torch.dtype:
+    return getattr(torch, (gpu_default if cuda else cpu_default) if name == "auto" else name)

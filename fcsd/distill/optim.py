@@ -1,0 +1,137 @@
+"""Optimisation of an FCSD run (paper Sec. 5.1; design §3): how ``train.batch_tokens`` becomes micro-batches, AdamW
+with linear warm-up and cosine annealing to ``train.min_lr_ratio``, and the spike guard that decides whether a
+step's update is applied."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from fcsd.distill.config import FCSDConfig, schedule_steps
+
+
+@dataclass
+class StepPlan:
+    """How ``train.batch_tokens`` becomes micro-batches: ``sequences`` rows per step, ``accumulation`` micro-batches
+    of ``micro_batch_size`` rows per process; the LR schedule spans ``schedule_steps`` steps and the run stops after
+    ``total_steps`` (fewer when ``train.stop_after`` cuts it short, as sweep runs do)."""
+
+    sequences: int
+    micro_batch_size: int
+    accumulation: int
+    world_size: int
+    total_steps: int
+    schedule_steps: int
+
+    def rows(self, step: int, num_rows: int, seed: int) -> list[int]:
+        """The packed rows of ``step`` (all processes), in a seeded order reshuffled every epoch."""
+        first = step * self.sequences
+        out: list[int] = []
+        while len(out) < self.sequences:
+            epoch, offset = divmod(first + len(out), num_rows)
+            order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+            out.extend(order[offset : offset + self.sequences - len(out)])
+        return out
+
+    def micro_rows(self, rows: list[int], micro: int, rank: int) -> list[int]:
+        start = (micro * self.world_size + rank) * self.micro_batch_size
+        return rows[start : start + self.micro_batch_size]
+
+
+def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
+    train, seq_len = config.train, config.data.seq_len
+    if train.batch_tokens % seq_len:
+        raise ValueError(
+            f"train.batch_tokens={train.batch_tokens} is not a multiple of data.seq_len={seq_len}; "
+            "a step holds whole packed sequences"
+        )
+    sequences = train.batch_tokens // seq_len
+    per_pass = train.micro_batch_size * world_size
+    if sequences % per_pass:
+        raise ValueError(
+            f"a step of {sequences} sequences does not split into micro-batches of {train.micro_batch_size} x "
+            f"{world_size} processes; choose train.micro_batch_size (or the process count) dividing {sequences}"
+        )
+    horizon = schedule_steps(train)
+    total = min(horizon, train.stop_after) if train.stop_after is not None else horizon
+    return StepPlan(sequences, train.micro_batch_size, sequences // per_pass, world_size, total, horizon)
+
+
+def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
+    """AdamW and cosine annealing with linear warm-up to ``train.min_lr_ratio * lr`` over the schedule's horizon
+    (paper Sec. 5.1)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    train = config.train
+    if train.freeze_embeddings:  # paper Tab. 2 "KL embed."
+        student.get_input_embeddings().requires_grad_(False)
+        student.get_output_embeddings().requires_grad_(False)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, train.warmup_steps, max(plan.schedule_steps, 1), min_lr_rate=train.min_lr_ratio
+    )
+    return optimizer, scheduler
+
+
+class SpikeGuard:
+    """Decides whether a step's update is applied: its loss and gradient norm must be finite and the loss below
+    ``factor`` times the median of the last ``window`` applied steps (``factor`` 0: no spike test). ``max_bad``
+    refusals in a row stop the run.
+
+    ``can_skip=False`` (DeepSpeed, which steps its optimizer inside ``backward``, before the guard can look): a bad
+    step cannot be undone, so it stops the run at once instead of being logged as a skip that never happened.
+    """
+
+    def __init__(self, factor: float, window: int, max_bad: int, history=None, bad_streak=0, can_skip=True):
+        self.factor, self.window, self.max_bad, self.can_skip = factor, window, max_bad, can_skip
+        self.history: list[float] = list(history or [])
+        self.bad_streak = bad_streak
+
+    def check(self, loss: float, grad_norm: float) -> str | None:
+        """``None`` when the step is good, else the reason it is skipped."""
+        reason = None
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            reason = f"non-finite loss {loss} or gradient norm {grad_norm}"
+        elif self.factor and len(self.history) >= self.window and loss > self.factor * statistics.median(self.history):
+            reason = f"loss spike {loss:.4g} > {self.factor} x median {statistics.median(self.history):.4g}"
+        if reason is None:
+            self.history = (self.history + [loss])[-self.window :]
+            self.bad_streak = 0
+            return None
+        if not self.can_skip:
+            raise RuntimeError(
+                f"bad step ({reason}) under DeepSpeed, which has already applied it (its optimizer steps inside "
+                "backward); resume from the last checkpoint with a lower train.lr or a larger train.batch_tokens"
+            )
+        self.bad_streak += 1
+        if self.bad_streak >= self.max_bad:
+            raise RuntimeError(
+                f"training diverged: {self.bad_streak} steps in a row were skipped (last: {reason}); resume from the "
+                "last checkpoint with a lower train.lr or a larger train.batch_tokens"
+            )
+        return reason
+
+    def state(self) -> dict:
+        return {"history": self.history, "bad_streak": self.bad_streak}
+
+
+def apply_update(optimizer, scaler, guard: SpikeGuard, loss: float, grad_norm: float) -> tuple[bool, str | None]:
+    """Step ``optimizer`` unless ``guard`` refuses the step; returns ``(applied, reason it was not)``.
+
+    With an fp16 loss ``scaler`` an infinite gradient norm is an overflow, which is normal: the scaler skips that
+    step itself and lowers its scale, and the guard does not count it. A step the guard refuses still closes the
+    scaler's iteration (clipping has unscaled the gradients; without ``update`` the next step fails)."""
+    if scaler is not None and math.isfinite(loss) and not math.isfinite(grad_norm):
+        optimizer.step()  # the scaler sees the inf and skips the update
+        return False, "fp16 overflow (the loss scaler skipped the step and lowered its scale)"
+    reason = guard.check(loss, grad_norm)
+    if reason is None:
+        optimizer.step()
+        return True, None
+    if scaler is not None:
+        scaler.update()
+    return False, reason

@@ -1,0 +1,120 @@
+"""The embedded default assets: a tiny Qwen3-MoE-style checkpoint, a locally trained tokenizer and synthetic chat
+data, built offline in the user cache folder (``$FCSD_CACHE`` or ``~/.cache/fcsd``) and reused by later runs.
+
+:mod:`fcsd.sources` resolves the model name ``demo`` (and the data names ``demo`` / ``demo-heldout``) to these
+files in every ``fcsd`` command; the demo *job* (``fcsd convert demo``) is :mod:`fcsd.demo`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from fcsd.sources import cache_root
+
+PRETRAIN_STEPS = 700
+DEMO_VERSION = 3  # bump when the demo assets change, so stale caches are rebuilt
+
+
+def demo_dir() -> Path:
+    return cache_root() / f"demo-v{DEMO_VERSION}"
+
+
+def demo_config(vocab_size: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=96,
+        intermediate_size=192,
+        moe_intermediate_size=48,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=16,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+def prepare_demo(seed: int = 0) -> Path:
+    """Build (once) and return the demo folder: ``model/`` (checkpoint, tokenizer), ``data/{train,heldout}.jsonl``."""
+    root = demo_dir()
+    if (root / "model" / "config.json").exists():
+        return root
+    import torch
+    from transformers import Qwen3MoeForCausalLM
+
+    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.distill.tokenizer import train_tokenizer
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=root.parent))
+    train, heldout = make_dataset(20000, seed=seed), make_dataset(200, seed=seed + 1)
+    write_jsonl(train, staging / "data" / "train.jsonl")
+    write_jsonl(heldout, staging / "data" / "heldout.jsonl")
+    tokenizer = train_tokenizer((m["content"] for row in train for m in row["messages"]), vocab_size=300)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(demo_config(len(tokenizer)))
+    pretrain_teacher(model, tokenizer, train, steps=PRETRAIN_STEPS, seed=seed)
+    model.save_pretrained(staging / "model")
+    tokenizer.save_pretrained(staging / "model")
+    try:
+        staging.rename(root)  # atomic: a half-built demo is never picked up
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another process finished first
+    return root
+
+
+def pretrain_teacher(
+    model,
+    tokenizer,
+    rows: list[dict],
+    steps: int,
+    seed: int = 0,
+    seq_len: int = 128,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+) -> list[float]:
+    """Instruction-tune the demo teacher from scratch on the synthetic chat rows (loss on the assistant turns only,
+    AdamW, one-cycle schedule); returns the loss curve."""
+    import torch
+    from tqdm.auto import tqdm
+
+    ids, labels = [], []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(row["messages"][-1]["content"], add_special_tokens=False)["input_ids"]
+        answer_ids.append(tokenizer.eos_token_id)
+        ids += prompt_ids + answer_ids
+        labels += [-100] * len(prompt_ids) + answer_ids
+    n = len(ids) // seq_len
+    inputs = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
+    targets = torch.tensor(labels[: n * seq_len]).view(n, seq_len)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.05)
+    model.train()
+    losses = []
+    with tqdm(range(steps), desc="pretraining the demo teacher", unit="step") as bar:
+        for _ in bar:
+            pick = torch.randint(n, (batch_size,), generator=generator)
+            loss = model(input_ids=inputs[pick], labels=targets[pick]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+DEMO_DATA = {"demo": "train.jsonl", "demo-heldout": "heldout.jsonl"}  # data names -> files of data/

@@ -1,0 +1,73 @@
+"""The layout of a run folder of ``fcsd convert`` (the single owner of its file names).
+
+::
+
+    output_dir/
+      fcsd_config.yaml      the resolved run config (also inside every saved checkpoint)
+      metrics.jsonl         one JSON record per logged step; tensorboard/ has the same scalars
+      curves.png            loss, LR, held-out KL (and MBPP+ when early stopping ran)
+      run_summary.json      steps, held-out figures at step 0 and at the end, early-stopping summary
+      checkpoints/step-N/   resumable training state (model, optimizer, scheduler, RNG, trainer state)
+      final/                the last model state (loadable with fcsd.from_pretrained)
+      best/                 the best MBPP+ state, when early stopping ran
+      export/               ``fcsd export`` of best/ (or final/)
+      eval/, eval_table.md  ``fcsd eval`` of the run
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG = "fcsd_config.yaml"
+CHECKPOINT_RECORD = "fcsd_checkpoint.json"  # in final/ and best/: which step the state is
+TRAINER_STATE = "trainer_state.json"  # in checkpoints/step-N/: data position, spike guard, early stopping
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    config = property(lambda self: self.root / CONFIG)
+    metrics = property(lambda self: self.root / "metrics.jsonl")
+    tensorboard = property(lambda self: self.root / "tensorboard")
+    curves = property(lambda self: self.root / "curves.png")
+    summary = property(lambda self: self.root / "run_summary.json")
+    checkpoints_dir = property(lambda self: self.root / "checkpoints")
+    final = property(lambda self: self.root / "final")
+    best = property(lambda self: self.root / "best")
+    export = property(lambda self: self.root / "export")
+    eval_dir = property(lambda self: self.root / "eval")
+    eval_table = property(lambda self: self.root / "eval_table.md")
+    sweep_status = property(lambda self: self.root / "sweep_status.json")  # a sweep run that crashed: its error
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: str | Path) -> RunFolder:
+        """The run folder that holds ``checkpoint`` (its ``final/`` or ``best/``)."""
+        return cls(Path(checkpoint).parent)
+
+    def step_checkpoint(self, step: int) -> Path:
+        return self.checkpoints_dir / f"step-{step}"
+
+    def checkpoints(self) -> list[Path]:
+        """Complete step checkpoints, oldest first (a partial one has a dotted staging name and is never listed)."""
+        if not self.checkpoints_dir.exists():
+            return []
+        found = (p for p in self.checkpoints_dir.iterdir() if p.name.startswith("step-"))
+        return sorted(found, key=lambda p: int(p.name[5:]))
+
+    def prune_checkpoints(self, keep: int) -> None:
+        for old in self.checkpoints()[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def model_to_export(self) -> Path | None:
+        """What ``fcsd export`` takes from the run: ``best/`` when early stopping kept one, else ``final/``."""
+        return next((p for p in (self.best, self.final) if (p / "config.json").exists()), None)
+
+    def checkpoint(self) -> Path | None:
+        """What ``fcsd eval`` scores for the run: ``export/``, else ``best/``, else ``final/``; None if none."""
+        return next((p for p in (self.export, self.best, self.final) if (p / "config.json").exists()), None)
