@@ -98,5 +98,5 @@ def test_probe_writes_csv_and_plot(checkpoint, tmp_path, capsys):
 def test_probe_bad_grid_and_missing_data(checkpoint, tmp_path, capsys):
     code = probe(checkpoint, tmp_path, "0,9")
     assert code == 2 and "outside 0..4" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--data is required"):
-        main(["probe", str(checkpoint / "model")])
+    assert main(["probe", str(checkpoint / "model")]) == 2
+    assert "fcsd probe: error: --data is required" in capsys.readouterr().err

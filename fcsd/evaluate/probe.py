@@ -143,7 +143,7 @@ def probe_checkpoint(
 
     data = data or default_data(name)
     if data is None:
-        raise ValueError("fcsd probe: --data is required (a local .jsonl/.json/.txt/.parquet file or a dataset name)")
+        raise ValueError("--data is required (a local .jsonl/.json/.txt/.parquet file or a dataset name)")
     path = resolve_model(name)
     tokenizer = tokenizer_from_pretrained(path)
     model = from_pretrained(path, layers=[], text_only=True, dtype=getattr(torch, dtype)).to(device)
