@@ -397,3 +397,27 @@ def test_push_to_hub_without_a_token_fails_before_training(assets, tmp_path, mon
     assert main([*argv, f"output_dir={tmp_path / 'run'}"]) == 2
     assert "needs a hub token: set HF_TOKEN" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_experts_implementation_reaches_teacher_and_student(assets, tmp_path):
+    from fcsd.distill.models import load_models, load_tokenizer
+
+    config = config_for(assets, tmp_path, "model.experts_implementation=batched_mm")
+    teacher, student = load_models(config, load_tokenizer(config), torch.device("cpu"))
+    assert teacher.config._experts_implementation == student.config._experts_implementation == "batched_mm"
+
+
+def test_only_the_command_line_imports_the_demo_job():
+    """The library never depends on the demo (it once imported the trainer while the trainer imported it)."""
+    import ast
+
+    package = Path(fcsd.__file__).parent
+    importers = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
+            if any(name == "fcsd.demo" or name.startswith("fcsd.demo.") for name in names):
+                importers.append(path.relative_to(package).as_posix())
+    assert importers == ["cli.py"]
