@@ -19,6 +19,7 @@ wait between the reverse launch and the reverse wait (:data:`REPRIORITISES` says
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,15 @@ def _probe_set_sequence_nr() -> bool:
 
 
 REPRIORITISES = _probe_set_sequence_nr()
+
+#: seconds this process spent blocked in all-to-all waits, per phase (read by the overlap benchmark)
+WAIT_SECONDS = {"forward": 0.0, "backward": 0.0}
+
+
+def _timed_wait(work, phase: str) -> None:
+    start = time.perf_counter()
+    work.wait()
+    WAIT_SECONDS[phase] += time.perf_counter() - start
 
 
 def sync_debug() -> bool:
@@ -74,7 +84,7 @@ class _Launch(torch.autograd.Function):
     def backward(ctx, _grad_recv):
         exchange = ctx.exchange
         if exchange.reverse_work is not None:  # wait for the reverse all-to-all launched by _Wait.backward
-            exchange.reverse_work.wait()
+            _timed_wait(exchange.reverse_work, "backward")
         grad_send, exchange.reverse_grad, exchange.reverse_work, exchange.keep_alive = (
             exchange.reverse_grad,
             None,
@@ -88,7 +98,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recv: torch.Tensor, exchange: Exchange):
         if exchange.work is not None:
-            exchange.work.wait()
+            _timed_wait(exchange.work, "forward")
             exchange.work = None
         exchange.keep_alive = ()
         ctx.exchange = exchange
