@@ -289,7 +289,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="hub id, local folder, or 'demo'")
     p.add_argument("overrides", nargs="*", help=overrides_help + " teacher.top_k=64 teacher.cache_dir=...")
     p.set_defaults(func=_cache_teacher)
+
+    p = sub.add_parser("bench", help="benchmarks: 'overlap' times expert-parallel collectives and their overlap")
+    p.add_argument("what", choices=["overlap"])
+    p.add_argument("--model", default=None, help="a saved MoE causal LM folder (default: --config)")
+    p.add_argument("--config", choices=["tiny", "mid"], default="tiny")
+    p.add_argument("--ranks", type=int, default=2, help="local gloo processes (expert-parallel group size)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--trace", default=None, help="write torch.profiler traces to this folder")
+    p.set_defaults(func=_bench)
     return parser
+
+
+def _bench(args) -> int:
+    from fcsd.parallel.bench import format_table, run_overlap_benchmark
+
+    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0
 
 
 def _cuda() -> bool:

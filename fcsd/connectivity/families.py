@@ -15,14 +15,19 @@ import torch
 from torch import nn
 
 from fcsd.connectivity.adapters import (
-    llama4_routed,
-    mixtral_routed,
+    Routing,
+    llama4_experts,
+    llama4_route,
+    mixtral_route,
     qwen2_gated_shared,
     shared_module,
-    topk_router_then_experts,
+    topk_route,
+    weighted_experts,
 )
 
 MlpPart = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+RoutePart = Callable[[nn.Module, torch.Tensor], Routing]
+ExpertsPart = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,8 @@ class MoEFamily:
     architectures: tuple[str, ...]  # the causal-LM classes users load, for messages
     decoder_layer: str  # class name of the decoder layer
     moe_block: str  # class name of the routed MoE block (other MLP classes in the stack are dense)
-    routed: MlpPart  # routed-expert output of a MoE block
+    route: RoutePart  # router of a MoE block: logits, top-k ids and weights (adapters.Routing)
+    experts: ExpertsPart = weighted_experts  # routed experts on given rows, expert ids and weights
     shared: MlpPart | None = None  # shared-expert output of a MoE block, None if the family has none
     mlp_attr: str = "mlp"  # decoder-layer attribute that holds the MLP or MoE block
     experts_attr: str = "experts"  # MoE-block attribute holding the routed experts (parameter counts)
@@ -50,6 +56,11 @@ class MoEFamily:
         shared = self.shared(mlp, x) if self.shared is not None else None
         return shared, self.routed(mlp, x)
 
+    def routed(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Routed-expert output of the MoE block ``mlp``: its router, then its experts on the chosen ids."""
+        routing = self.route(mlp, x.reshape(-1, x.shape[-1]))
+        return self.experts(mlp, routing.tokens, routing.topk_ids, routing.topk_weights).view(x.shape)
+
     def is_moe(self, mlp: nn.Module) -> bool:
         return type(mlp).__name__ == self.moe_block
 
@@ -61,7 +72,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("DeepseekV2ForCausalLM",),
         decoder_layer="DeepseekV2DecoderLayer",
         moe_block="DeepseekV2Moe",
-        routed=topk_router_then_experts,
+        route=topk_route,
         shared=shared_module("shared_experts"),
     ),
     MoEFamily(
@@ -70,7 +81,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("DeepseekV3ForCausalLM",),
         decoder_layer="DeepseekV3DecoderLayer",
         moe_block="DeepseekV3MoE",
-        routed=topk_router_then_experts,
+        route=topk_route,
         shared=shared_module("shared_experts"),
     ),
     MoEFamily(
@@ -79,7 +90,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("Qwen3MoeForCausalLM",),
         decoder_layer="Qwen3MoeDecoderLayer",
         moe_block="Qwen3MoeSparseMoeBlock",
-        routed=topk_router_then_experts,
+        route=topk_route,
     ),
     MoEFamily(
         name="Qwen2-MoE",
@@ -87,7 +98,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("Qwen2MoeForCausalLM",),
         decoder_layer="Qwen2MoeDecoderLayer",
         moe_block="Qwen2MoeSparseMoeBlock",
-        routed=topk_router_then_experts,
+        route=topk_route,
         shared=qwen2_gated_shared,
     ),
     MoEFamily(
@@ -96,7 +107,8 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("Llama4ForCausalLM", "Llama4ForConditionalGeneration (text tower)"),
         decoder_layer="Llama4TextDecoderLayer",
         moe_block="Llama4TextMoe",
-        routed=llama4_routed,
+        route=llama4_route,
+        experts=llama4_experts,
         shared=shared_module("shared_expert"),
         mlp_attr="feed_forward",
     ),
@@ -106,7 +118,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("MixtralForCausalLM",),
         decoder_layer="MixtralDecoderLayer",
         moe_block="MixtralSparseMoeBlock",
-        routed=mixtral_routed,
+        route=mixtral_route,
     ),
     MoEFamily(
         name="OLMoE",
@@ -114,7 +126,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         architectures=("OlmoeForCausalLM",),
         decoder_layer="OlmoeDecoderLayer",
         moe_block="OlmoeSparseMoeBlock",
-        routed=topk_router_then_experts,
+        route=topk_route,
     ),
 )
 

@@ -35,22 +35,67 @@ CONFIG_KEY = "farskip"
 
 
 class _PartialStream(threading.local):
-    """Carries ``n_k`` from one converted layer to the next within one forward pass (per thread)."""
+    """Carries ``n_k`` from one converted layer to the next within one forward pass (per thread), and optionally a
+    :class:`HandOver` still completing ``o_k`` (a schedule installed from outside may leave it pending)."""
 
     def __init__(self):
         self.full_ref = None
         self.partial = None
+        self.pending = None
 
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """``n_{k-1}`` if ``full`` is the ``o_{k-1}`` handed over by the previous layer, else ``full`` itself."""
+    def take(self, full: torch.Tensor):
+        """``(n_{k-1}, pending)`` if ``full`` is the ``o_{k-1}`` handed over by the previous layer, else
+        ``(full, None)``."""
         handed_over = self.full_ref is not None and self.full_ref() is full
-        partial = self.partial if handed_over else full
-        self.full_ref = self.partial = None
-        return partial
+        partial, pending = (self.partial, self.pending) if handed_over else (full, None)
+        self.full_ref = self.partial = self.pending = None
+        return partial, pending
 
-    def hand_over(self, full: torch.Tensor, partial: torch.Tensor | None) -> None:
+    def hand_over(self, full: torch.Tensor, partial: torch.Tensor | None, pending=None) -> None:
         self.full_ref = weakref.ref(full) if partial is not None else None
-        self.partial = partial
+        self.partial, self.pending = partial, pending
+
+
+class StockSchedule:
+    """The math of one converted layer (design §2), on one device; the seam of the expert-parallel runtime.
+
+    A schedule is called as ``schedule(layer, o_prev, n_prev, **kwargs) -> (o_k, n_k, pending)``. ``fcsd.parallel``
+    installs its own schedule object as ``layer._farskip_schedule`` (design §4: parallelism is injected from
+    outside); such a schedule may return ``pending``: a :class:`HandOver`-like object whose ``complete()`` fills the
+    returned ``o_k`` in place (``o_k = n_k + wait(Combine(k))``). The next converted layer receives it when its
+    schedule has ``accepts_pending = True``; otherwise it is completed before that layer runs. ``o_k`` is the object
+    the model's layer loop (and ``output_hidden_states``) sees, so once completed it reports the full stream.
+    """
+
+    accepts_pending = False
+
+    def __call__(self, layer, hidden_states: torch.Tensor, partial_states: torch.Tensor, **kwargs):
+        family = layer._farskip_family
+        attn_out = layer.self_attn(hidden_states=layer.input_layernorm(partial_states), **kwargs)[0]
+        mlp = getattr(layer, family.mlp_attr)
+        shared, routed = family.split_mlp(mlp, layer.post_attention_layernorm(hidden_states))
+        partial = hidden_states + attn_out.view(hidden_states.shape)
+        if shared is not None:
+            partial = partial + shared.view(hidden_states.shape)
+        full = partial + routed.view(hidden_states.shape) if routed is not None else partial
+        return full, partial, None
+
+
+STOCK_SCHEDULE = StockSchedule()
+
+
+class HandOver:
+    """``o_k`` handed to the next layer before it is known: ``complete()`` writes ``n_k + routed_k`` into ``full``
+    (the tensor already returned to the model's layer loop) once ``routed_k``, a callable, can be waited for."""
+
+    def __init__(self, full: torch.Tensor, partial: torch.Tensor, routed):
+        self.full, self.partial, self.routed = full, partial, routed
+
+    def complete(self) -> torch.Tensor:
+        if self.routed is not None:
+            self.full.copy_(self.partial + self.routed().view(self.partial.shape))
+            self.routed = None
+        return self.full
 
 
 class FarSkipLayerMixin:
@@ -60,25 +105,27 @@ class FarSkipLayerMixin:
     _farskip_family: MoEFamily
     _farskip_stream: _PartialStream
     _farskip_feeds_next: bool
+    _farskip_schedule = STOCK_SCHEDULE
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:
             raise TypeError("a FarSkip decoder layer takes the hidden states as its only positional argument")
-        partial = self._farskip_stream.take(hidden_states)
-        full, partial = super().__call__(hidden_states, partial, **kwargs)
-        self._farskip_stream.hand_over(full, partial if self._farskip_feeds_next else None)
+        partial, pending = self._farskip_stream.take(hidden_states)
+        if pending is not None:
+            if self._farskip_schedule.accepts_pending:
+                kwargs["farskip_pending"] = pending
+            else:
+                pending.complete()
+        full, partial, pending = super().__call__(hidden_states, partial, **kwargs)
+        if pending is not None and not self._farskip_feeds_next:
+            full, pending = pending.complete(), None
+        self._farskip_stream.hand_over(full, partial if self._farskip_feeds_next else None, pending)
         return full
 
     def forward(self, hidden_states: torch.Tensor, partial_states: torch.Tensor, **kwargs):
-        """Design §2 for one layer: returns ``(o_k, n_k)`` from ``(o_{k-1}, n_{k-1})``."""
-        attn_out = self.self_attn(hidden_states=self.input_layernorm(partial_states), **kwargs)[0]
-        mlp = getattr(self, self._farskip_family.mlp_attr)
-        shared, routed = self._farskip_family.split_mlp(mlp, self.post_attention_layernorm(hidden_states))
-        partial = hidden_states + attn_out.view(hidden_states.shape)
-        if shared is not None:
-            partial = partial + shared.view(hidden_states.shape)
-        full = partial + routed if routed is not None else partial
-        return full, partial
+        """Design §2 for one layer: returns ``(o_k, n_k, pending)`` from ``(o_{k-1}, n_{k-1})`` through the layer's
+        schedule (:class:`StockSchedule` unless ``fcsd.parallel`` installed another)."""
+        return self._farskip_schedule(self, hidden_states, partial_states, **kwargs)
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -139,6 +186,7 @@ def remove_farskip(model: nn.Module) -> nn.Module:
             module.__class__ = module._farskip_base
             for attr in ("_farskip_family", "_farskip_stream", "_farskip_feeds_next"):
                 delattr(module, attr)
+            module.__dict__.pop("_farskip_schedule", None)
             _rebind_accelerate_forward(module)
     if hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)

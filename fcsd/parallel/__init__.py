@@ -1,1 +1,15 @@
-"""Everything distributed lives here (design §1): model code stays single-device."""
+"""Everything distributed lives here (design §1): model code stays single-device.
+
+- :func:`expert_parallel` (``apply.py``): shard routed experts, install the schedules of paper Sec. 4.1 / 4.2;
+- ``dispatchers.py``: the dispatcher interface (local, all-to-all blocking / split-phase async, all-reduce);
+- ``collectives.py``: async-safe autograd all-to-all (Appendix C);
+- ``schedule.py``: the overlapped FarSkip layer schedule and the attention split;
+- ``grads.py``: :func:`reduce_gradients`, :func:`full_state_dict` for trainers;
+- ``bench.py``: overlap measurement (``fcsd bench overlap``);
+- ``inference_shard.py``: the FCSD teacher sharded for inference.
+"""
+
+from fcsd.parallel.apply import LAYOUTS, MODES, expert_parallel
+from fcsd.parallel.grads import full_state_dict, reduce_gradients
+
+__all__ = ["LAYOUTS", "MODES", "expert_parallel", "full_state_dict", "reduce_gradients"]

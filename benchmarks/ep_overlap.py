@@ -1,0 +1,23 @@
+"""Expert-parallel overlap benchmark (paper Sec. 4, Appendix C): drives ``fcsd bench overlap``.
+
+    python benchmarks/ep_overlap.py --config mid --ranks 2 [--iters 5] [--json]
+
+Figures and their definitions: fcsd/parallel/bench.py. Results are recorded in BENCHMARKS.md.
+"""
+
+import argparse
+import json
+
+from fcsd.parallel.bench import format_table, run_overlap_benchmark
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", choices=["tiny", "mid"], default="mid")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--trace", default=None)
+    args = parser.parse_args()
+    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace)
+    print(json.dumps(result, indent=2) if args.json else format_table(result))

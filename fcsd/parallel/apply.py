@@ -1,0 +1,168 @@
+"""``expert_parallel``: shard a loaded model's routed experts over a process group and install the EP schedules
+(paper Sec. 4; design §4).
+
+Each rank keeps ``E / P`` whole experts (expert ``e`` on rank ``e // (E / P)``, dim 0 of the fused expert weights, as
+transformers' ``MoEParamShard`` lays them out) and runs its own tokens. Routers, attention, norms, embeddings and shared
+experts stay replicated. ``state_dict()`` (hence ``save_pretrained`` and ``fcsd export``) all-gathers the expert shards
+back into the original unsharded layout and ``load_state_dict`` accepts that layout, so checkpoints are unchanged;
+both are collectives: call them on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fcsd.connectivity.families import expert_count, family_for_config, find_decoder_layers
+from fcsd.connectivity.patch import FarSkipLayerMixin, farskip_layers
+from fcsd.parallel.dispatchers import AllReduceDispatcher, AllToAllDispatcher, Dispatcher, LocalDispatcher
+from fcsd.parallel.schedule import FarSkipEPSchedule, _refuse_checkpointing, ep_moe_forward
+
+MODES = ("regular", "farskip_reference", "farskip_overlap")
+LAYOUTS = ("all_to_all", "all_reduce")
+
+
+@dataclass
+class ExpertParallelState:
+    """What :func:`expert_parallel` set up, kept as ``model.fcsd_expert_parallel``."""
+
+    mode: str
+    layout: str
+    group: Any
+    size: int
+    rank: int
+    dispatcher: Dispatcher
+    expert_params: list  # the sharded parameters (each a Parameter holding E/P experts on dim 0)
+    replica_group: Any = None  # ranks holding the same experts (one per EP group); None when there is one EP group
+
+
+def expert_parallel(
+    model: nn.Module, group=None, mode: str = "farskip_overlap", layout: str = "all_to_all", placement=None
+):
+    """Shard ``model``'s routed experts over ``group`` (default: the whole job) and run it expert-parallel, in place.
+
+    Call it in an initialised ``torch.distributed`` job, on every rank, with the same loaded model on each.
+
+    - ``mode="regular"``: stock connectivity, blocking collectives (the model must not be converted);
+      ``"farskip_reference"``: FarSkip connectivity, blocking collectives; ``"farskip_overlap"``: FarSkip with the
+      overlapped schedule of Sec. 4.1 (both need :func:`fcsd.apply_farskip` first).
+    - ``layout="all_to_all"``: each rank runs its own tokens, sent to the experts' ranks and back (training and
+      inference); ``"all_reduce"``: every rank holds the *same* tokens, experts sharded, one all-reduce per layer
+      (inference only, Sec. 4.2; use it with ``generate``).
+    - ``placement``: ``None`` or a callable ``placement(model)`` run before sharding that permutes experts (weights and
+      router rows, outputs unchanged), e.g. ``lambda m: fcsd.placement.apply_placement(m, plan)``; the gathered state
+      dict then holds the permuted layout.
+
+    Returns ``model``. Raises ``ValueError`` for an unknown mode or layout, a number of experts not divisible by the
+    group size, or a FarSkip mode on an unconverted model (and ``regular`` on a converted one).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: use one of {', '.join(MODES)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
+    if not dist.is_initialized():
+        raise RuntimeError("fcsd.parallel.expert_parallel needs an initialised torch.distributed process group")
+    if getattr(model, "fcsd_expert_parallel", None) is not None:
+        raise ValueError("this model is already expert-parallel")
+    converted = farskip_layers(model)
+    if mode == "regular" and converted:
+        raise ValueError(
+            f"mode='regular' runs the stock connectivity but layers {converted} are converted to FarSkip: use "
+            "mode='farskip_reference' or 'farskip_overlap', or fcsd.remove_farskip(model) first"
+        )
+    if mode != "regular" and not converted:
+        raise ValueError(
+            f"mode={mode!r} needs a FarSkip model: convert it with fcsd.apply_farskip(model, layers) first "
+            "(or load a converted checkpoint with fcsd.from_pretrained), or use mode='regular'"
+        )
+    if placement is not None:
+        placement(model)
+
+    family = family_for_config(model.config)
+    layers = find_decoder_layers(model, family)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    moe_blocks = [getattr(layer, family.mlp_attr) for layer in layers if family.is_moe(getattr(layer, family.mlp_attr))]
+    num_experts = {expert_count(getattr(moe, family.experts_attr)) for moe in moe_blocks}
+    for count in num_experts:
+        if count % size:
+            raise ValueError(
+                f"{count} routed experts cannot be split evenly over {size} expert-parallel ranks: pick a group size "
+                f"that divides {count}"
+            )
+    local = (num_experts.pop() if num_experts else size) // size
+    if size == 1:
+        dispatcher = LocalDispatcher()
+    elif layout == "all_reduce":
+        dispatcher = AllReduceDispatcher(group=group, num_local_experts=local, blocking=mode != "farskip_overlap")
+    else:
+        dispatcher = AllToAllDispatcher(group=group, num_local_experts=local, blocking=mode != "farskip_overlap")
+
+    expert_params = []
+    for moe in moe_blocks:
+        expert_params += _shard_experts(getattr(moe, family.experts_attr), rank, size, group)
+        moe.forward = ep_moe_forward(family, moe, dispatcher)
+    schedule = FarSkipEPSchedule(dispatcher, overlap=mode == "farskip_overlap")
+    for layer in layers:
+        if isinstance(layer, FarSkipLayerMixin):
+            layer._farskip_schedule = schedule
+        layer.register_forward_pre_hook(lambda module, args: _refuse_checkpointing(module))
+    model.fcsd_expert_parallel = ExpertParallelState(
+        mode, layout, group, size, rank, dispatcher, expert_params, _replica_group(group, size)
+    )
+    return model
+
+
+def _shard_experts(experts: nn.Module, rank: int, size: int, group) -> list[nn.Parameter]:
+    """Keep experts ``[rank * E/P, (rank + 1) * E/P)`` of every fused expert weight; gather them back in state dicts."""
+    if isinstance(experts, nn.ModuleList):
+        raise NotImplementedError("expert parallelism needs fused 3-D expert weights (transformers >= 5)")
+    num_experts = expert_count(experts)
+    local = num_experts // size
+    names = [name for name, param in experts.named_parameters(recurse=False) if param.shape[0] == num_experts]
+    for name in names:
+        param = getattr(experts, name)
+        shard = nn.Parameter(param.data[rank * local : (rank + 1) * local].clone(), requires_grad=param.requires_grad)
+        shard.fcsd_expert_shard = True
+        setattr(experts, name, shard)
+    if hasattr(experts, "num_experts"):
+        experts.num_experts = local
+    experts._is_expert_parallel = True  # transformers' experts forwards skip ids >= num_experts only when set
+
+    def gather(module, state_dict, prefix, local_metadata):
+        for name in names:
+            key = prefix + name
+            shard = state_dict[key].contiguous()
+            parts = [torch.empty_like(shard) for _ in range(size)]
+            dist.all_gather(parts, shard, group=group)
+            state_dict[key] = torch.cat(parts, dim=0)
+
+    def scatter(module, state_dict, prefix, *args):
+        for name in names:
+            key = prefix + name
+            if key in state_dict and state_dict[key].shape[0] == num_experts:
+                state_dict[key] = state_dict[key][rank * local : (rank + 1) * local]
+
+    experts.register_state_dict_post_hook(gather)
+    experts.register_load_state_dict_pre_hook(scatter)
+    return [getattr(experts, name) for name in names]
+
+
+def _replica_group(group, size: int):
+    """The group of ranks holding the same experts as this one (same position in their EP groups), or ``None`` when
+    the EP group is the whole job. Every rank creates every replica group, in the same order (torch requires it)."""
+    world = dist.get_world_size()
+    if size == world:
+        return None
+    positions = [None] * world
+    dist.all_gather_object(positions, dist.get_rank(group))
+    mine = None
+    for position in range(size):
+        ranks = [r for r in range(world) if positions[r] == position]
+        created = dist.new_group(ranks)
+        if position == dist.get_rank(group):
+            mine = created
+    return mine

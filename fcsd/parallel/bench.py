@@ -1,0 +1,240 @@
+"""Measuring the overlap of expert-parallel collectives honestly (paper Sec. 4, Appendix C; design §4).
+
+For forward and backward separately, the slowest rank's median time of:
+
+- ``T_regular``: stock connectivity, blocking collectives (mode ``regular``);
+- ``T_ref``: FarSkip, blocking collectives (mode ``farskip_reference``): the same work as ``T_ovl``, serialised;
+- ``T_ovl``: FarSkip, overlapped schedule (mode ``farskip_overlap``);
+- ``T_comp``: no communication: every expert local on every rank (an expert-parallel group of one);
+- ``T_comm``: the layers' dispatch and combine all-to-alls alone, same sizes.
+
+Effective overlap = (T_ref - T_ovl) / (T_ref - T_comp): the share of the exposed communication the schedule hides.
+Wait-only overlap = 1 - (time spent inside waits in the overlapped run) / T_comm: what a profiler of waits would
+claim; it overstates (collectives also slow the compute they overlap). Step speedup = (T_regular) / (T_ovl), forward +
+backward. Run as ``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (the
+``fcsd bench overlap`` command does that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import fcsd
+from fcsd.parallel import collectives
+from fcsd.parallel.apply import expert_parallel
+from fcsd.parallel.dispatchers import AllToAllDispatcher
+
+CONFIGS = {  # Qwen3-MoE shapes; "mid" is sized so that a layer's compute is not negligible next to its all-to-all
+    "tiny": dict(hidden=64, layers=2, experts=8, top_k=2, inter=64, heads=4, batch=2, seq=64),
+    "mid": dict(hidden=256, layers=4, experts=8, top_k=2, inter=512, heads=8, batch=2, seq=256),
+}
+
+
+def build_model(config_name: str | None, model_path: str | None, seed: int = 0):
+    """The benchmark's model on every rank (same weights) and its per-rank batch size and sequence length."""
+    import transformers
+
+    if model_path:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        return model.eval(), 2, 256
+    c = CONFIGS[config_name]
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=1024,
+        hidden_size=c["hidden"],
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["heads"],
+        head_dim=c["hidden"] // c["heads"],
+        intermediate_size=c["inter"],
+        moe_intermediate_size=c["inter"],
+        num_experts=c["experts"],
+        num_experts_per_tok=c["top_k"],
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):
+                param.normal_(0.0, 0.5)
+    return model, c["batch"], c["seq"]
+
+
+def _slowest(seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def _time_steps(model, input_ids, iters: int, warmup: int = 1, trace=None):
+    forward, backward = [], []
+    for step in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = model(input_ids=input_ids, use_cache=False).logits.float().square().mean()
+        middle = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if trace is not None:
+            trace.step()
+        if step >= warmup:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return _slowest(statistics.median(forward)), _slowest(statistics.median(backward))
+
+
+def _model_for(mode, args, group=None):
+    model, batch, seq = build_model(args.config, args.model)
+    if mode != "regular":
+        fcsd.apply_farskip(model, "all")
+    return expert_parallel(model, group=group, mode=mode), batch, seq
+
+
+def _comm_only(model, input_ids, iters: int):
+    """Dispatch + combine of every MoE layer alone, with the routing the model produces, forward then backward."""
+    state = model.fcsd_expert_parallel
+    captured = []
+    hooks = [
+        moe.gate.register_forward_hook(lambda m, a, out: captured.append((a[0].detach(), out[2], out[1].detach())))
+        for moe in model.modules()
+        if type(moe).__name__.endswith("SparseMoeBlock")
+    ]
+    with torch.no_grad():
+        model(input_ids=input_ids, use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    dispatcher = AllToAllDispatcher(
+        group=state.group, num_local_experts=state.dispatcher.num_local_experts, blocking=True
+    )
+    forward, backward = [], []
+    for _ in range(iters + 1):
+        xs = [x.clone().requires_grad_(True) for x, _, _ in captured]
+        dist.barrier()
+        start = time.perf_counter()
+        outs = []
+        for x, (_, ids, weights) in zip(xs, captured):
+            pending = dispatcher.dispatch_async(x, ids, weights)
+            outs.append(dispatcher.combine_async(pending.wait().tokens, pending).wait())
+        middle = time.perf_counter()
+        torch.stack([o.sum() for o in outs]).sum().backward()
+        end = time.perf_counter()
+        forward.append(middle - start)
+        backward.append(end - middle)
+    return _slowest(statistics.median(forward[1:])), _slowest(statistics.median(backward[1:]))
+
+
+def measure(args) -> dict:
+    """All figures of the module docstring, as a dict (the same on every rank)."""
+    ranks = dist.get_world_size()
+    rank = dist.get_rank()
+    times = {}
+    traces = {}
+    for mode in ("regular", "farskip_reference", "farskip_overlap"):
+        model, batch, seq = _model_for(mode, args)
+        gen = torch.Generator().manual_seed(100 + rank)
+        input_ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=gen)
+        collectives.WAIT_SECONDS.update(forward=0.0, backward=0.0)
+        trace = _profiler(args, mode) if args.trace else None
+        times[mode] = _time_steps(model, input_ids, args.iters, trace=trace)
+        if trace is not None:
+            trace.stop()
+            traces[mode] = args.trace
+        if mode == "farskip_overlap":
+            waits = {k: _slowest(v / (args.iters + 1)) for k, v in collectives.WAIT_SECONDS.items()}
+            comm = _comm_only(model, input_ids, args.iters)
+    singles = [dist.new_group([r]) for r in range(ranks)]
+    model, batch, seq = _model_for("farskip_overlap", args, group=singles[rank])
+    times["compute_only"] = _time_steps(model, input_ids, args.iters)
+    result = {"ranks": ranks, "config": args.model or args.config, "tokens_per_rank": batch * seq}
+    for index, phase in enumerate(("forward", "backward")):
+        t_reg, t_ref, t_ovl = (times[m][index] for m in ("regular", "farskip_reference", "farskip_overlap"))
+        t_comp, t_comm = times["compute_only"][index], comm[index]
+        exposed = t_ref - t_comp
+        result[phase] = {
+            "T_regular_ms": 1e3 * t_reg,
+            "T_ref_ms": 1e3 * t_ref,
+            "T_ovl_ms": 1e3 * t_ovl,
+            "T_comp_ms": 1e3 * t_comp,
+            "T_comm_ms": 1e3 * t_comm,
+            "effective_overlap": (t_ref - t_ovl) / exposed if exposed > 0 else float("nan"),
+            "wait_only_overlap": 1.0 - waits[phase] / t_comm if t_comm > 0 else float("nan"),
+        }
+    total = {m: sum(times[m]) for m in times}
+    result["step_speedup_over_regular"] = total["regular"] / total["farskip_overlap"]
+    result["step_speedup_over_farskip_reference"] = total["farskip_reference"] / total["farskip_overlap"]
+    return result
+
+
+def _profiler(args, mode):
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    prof = profile(activities=[ProfilerActivity.CPU], on_trace_ready=tensorboard_trace_handler(f"{args.trace}/{mode}"))
+    prof.start()
+    return prof
+
+
+def format_table(result: dict) -> str:
+    """The figures as a small text table."""
+    lines = [f"ranks={result['ranks']} model={result['config']} tokens/rank={result['tokens_per_rank']}"]
+    keys = ("T_regular_ms", "T_ref_ms", "T_ovl_ms", "T_comp_ms", "T_comm_ms", "effective_overlap", "wait_only_overlap")
+    lines.append(f"{'':10}" + "".join(f"{k:>19}" for k in keys))
+    for phase in ("forward", "backward"):
+        lines.append(f"{phase:10}" + "".join(f"{result[phase][k]:>19.3f}" for k in keys))
+    lines.append(f"step speedup of farskip_overlap over regular: {result['step_speedup_over_regular']:.3f}")
+    lines.append(f"step speedup over farskip_reference: {result['step_speedup_over_farskip_reference']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--model", default=None, help="a saved (MoE) causal LM folder instead of --config")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--trace", default=None, help="folder for torch.profiler traces")
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    result = measure(args)
+    if dist.get_rank() == 0:
+        if args.json_out:
+            with open(args.json_out, "w") as handle:
+                json.dump(result, handle, indent=1)
+        else:
+            print(format_table(result))
+    dist.destroy_process_group()
+
+
+def run_overlap_benchmark(ranks: int, config: str = "tiny", model: str | None = None, iters: int = 5, trace=None):
+    """Launch the benchmark on ``ranks`` local gloo processes (torchrun); returns the result dict."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "result.json")
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}"]
+        command += ["-m", "fcsd.parallel.bench", "--config", config, "--iters", str(iters), "--json-out", out]
+        command += ["--model", model] if model else []
+        command += ["--trace", trace] if trace else []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+        subprocess.run(command, check=True, env=env)
+        with open(out) as handle:
+            return json.load(handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Expert parallelism (fcsd.parallel) on CPU gloo processes: every family and mode against the single-process model.
+
+One torchrun launch per world size runs every case (tests/workers/expert_parallel.py) and writes a JSON per rank;
+the tests below only read them. fp32; errors are norm-relative (|a - b| / |b|).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from launch import torchrun
+from tiny_models import TEXT_FAMILIES
+
+TOL = 1e-5
+WORKER = Path(__file__).parent / "workers" / "expert_parallel.py"
+MODES = ("regular", "farskip_reference", "farskip_overlap")
+
+
+def _launch(tmp_path_factory, nproc, which):
+    out = tmp_path_factory.mktemp(f"ep{nproc}") / "out"
+    result = torchrun(nproc, str(WORKER), str(out), which, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, "full")
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _launch(tmp_path_factory, 4, "lite")
+
+
+def _assert_matches(result, farskip):
+    assert result["logits"] < TOL
+    assert result["input_grad"] < TOL
+    assert result["param_grad"] < TOL
+    if farskip:
+        assert result["reference_logits"] < TOL
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_two_ranks_outputs_and_gradients_match_single_process(two, family, mode):
+    for rank_result in two:
+        result = rank_result["cases"][f"{family}/{mode}"]
+        _assert_matches(result, mode != "regular")
+        assert result["rows_sent"] > 0  # tokens really crossed ranks
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3/regular", "deepseek_v3/farskip_overlap", "llama4_text/farskip_overlap"])
+def test_four_ranks_outputs_and_gradients_match_single_process(four, case):
+    for rank_result in four:
+        _assert_matches(rank_result["cases"][case], "farskip" in case)
+
+
+def test_overlap_runs_the_between_step_inside_attention(two):
+    counts = two[0]["split_counts"]
+    assert counts["inside_attention"] > 0 and counts["after_attention"] == 0
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "llama4_text", "qwen2_moe"])
+def test_sync_debug_switch_gives_the_same_results(two, family):
+    for rank_result in two:
+        _assert_matches(rank_result["sync_debug"][family], True)
+
+
+@pytest.mark.parametrize("mode", ["regular", "farskip_overlap"])
+def test_rank_and_experts_receiving_no_tokens(two, four, mode):
+    for results in (two, four):
+        for rank, rank_result in enumerate(results):
+            result = rank_result["route_to_first"][mode]
+            _assert_matches(result, mode != "regular")
+            if rank > 0:  # experts 0 and 1 live on rank 0: the others receive nothing
+                assert result["rows_received"] == 0
+
+
+def test_greedy_generation_under_all_reduce_layout_matches(two, four):
+    for results in (two, four):
+        for rank_result in results:
+            assert rank_result["generate"] and all(g["equal"] for g in rank_result["generate"].values())
+
+
+def test_gathered_state_dict_equals_the_original(two, four):
+    for results in (two, four):
+        for rank_result in results:
+            assert all(rank_result["state_dict_equal"].values())
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("not_converted", "apply_farskip"),
+        ("regular_on_converted", "farskip_reference"),
+        ("bad_mode", "regular, farskip_reference, farskip_overlap"),
+        ("indivisible", "cannot be split evenly"),
+        ("checkpointing", "activation checkpointing is not supported"),
+    ],
+)
+def test_errors_are_clear(two, case, words):
+    assert words in two[0]["errors"][case]
