@@ -329,6 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="hub id, local folder, or 'demo'")
     p.add_argument("overrides", nargs="*", help=overrides_help + " teacher.top_k=64 teacher.cache_dir=...")
     p.set_defaults(func=_cache_teacher)
+
+    from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
+
+    add_routes_parser(sub)
     return parser
 
 
