@@ -67,7 +67,7 @@ def coupling_report(
     eps = list(eps or default_eps(e))
     hidden = int(hidden_size or routes.header.get("hidden_size") or 0)
     for ep in eps:
-        check_sizes(e, ep, nodes if ep % nodes == 0 else 1, 1)
+        check_sizes(e, ep, nodes, 1)
     if placement is not None:
         if placement.num_experts != e:
             raise PlacementError(f"the placement is for {placement.num_experts} experts, the routes have {e}")
@@ -87,7 +87,7 @@ def coupling_report(
         "ep": {},
     }
     for ep in eps:
-        ep_nodes = nodes if ep % nodes == 0 and ep > nodes else 1
+        ep_nodes = nodes if ep > nodes else 1
         begin = time.perf_counter()
         correlated = correlated_placement(fit, ep, ep_nodes)
         solve = time.perf_counter() - begin
@@ -122,9 +122,9 @@ def format_report(report: dict) -> str:
     lines = [
         f"routes: {r['model']} ({r['model_type']}), {r['num_experts']} experts, top-{r['top_k']}, {t['layers']} MoE "
         f"layers; fit on {t['fit']} tokens, held out {t['held_out']}",
-        f"within layer: the top {co['top_pairs']} expert pairs carry {100 * co['top_pairs_share']:.1f}% of "
+        f"within layer: the top {co['top_pairs']:.0f} expert pairs carry {100 * co['top_pairs_share']:.1f}% of "
         f"co-selections (independent routing with the same loads: {100 * co['independent_share']:.1f}%); "
-        f"{co['experts_with_partner_30']:.1f} experts have a partner in >= 30% of their tokens",
+        f"{co['experts_with_partner_30']:.1f} experts (mean over layers) have a partner in >= 30% of their tokens",
     ]
     if report["cross_layer"]:
         cl = report["cross_layer"]
