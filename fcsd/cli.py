@@ -299,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--trace", default=None, help="write torch.profiler traces to this folder")
     p.set_defaults(func=_bench)
+
+    from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
+
+    add_routes_parser(sub)
     return parser
 
 

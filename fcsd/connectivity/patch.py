@@ -32,6 +32,7 @@ from fcsd.connectivity.families import MoEFamily, family_for_config, find_decode
 from fcsd.connectivity.layer_spec import format_layers, parse_layer_spec
 
 CONFIG_KEY = "farskip"
+KEPT_KEYS = ("placement",)  # parts of the config block that are not about connectivity (fcsd.placement)
 
 
 class _PartialStream(threading.local):
@@ -161,6 +162,7 @@ def apply_farskip(model: nn.Module, layers="all") -> nn.Module:
     decoder_layers = find_decoder_layers(model, family)
     selected = parse_layer_spec(layers, len(decoder_layers))
     remove_farskip(model)
+    kept = getattr(model.config, CONFIG_KEY, None) or {}
     stream = _PartialStream()
     chosen = set(selected)
     for index in selected:
@@ -173,14 +175,16 @@ def apply_farskip(model: nn.Module, layers="all") -> nn.Module:
     if selected:
         from fcsd import __version__
 
-        setattr(
-            model.config, CONFIG_KEY, {"layers": selected, "spec": format_layers(selected), "fcsd_version": __version__}
-        )
+        record = {"layers": selected, "spec": format_layers(selected), "fcsd_version": __version__}
+        setattr(model.config, CONFIG_KEY, {**kept, **record})
     return model
 
 
 def remove_farskip(model: nn.Module) -> nn.Module:
-    """Restore the stock connectivity of every converted layer (bit-identical to the unconverted model)."""
+    """Restore the stock connectivity of every converted layer (bit-identical to the unconverted model).
+
+    The config's ``farskip`` block loses its connectivity record; an expert placement recorded there stays (the
+    weights keep their permuted order)."""
     for module in model.modules():
         if isinstance(module, FarSkipLayerMixin):
             module.__class__ = module._farskip_base
@@ -188,8 +192,13 @@ def remove_farskip(model: nn.Module) -> nn.Module:
                 delattr(module, attr)
             module.__dict__.pop("_farskip_schedule", None)
             _rebind_accelerate_forward(module)
-    if hasattr(model.config, CONFIG_KEY):
-        delattr(model.config, CONFIG_KEY)
+    record = getattr(model.config, CONFIG_KEY, None)
+    if record is not None:
+        kept = {key: value for key, value in record.items() if key in KEPT_KEYS}
+        if kept:
+            setattr(model.config, CONFIG_KEY, kept)
+        else:
+            delattr(model.config, CONFIG_KEY)
     return model
 
 
