@@ -20,8 +20,12 @@ from fcsd.run_folder import CHECKPOINT_RECORD, CONFIG, TRAINER_STATE, RunFolder
 from fcsd.safe_io import atomic_dir
 
 
-def save_checkpoint(accelerator, run: RunFolder, step: int, trainer_state: dict, keep: int) -> Path:
-    """``checkpoints/step-<step>/``, staged and renamed into place after every process has written its files."""
+def save_checkpoint(
+    accelerator, run: RunFolder, step: int, trainer_state: dict, keep: int, expert_parallel=None
+) -> Path:
+    """``checkpoints/step-<step>/``, staged and renamed into place after every process has written its files.
+    ``expert_parallel``: ``(model, optimizer)`` of an expert-parallel student, whose unsharded weights and
+    per-process optimizer states are saved beside accelerate's state."""
     target = run.step_checkpoint(step)
     staging = target.with_name(f".{target.name}.partial")
     if accelerator.is_main_process:
@@ -29,6 +33,10 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, trainer_state: dict,
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging))
+    if expert_parallel is not None:
+        from fcsd.parallel.training import save_training_state
+
+        save_training_state(*expert_parallel, staging, accelerator.is_main_process)
     accelerator.wait_for_everyone()  # every process's RNG file is in the staging folder before it is renamed
     if accelerator.is_main_process:
         (staging / TRAINER_STATE).write_text(json.dumps(trainer_state))
@@ -38,12 +46,17 @@ def save_checkpoint(accelerator, run: RunFolder, step: int, trainer_state: dict,
     return target
 
 
-def restore_checkpoint(accelerator, run: RunFolder) -> dict | None:
-    """Load the newest complete checkpoint into the prepared objects; its trainer state, or None if there is none."""
+def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None) -> dict | None:
+    """Load the newest complete checkpoint into the prepared objects (and ``expert_parallel``'s model and optimizer,
+    see :func:`save_checkpoint`); its trainer state, or None if there is none."""
     existing = run.checkpoints()
     if not existing:
         return None
     accelerator.load_state(str(existing[-1]))
+    if expert_parallel is not None:
+        from fcsd.parallel.training import load_training_state
+
+        load_training_state(*expert_parallel, existing[-1])
     accelerator.print(f"resuming from {existing[-1]}")
     return json.loads((existing[-1] / TRAINER_STATE).read_text())
 

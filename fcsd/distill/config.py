@@ -15,6 +15,7 @@ from omegaconf import MISSING
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
 SWEEP_SCHEDULES = ("full", "truncated")
+EP_MODES = ("farskip_overlap", "farskip_reference")
 EARLY_STOP_METRICS = ("plus", "base")
 
 
@@ -31,6 +32,13 @@ class ModelConfig:
 @dataclass
 class ConnectivityConfig:
     layers: str = "all"  # layer spec: all, none, last:N, first:N, last:50%, 0,3,5-7 (paper Tab. 2 converts the last)
+
+
+@dataclass
+class ParallelConfig:
+    ep_size: int = 1  # expert parallelism: routed experts sharded over groups of this many processes (1: off)
+    mode: str = "farskip_overlap"  # farskip_overlap (the Sec. 4.1 overlapped schedule) | farskip_reference (blocking)
+    placement: str | None = None  # PLACEMENT.json of `fcsd routes place`: experts permuted before sharding
 
 
 @dataclass
@@ -120,6 +128,7 @@ class SweepConfig:
 class FCSDConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     farskip: ConnectivityConfig = field(default_factory=ConnectivityConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
@@ -207,6 +216,18 @@ def to_config(cfg) -> FCSDConfig:
             f"would never reach train.lr; set train.warmup_steps below {schedule_steps(train)}",
         ),
         (config.sweep.schedule in SWEEP_SCHEDULES, f"sweep.schedule: choose {SWEEP_SCHEDULES}"),
+        (config.parallel.ep_size >= 1, f"parallel.ep_size={config.parallel.ep_size}: it must be at least 1"),
+        (config.parallel.mode in EP_MODES, f"parallel.mode={config.parallel.mode!r}: choose {EP_MODES}"),
+        (
+            config.parallel.ep_size == 1 or not train.gradient_checkpointing,
+            "train.gradient_checkpointing would recompute expert-parallel collectives out of order across processes: "
+            "turn it off with parallel.ep_size > 1",
+        ),
+        (
+            config.parallel.ep_size == 1 or not config.early_stop.enabled,
+            "MBPP+ early stopping generates with the student, which is not supported under expert parallelism yet: "
+            "set early_stop.enabled=false with parallel.ep_size > 1 (score the export with `fcsd eval` instead)",
+        ),
         (config.data.path is not None, "data.path is required: a local data file or folder, or a datasets name"),
         (config.train.batch_tokens >= config.data.seq_len, "train.batch_tokens must be at least data.seq_len"),
         (

@@ -128,9 +128,22 @@ class TrainingSession:
             run_io.write_run_config(self.run, config)
         if train_cfg.gradient_checkpointing:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.expert_parallel = config.parallel.ep_size > 1
+        if self.expert_parallel:  # paper Sec. 4.1: the student's experts sharded, its collectives overlapped
+            from fcsd.parallel.training import make_expert_parallel
+
+            if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+                raise ValueError("parallel.ep_size > 1 runs under plain torchrun / accelerate launch, not FSDP/ZeRO-3")
+            parallel = config.parallel
+            student = make_expert_parallel(
+                student.to(accelerator.device), parallel.ep_size, parallel.mode, parallel.placement
+            )
         self.optimizer, self.scheduler = build_optimizer(student, config, self.plan)
         _fill_deepspeed_config(accelerator, self.plan, train_cfg.grad_clip)
-        self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
+        if self.expert_parallel:  # no DDP wrapper: fcsd.parallel reduces each gradient over the right processes
+            self.model, self.optimizer = student, accelerator.prepare(self.optimizer)
+        else:
+            self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
         self.head_in_forward = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         if self.teacher is not None and accelerator.distributed_type == DistributedType.FSDP:
             from fcsd.parallel.inference_shard import shard_for_inference
@@ -140,7 +153,8 @@ class TrainingSession:
         self.unwrapped = accelerator.unwrap_model(self.model)
 
         guard = (train_cfg.spike_factor, train_cfg.spike_window, train_cfg.max_bad_steps)
-        saved = restore_checkpoint(accelerator, self.run) if train_cfg.resume else None
+        ep_state = (self.model, self.optimizer) if self.expert_parallel else None
+        saved = restore_checkpoint(accelerator, self.run, ep_state) if train_cfg.resume else None
         saved = saved or {"step": 0, "tokens": 0, "guard": {}, "eval_before": None, "early_stop": None}
         self.start_step, self.tokens_seen = saved["step"], saved["tokens"]
         self.guard = SpikeGuard(*guard, **saved["guard"], can_skip=not deepspeed)
@@ -185,9 +199,21 @@ class TrainingSession:
             for name, value in parts.terms.items():
                 sums[name] = sums.get(name, 0) + value
         reduced = {name: float(accelerator.reduce(value, "sum")) / global_tokens for name, value in sums.items()}
-        grad_norm = float(accelerator.clip_grad_norm_(self.model.parameters(), config.train.grad_clip or math.inf))
+        grad_norm = self.clip_gradients(config.train.grad_clip or math.inf)
         loss = reduced.pop("loss")
         return loss, grad_norm, reduced if len(reduced) > 1 else {}  # a single term is the loss itself
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Global gradient norm before clipping; under expert parallelism the gradients are first reduced over the
+        processes holding each parameter (as DDP would for a replicated one)."""
+        if not self.expert_parallel:
+            return float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        from fcsd.parallel import reduce_gradients
+        from fcsd.parallel.training import clip_grad_norm_
+
+        reduce_gradients(self.model, op="mean")  # the DDP convention the loss scale assumes
+        self.accelerator.unscale_gradients()
+        return clip_grad_norm_(self.model, max_norm)
 
     def throughput(self, done: int) -> float:
         return self.config.train.batch_tokens * (done - self.start_step) / (time.perf_counter() - self.started)
@@ -234,7 +260,8 @@ class TrainingSession:
     def save_checkpoint(self, done: int) -> None:
         state = {"step": done, "tokens": self.tokens_seen, "guard": self.guard.state(), "eval_before": self.eval_before}
         state["early_stop"] = self.early.state() if self.early is not None else None
-        save_checkpoint(self.accelerator, self.run, done, state, self.config.train.keep_checkpoints)
+        ep_state = (self.model, self.optimizer) if self.expert_parallel else None
+        save_checkpoint(self.accelerator, self.run, done, state, self.config.train.keep_checkpoints, ep_state)
 
     def finish(self, done: int) -> RunResult:
         """The last MBPP+ score, the final held-out figures, ``run_summary.json``, ``curves.png`` and ``final/``."""
