@@ -59,7 +59,9 @@ def model_fingerprint(model) -> str:
 
 def cache_dir(config) -> Path:
     """``teacher.cache_dir``, else ``output_dir/teacher-cache``."""
-    return Path(config.teacher.cache_dir or Path(config.output_dir) / "teacher-cache")
+    from fcsd.run_folder import RunFolder
+
+    return Path(config.teacher.cache_dir or RunFolder(config.output_dir).teacher_cache)
 
 
 def run_meta(model, rows: Packed, config) -> dict:
