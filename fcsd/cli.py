@@ -32,6 +32,9 @@ def _perfmodel(args) -> int:
 
     if (args.model is None) == (args.preset is None):
         raise ValueError("pass exactly one of --model HUB_ID_OR_PATH and --preset (e.g. --preset deepseek-v3)")
+    for name in ("tp", "ep", "batch", "context", "train_batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
     config = pm.load_config(args.model, args.preset)
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
     sparsities = [int(s) for s in args.sparsity.split(",")]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from fcsd.distill import run_io
 from fcsd.distill.config import FCSDConfig
-from fcsd.run_folder import RunFolder
 from fcsd.distill.trainer import RunResult, train
+from fcsd.run_folder import RunFolder
 
 
 def convert(config: FCSDConfig) -> RunResult:

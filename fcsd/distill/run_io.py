@@ -10,7 +10,6 @@ from pathlib import Path
 from fcsd import safe_io
 from fcsd.run_folder import RunFolder
 
-
 # Keys a resumed run must share with the run it continues (the rest, e.g. train.max_steps or progress, may change).
 RESUME_KEYS = (
     "model.name",

@@ -179,8 +179,11 @@ def validate_cache(folder: str | Path, expected: dict, fix: str | None = None) -
     if wrong:
         raise TeacherCacheError(
             f"the teacher cache at {folder} was made from another model, data or setting ({'; '.join(wrong)}); "
-            + (fix or "rebuild it with `fcsd cache-teacher MODEL` and this run's overrides plus overwrite=true, or "
-            "point teacher.cache_dir elsewhere")
+            + (
+                fix
+                or "rebuild it with `fcsd cache-teacher MODEL` and this run's overrides plus overwrite=true, or "
+                "point teacher.cache_dir elsewhere"
+            )
         )
 
 
