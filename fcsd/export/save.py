@@ -134,9 +134,9 @@ def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwr
         source = RunFolder(source).model_to_export() or source
     if not (source / "config.json").exists():
         raise ExportError(f"{run_or_checkpoint}: neither a converted checkpoint nor a run folder with final/")
-    sources = [run_or_checkpoint, source]
-    if source.name in ("final", "best"):  # the run folder around it holds checkpoints and metrics
-        sources.append(RunFolder.of_checkpoint(source).root)
-    check_export_target(out_dir, overwrite, sources)  # before loading anything
+    check_export_target(out_dir, overwrite, [source])  # before loading anything
+    run_root = RunFolder.of_checkpoint(source).root.resolve()  # a run's export/ may lie inside it, never around it
+    if Path(out_dir).expanduser().resolve() in (run_root, *run_root.parents):
+        raise ExportError(f"refusing to export into {out_dir}: it is or contains the run folder {run_root}")
     model = from_pretrained(str(source), dtype="auto")
     return export(model, tokenizer_from_pretrained(str(source)), out_dir, overwrite=overwrite, source=source)
