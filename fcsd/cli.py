@@ -32,6 +32,9 @@ def _perfmodel(args) -> int:
 
     if (args.model is None) == (args.preset is None):
         raise ValueError("pass exactly one of --model HUB_ID_OR_PATH and --preset (e.g. --preset deepseek-v3)")
+    for name in ("tp", "ep", "batch", "context", "train_batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
     config = pm.load_config(args.model, args.preset)
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
     sparsities = [int(s) for s in args.sparsity.split(",")]
@@ -325,23 +328,71 @@ def _cuda() -> bool:
 
 def _input_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean bad input: reported as one line, no traceback."""
-    errors: list[type[BaseException]] = [ValueError, FileNotFoundError]
+    errors: list[type[BaseException]] = [ValueError, FileNotFoundError, OSError]  # OSError: unreadable or not found
     if "hydra" in sys.modules:
         from hydra.errors import HydraException
         from omegaconf.errors import OmegaConfBaseException
 
         errors += [HydraException, OmegaConfBaseException]
+    if "safetensors" in sys.modules:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    for module, name in (("httpx", "HTTPError"), ("requests", "RequestException")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
 
 
+def _one_line(error: BaseException) -> str:
+    """The error as one line: a hub or loading problem in words (:func:`fcsd.sources.explain_error`), else its
+    message with the cause Hydra wraps (which names the key and the expected type)."""
+    from fcsd.sources import explain_error
+
+    message = explain_error(error)
+    if message is None:
+        message = str(error).strip() or type(error).__name__
+        cause = error.__cause__
+        if cause is not None and "hydra" in sys.modules:
+            from hydra.errors import HydraException
+
+            if isinstance(error, HydraException) and str(cause).strip():
+                message += f": {str(cause).strip().splitlines()[0]}"
+    return " ".join(message.split("\n")).replace("  ", " ")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
+    except KeyboardInterrupt:
+        print(f"fcsd {args.command}: interrupted{_resume_hint(args)}", file=sys.stderr)
+        return 130
     except _input_errors() as error:
-        message = str(error).strip().replace("\n", "; ")
-        print(f"fcsd {args.command}: error: {message}", file=sys.stderr)
+        print(f"fcsd {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
+
+
+def _resume_hint(args) -> str:
+    """For an interrupted ``convert``: the step of its newest checkpoint and the command that continues it."""
+    if args.command != "convert" or getattr(args, "cfg", None):
+        return ""
+    try:
+        from fcsd.distill.config import to_config
+        from fcsd.run_folder import RunFolder
+
+        config = to_config(_run_config(args))
+    except Exception:  # the interrupt came before the config was valid: nothing to resume
+        return ""
+    checkpoints = RunFolder(config.output_dir).checkpoints()
+    if not checkpoints:
+        return f"; no checkpoint was saved yet in {config.output_dir}: run the same command again to restart"
+    import shlex
+
+    command = shlex.join(["fcsd", *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"])
+    return f"; the last checkpoint is {checkpoints[-1].name} in {config.output_dir}: continue with `{command}`"
 
 
 if __name__ == "__main__":

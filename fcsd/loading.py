@@ -40,6 +40,17 @@ def tokenizer_from_pretrained(name_or_path: str):
     return AutoTokenizer.from_pretrained(name_or_path, **({"config": config} if config is not None else {}))
 
 
+def load_config(name_or_path: str):
+    """The transformers config of a checkpoint (an export's as its stock type), with an unreadable config.json as
+    a one-line error."""
+    from transformers import AutoConfig
+
+    try:
+        return _stock_config(name_or_path) or AutoConfig.from_pretrained(name_or_path)
+    except (ValueError, TypeError, KeyError) as error:  # garbage or wrongly typed config.json
+        raise ValueError(f"{name_or_path}: config.json cannot be read ({str(error).splitlines()[0][:160]})") from None
+
+
 def _stock_config(name_or_path: str):
     """The stock transformers config of an exported FarSkip folder, or None for anything else."""
     import json

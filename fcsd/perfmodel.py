@@ -134,6 +134,10 @@ def model_shape(config) -> ModelShape:
                 **attn,
             )
         )
+    if not num_experts:
+        raise ValueError(
+            f"{config.model_type}: no MoE layer in this model; the perfmodel needs a mixture-of-experts model"
+        )
     return ModelShape(decoder.hidden_size, decoder.vocab_size, num_experts, top_k, tuple(layers))
 
 

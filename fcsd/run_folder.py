@@ -12,6 +12,8 @@
       best/                 the best MBPP+ state, when early stopping ran
       export/               ``fcsd export`` of best/ (or final/)
       eval/, eval_table.md  ``fcsd eval`` of the run
+      teacher-cache/        ``fcsd cache-teacher``'s default folder (kept when the run is replaced)
+      .fcsd-output          the marker written first: only a folder that holds it is ever cleared (overwrite)
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class RunFolder:
     export = property(lambda self: self.root / "export")
     eval_dir = property(lambda self: self.root / "eval")
     eval_table = property(lambda self: self.root / "eval_table.md")
+    teacher_cache = property(lambda self: self.root / "teacher-cache")  # teacher.cache_dir's default
     sweep_status = property(lambda self: self.root / "sweep_status.json")  # a sweep run that crashed: its error
 
     @classmethod

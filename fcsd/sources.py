@@ -61,3 +61,30 @@ def resolve_checkpoint(ref: str) -> str:
     if checkpoint is None:
         raise ValueError(f"{ref} holds no checkpoint: expected config.json, or a run folder with export/ or final/")
     return str(checkpoint)
+
+
+def explain_error(error: BaseException) -> str | None:
+    """One line for the loading and hub errors whose own messages run over many lines or name no fix: a model
+    the hub does not know, a hub that cannot be reached, a truncated weights file, an unreadable config.json."""
+    chain, seen = [], error
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    names = {type(e).__name__ for e in chain}
+    text = " ".join(str(e) for e in chain)
+    local = "give a local checkpoint folder (e.g. ./models/my-model), a hub id, or 'demo'"
+    if names & {"RepositoryNotFoundError", "GatedRepoError"} or "is not a valid model identifier" in text:
+        return f"not found on the hub or as a local folder ({_first_line(error)}); {local}"
+    offline = names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError"} or "HF_HUB_OFFLINE" in text
+    unreachable = names & {"ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "TimeoutException"}
+    if offline or unreachable or "couldn't connect to" in text or "Failed to resolve" in text:
+        why = "hub access is off (HF_HUB_OFFLINE=1)" if offline else "the Hugging Face hub cannot be reached"
+        return f"{why} and it is not in the local cache: check the network or HF_ENDPOINT, or {local}"
+    if "SafetensorError" in names or "header too large" in text or "incomplete metadata" in text:
+        return f"a .safetensors file is truncated or corrupt ({_first_line(error)}): download or copy it again"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else type(error).__name__

@@ -86,9 +86,12 @@ def test_export_refusals(tmp_path, tokenizer):
     with pytest.raises(ExportError, match="not empty; pass --overwrite"):
         export(model, tokenizer, tmp_path / "full")
     assert (tmp_path / "full" / "keep.txt").exists()
-    export(model, tokenizer, tmp_path / "full", overwrite=True)
-    assert not (tmp_path / "full" / "keep.txt").exists()
-    with pytest.raises(ExportError, match="source checkpoint's folder"):
+    with pytest.raises(ExportError, match="not an export fcsd wrote"):  # overwrite replaces only an fcsd export
+        export(model, tokenizer, tmp_path / "full", overwrite=True)
+    assert (tmp_path / "full" / "keep.txt").exists()
+    export(model, tokenizer, tmp_path / "out")
+    export(model, tokenizer, tmp_path / "out", overwrite=True)
+    with pytest.raises(ExportError, match="lies inside the source"):
         export(model, tokenizer, tmp_path / "src" / "export", source=tmp_path / "src")
     with pytest.raises(ExportError, match="no FarSkip layers"):
         export(build("qwen3_moe"), tokenizer, tmp_path / "plain")

@@ -340,7 +340,7 @@ def test_bad_input_errors(assets, tmp_path, capsys):
         (["convert", model, "train.not_a_key=1"], "not_a_key"),
         (["convert", model, *FAST, f"data.path={assets / 'train.jsonl'}", "train.batch_tokens=100"], "multiple of"),
         (["convert", model], "data.path is required"),
-        (["convert", model, f"data.path={tmp_path / 'missing.jsonl'}"], "missing.jsonl: no such file"),
+        (["convert", model, *FAST, f"data.path={tmp_path / 'missing.jsonl'}"], "missing.jsonl: no such file"),
         (["convert", str(tmp_path / "no-model"), f"data.path={assets / 'train.jsonl'}"], "no-model: no such folder"),
         (["convert", str(small), *FAST, f"data.path={assets / 'train.jsonl'}"], "vocabulary mismatch"),
         (["convert", model, *FAST, f"data.path={assets / 'train.jsonl'}", "train.jsd_beta=0"], "strictly between"),

@@ -7,8 +7,9 @@ A wrong key or a value of the wrong type fails at composition with Hydra's messa
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -31,7 +32,9 @@ class ModelConfig:
 
 @dataclass
 class ConnectivityConfig:
-    layers: str = "all"  # layer spec: all, none, last:N, first:N, last:50%, 0,3,5-7 (paper Tab. 2 converts the last)
+    # layer spec: all, last:N, first:N, last:50%, 0,3,5-7 (paper Tab. 2 converts the last); on the command line a
+    # list needs brackets or quotes (farskip.layers=[0,3] or 'farskip.layers="0,3"'); a list becomes "0,3"
+    layers: Any = "all"
 
 
 @dataclass
@@ -142,6 +145,48 @@ class FCSDConfig:
     progress: bool = True  # progress bars
 
 
+def unknown_keys(cfg, schema, prefix: str = "") -> list[str]:
+    """Keys of ``cfg`` that ``schema`` (a dataclass) does not declare, dotted; Hydra's ``+key=value`` adds them to
+    a structured config without complaint, and ``to_object`` would then drop them silently."""
+    from omegaconf import DictConfig
+
+    if not isinstance(cfg, DictConfig):
+        return []
+    defaults = schema()
+    found = []
+    for key in cfg.keys():
+        if not hasattr(defaults, str(key)):
+            found.append(f"{prefix}{key}")
+        elif is_dataclass(getattr(defaults, key)):
+            found += unknown_keys(cfg[key], type(getattr(defaults, key)), f"{prefix}{key}.")
+    return found
+
+
+def _layer_spec(spec):
+    """``farskip.layers`` as one spec string (a list becomes ``"0,3"``); an empty selection is refused now, before
+    any model loads (it would train a whole run whose export then fails)."""
+    from fcsd.connectivity.layer_spec import GRAMMAR, parse_layer_spec
+
+    if isinstance(spec, list | tuple):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
+            raise ValueError(f"farskip.layers={spec!r}: a list must hold layer numbers; {GRAMMAR}")
+        spec = ",".join(str(i) for i in spec)
+    if not isinstance(spec, str):
+        spec = str(spec)
+    try:
+        selected = parse_layer_spec(spec, 10_000)  # the syntax and emptiness; the model's layer count comes later
+    except ValueError as error:
+        if "names layer" in str(error) or "asks for" in str(error):
+            return spec
+        raise ValueError(f"farskip.layers={spec!r}: {error}") from None
+    if not selected:
+        raise ValueError(
+            f"farskip.layers={spec!r} selects no layer, so there is nothing to convert; choose e.g. farskip.layers=all "
+            "or farskip.layers=last:50%"
+        )
+    return spec
+
+
 def schedule_steps(train: TrainConfig) -> int:
     """The LR schedule's horizon: the run's length from ``train.max_tokens`` and ``train.max_steps`` (the smaller
     wins); ``train.stop_after`` ends a run early without changing it."""
@@ -194,7 +239,14 @@ def to_config(cfg) -> FCSDConfig:
     """The typed config object, after checking the values the schema cannot express."""
     from omegaconf import OmegaConf
 
+    unknown = unknown_keys(cfg, FCSDConfig)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(unknown)} (a '+' does not add keys to the schema): check the spelling; "
+            "`fcsd convert MODEL --cfg job` prints every key"
+        )
     config: FCSDConfig = OmegaConf.to_object(cfg)
+    config.farskip.layers = _layer_spec(config.farskip.layers)
     train = config.train
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
@@ -208,6 +260,12 @@ def to_config(cfg) -> FCSDConfig:
             f"teacher.mode=cache trains the top-k forward KL only; train.divergence={train.divergence} needs the "
             "full teacher distribution: use teacher.mode=online, or train.divergence=forward_kl",
         ),
+        (train.lr > 0, f"train.lr={train.lr}: it must be > 0 (e.g. train.lr=2e-5)"),
+        (0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio={train.min_lr_ratio}: it must lie in [0, 1]"),
+        (train.batch_tokens > 0, f"train.batch_tokens={train.batch_tokens}: it must be > 0"),
+        (train.micro_batch_size > 0, f"train.micro_batch_size={train.micro_batch_size}: it must be > 0"),
+        (config.data.seq_len > 0, f"data.seq_len={config.data.seq_len}: it must be > 0"),
+        (train.max_steps is None or train.max_steps > 0, f"train.max_steps={train.max_steps}: it must be > 0"),
         (train.temperature > 0, f"train.temperature={train.temperature}: it must be > 0"),
         (0 < train.jsd_beta < 1, f"train.jsd_beta={train.jsd_beta}: it must lie strictly between 0 and 1"),
         (

@@ -8,6 +8,7 @@ from pathlib import Path
 from fcsd.distill import run_io
 from fcsd.distill.config import FCSDConfig
 from fcsd.distill.trainer import RunResult, train
+from fcsd.run_folder import RunFolder
 
 
 def convert(config: FCSDConfig) -> RunResult:
@@ -21,13 +22,14 @@ def convert(config: FCSDConfig) -> RunResult:
         if not get_token():
             raise ValueError(f"push_to_hub={config.push_to_hub} needs a hub token: set HF_TOKEN or `hf auth login`")
     if state.is_main_process:
-        run_io.check_output_dir(Path(config.output_dir), config.train.resume, config.overwrite)
+        run_io.check_output_dir(Path(config.output_dir), config.train.resume, config.overwrite, config)
+        run_io.check_export_dir(config)
     state.wait_for_everyone()
     result = train(config)
     if config.export and state.is_main_process:  # after the summary: the export's model card reads it
         from fcsd.export.save import export_checkpoint
 
-        export_dir = Path(config.export_dir or Path(config.output_dir) / "export")
+        export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
         source = result.best_dir or result.final_dir
         export_checkpoint(source, export_dir, overwrite=True)
         print(f"exported {source.name}/ to {export_dir} (reload parity checked)")

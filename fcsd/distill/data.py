@@ -43,10 +43,10 @@ def load_texts(
     ``source`` is a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a ``datasets`` hub name.
     Malformed rows are skipped and counted; a dataset with no usable row raises :class:`DataError`.
     """
-    dataset = load_rows(source, split)
+    dataset, skipped = load_rows(source, split, count_unparsable=True)
     if max_rows is not None:
         dataset = dataset.select(range(min(max_rows, len(dataset))))
-    texts, skipped = [], 0
+    texts = []
     for row in dataset:
         text = _row_text(row, tokenizer, text_field, messages_field)
         if text:
@@ -54,7 +54,7 @@ def load_texts(
         else:
             skipped += 1
     if skipped:
-        log.warning("%s: skipped %d malformed or empty rows of %d", source, skipped, len(dataset))
+        log.warning("%s: skipped %d malformed or empty rows of %d", source, skipped, len(dataset) + skipped)
     if not texts:
         raise DataError(
             f"{source}: no usable rows among {len(dataset)} (columns: {dataset.column_names}); each row needs a "
@@ -63,15 +63,21 @@ def load_texts(
     return TextRows(texts, skipped, dataset._fingerprint)
 
 
-def load_rows(source: str, split: str = "train"):
-    """A ``datasets.Dataset`` from a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a hub name."""
+def load_rows(source: str, split: str = "train", count_unparsable: bool = False):
+    """A ``datasets.Dataset`` from a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a hub name.
+    Unparsable lines of a .jsonl file are skipped (``count_unparsable``: returns ``(dataset, skipped lines)``)."""
     import datasets
 
     path = Path(source)
+    bad = 0
     if path.exists():
         files = sorted(p for p in path.iterdir() if p.suffix in _LOCAL_BUILDERS) if path.is_dir() else [path]
         if not files or files[0].suffix not in _LOCAL_BUILDERS:
             raise DataError(f"{source}: expected a .json, .jsonl, .parquet, .txt or .csv file (or a folder of them)")
+        if all(f.stat().st_size == 0 for f in files):
+            raise DataError(f"{source}: the data is empty; give a file with one JSON object (or text line) per row")
+        if files[0].suffix == ".jsonl":
+            files, bad = _parsable_jsonl(files)
         dataset = datasets.load_dataset(
             _LOCAL_BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train"
         )
@@ -79,7 +85,39 @@ def load_rows(source: str, split: str = "train"):
         raise DataError(f"{source}: no such file or folder (a local data file, or a datasets hub name like org/name)")
     else:
         dataset = datasets.load_dataset(source, split=split)
-    return dataset
+    return (dataset, bad) if count_unparsable else dataset
+
+
+def _parsable_jsonl(files: list[Path]) -> tuple[list[Path], int]:
+    """``files`` unchanged when every line parses as a JSON object; else copies without the unparsable lines (in
+    fcsd's cache, named by their content) and how many lines were dropped."""
+    from fcsd.sources import cache_root
+
+    cleaned, bad = [], 0
+    for file in files:
+        lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+        good = [line for line in lines if line.strip() and _is_json_object(line)]
+        dropped = sum(1 for line in lines if line.strip()) - len(good)
+        if not dropped:
+            cleaned.append(file)
+            continue
+        bad += dropped
+        text = "".join(line + "\n" for line in good)
+        copy = cache_root() / "clean" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
+        if not copy.exists():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_text(text)
+        cleaned.append(copy)
+    if not any(f.stat().st_size for f in cleaned):
+        raise DataError(f"{files[0]}: no line parses as a JSON object; give one JSON object per line")
+    return cleaned, bad
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def _row_text(row: dict, tokenizer, text_field: str, messages_field: str) -> str | None:

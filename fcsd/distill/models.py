@@ -13,10 +13,31 @@ from fcsd.sources import resolve_model
 
 
 def load_tokenizer(config: FCSDConfig):
-    """The checkpoint's tokenizer (an export's without its remote code)."""
+    """The checkpoint's tokenizer (an export's without its remote code), after checking that ``data.seq_len`` fits
+    the model's positions (the first moment the model's config is at hand, before any weights load)."""
     from fcsd.loading import tokenizer_from_pretrained
 
+    check_seq_len(config)
     return tokenizer_from_pretrained(resolve_model(config.model.name))
+
+
+def check_seq_len(config: FCSDConfig) -> None:
+    """``data.seq_len`` above the model's ``max_position_embeddings`` is an error (it would train positions the
+    model never learned, silently)."""
+    from pathlib import Path
+
+    from fcsd.connectivity.families import text_config
+    from fcsd.loading import load_config
+
+    name = resolve_model(config.model.name)
+    if not (Path(name) / "config.json").exists():  # a hub id: checked when the model loads
+        return
+    limit = getattr(text_config(load_config(name)), "max_position_embeddings", None)
+    if limit and config.data.seq_len > limit:
+        raise ValueError(
+            f"data.seq_len={config.data.seq_len} is above the model's max_position_embeddings ({limit}); set "
+            f"data.seq_len={limit} or less"
+        )
 
 
 def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True, need_student: bool = True):

@@ -7,15 +7,63 @@ import json
 import shutil
 from pathlib import Path
 
+from fcsd import safe_io
 from fcsd.run_folder import RunFolder
 
+# Keys a resumed run must share with the run it continues (the rest, e.g. train.max_steps or progress, may change).
+RESUME_KEYS = (
+    "model.name",
+    "farskip.layers",
+    "data.path",
+    "data.split",
+    "data.seq_len",
+    "data.max_rows",
+    "data.eval_path",
+    "train.objective",
+    "train.batch_tokens",
+    "train.micro_batch_size",
+    "train.seed",
+    "teacher.mode",
+)
 
-def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to write into a non-empty folder unless the run resumes from it or ``overwrite`` is set."""
-    if not output_dir.exists() or not any(output_dir.iterdir()) or resume:
+
+def run_inputs(config) -> dict:
+    """The local inputs of a run (name -> path) that its output folders must never be, contain or lie inside."""
+    inputs = {
+        "model": config.model.name,
+        "data file": config.data.path,
+        "eval data": config.data.eval_path,
+        "MBPP+ file": config.early_stop.data,
+    }
+    if config.teacher.cache_dir:
+        inputs["teacher cache"] = config.teacher.cache_dir
+    return inputs
+
+
+def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, config=None) -> None:
+    """Refuse to write into a non-empty folder unless the run resumes from it or ``overwrite`` is set; never accept
+    an input (or the current / home folder) as the output folder; clear only a run folder fcsd wrote, and restart
+    without ``overwrite`` a run folder that holds no checkpoint yet (a run that failed before its first save)."""
+    if config is not None:
+        safe_io.check_not_an_input(output_dir, "output_dir", run_inputs(config))
+    run = RunFolder(output_dir)
+    own = {run.teacher_cache.name, safe_io.MARKER}  # cache-teacher's default folder is the run's own
+    if not output_dir.exists() or not {p.name for p in output_dir.iterdir()} - own:
+        return
+    if resume:
+        if config is not None:
+            check_resume(run, config)
+        return
+    if safe_io.is_marked(output_dir) and not run.checkpoints() and not run.final.exists() and not run.best.exists():
+        _clear_run(run)  # a failed start: nothing worth keeping
         return
     if overwrite:
-        shutil.rmtree(output_dir)
+        if not safe_io.is_marked(output_dir):
+            raise ValueError(
+                f"output_dir {output_dir} holds files fcsd did not write (no {safe_io.MARKER} marker), so overwrite "
+                "will not remove them; choose another output_dir"
+            )
+        _clear_run(run)
         return
     raise ValueError(
         f"output_dir {output_dir} is not empty; pass train.resume=true to continue the run it holds, "
@@ -23,11 +71,59 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     )
 
 
-def write_run_config(run: RunFolder, config) -> None:
-    """The resolved config of the run, ``fcsd_config.yaml``."""
+def check_export_dir(config) -> None:
+    """An explicit ``export_dir`` is checked before training: not an input, not a folder around the run, and
+    replaceable (empty, or an export fcsd wrote)."""
+    if not (config.export and config.export_dir):
+        return
+    from fcsd.export.save import check_export_target
+
+    export_dir = Path(config.export_dir)
+    safe_io.check_not_an_input(export_dir, "export_dir", run_inputs(config))
+    run_root = Path(config.output_dir).resolve()
+    if export_dir.resolve() in (run_root, *run_root.parents):
+        raise ValueError(f"export_dir {export_dir} is or contains output_dir; choose another export_dir")
+    check_export_target(export_dir, True, [])
+
+
+def _clear_run(run: RunFolder) -> None:
+    """Remove what a run wrote, keeping the teacher cache (an input of the next run, rebuilt only on request)."""
+    for entry in run.root.iterdir():
+        if entry.name == run.teacher_cache.name:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def check_resume(run: RunFolder, config) -> None:
+    """A resumed run must continue the same run: the same model, data and the keys that shape the data order."""
     from omegaconf import OmegaConf
 
-    run.root.mkdir(parents=True, exist_ok=True)
+    if not safe_io.is_marked(run.root) and not run.config.exists():
+        raise ValueError(f"output_dir {run.root} holds no fcsd run to resume; choose another output_dir")
+    if not run.config.exists():
+        return
+    saved = OmegaConf.load(run.config)
+    current = OmegaConf.structured(config)
+    different = [
+        f"{key}: run {OmegaConf.select(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"
+        for key in RESUME_KEYS
+        if OmegaConf.select(saved, key) != OmegaConf.select(current, key)
+    ]
+    if different:
+        raise ValueError(
+            f"--resume: {run.root} is a different run ({'; '.join(different)}); use the run's settings to continue "
+            "it, or another output_dir for a new run"
+        )
+
+
+def write_run_config(run: RunFolder, config) -> None:
+    """The resolved config of the run, ``fcsd_config.yaml`` (after the marker that makes the folder fcsd's)."""
+    from omegaconf import OmegaConf
+
+    safe_io.mark(run.root, "run")
     OmegaConf.save(OmegaConf.structured(config), run.config)
 
 

@@ -59,7 +59,9 @@ def model_fingerprint(model) -> str:
 
 def cache_dir(config) -> Path:
     """``teacher.cache_dir``, else ``output_dir/teacher-cache``."""
-    return Path(config.teacher.cache_dir or Path(config.output_dir) / "teacher-cache")
+    from fcsd.run_folder import RunFolder
+
+    return Path(config.teacher.cache_dir or RunFolder(config.output_dir).teacher_cache)
 
 
 def run_meta(model, rows: Packed, config) -> dict:
@@ -77,12 +79,19 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.run_data import all_rows, load_run_data
 
+    folder = cache_dir(config)
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / "meta.json").exists():  # before loading anything
+        raise TeacherCacheError(
+            f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new or "
+            "empty folder"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
     train_rows, held_rows, _ = load_run_data(config, tokenizer)
     teacher, _ = load_models(config, tokenizer, device, need_student=False)
     rows = all_rows(train_rows, held_rows)
-    return build_cache(teacher, rows, cache_dir(config), run_meta(teacher, rows, config), batch_size, config.progress)
+    meta = run_meta(teacher, rows, config)
+    return build_cache(teacher, rows, cache_dir(config), meta, batch_size, config.progress, config.overwrite)
 
 
 def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: int, temperature: float) -> dict:
@@ -98,13 +107,33 @@ def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: 
 
 
 def build_cache(
-    teacher, packed: Packed, folder: str | Path, meta: dict, batch_size: int = 4, progress: bool = True
+    teacher,
+    packed: Packed,
+    folder: str | Path,
+    meta: dict,
+    batch_size: int = 4,
+    progress: bool = True,
+    overwrite: bool = False,
 ) -> Path:
-    """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically."""
+    """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically. A matching cache
+    is reused; a mismatched one is rebuilt only with ``overwrite``; a folder that holds anything else is refused."""
+    from fcsd import safe_io
+
     folder = Path(folder)
-    if folder.exists():
-        validate_cache(folder, meta)
-        return folder
+    if not safe_io.is_empty(folder):
+        if not (folder / "meta.json").exists():
+            raise TeacherCacheError(
+                f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new "
+                "or empty folder"
+            )
+        if not overwrite:
+            validate_cache(folder, meta, fix="add overwrite=true to this command to rebuild it")
+            return folder
+        try:
+            validate_cache(folder, meta)
+            return folder
+        except TeacherCacheError:
+            shutil.rmtree(folder)  # a teacher cache (meta.json and its shards): written by fcsd cache-teacher
     device = next(teacher.parameters()).device
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
@@ -134,8 +163,8 @@ def build_cache(
     return folder
 
 
-def validate_cache(folder: str | Path, expected: dict) -> None:
-    """Raise :class:`TeacherCacheError` naming each field where the cache differs from the run."""
+def validate_cache(folder: str | Path, expected: dict, fix: str | None = None) -> None:
+    """Raise :class:`TeacherCacheError` naming each field where the cache differs from the run (and ``fix``)."""
     folder = Path(folder)
     meta_path = folder / "meta.json"
     if not meta_path.exists():
@@ -150,7 +179,11 @@ def validate_cache(folder: str | Path, expected: dict) -> None:
     if wrong:
         raise TeacherCacheError(
             f"the teacher cache at {folder} was made from another model, data or setting ({'; '.join(wrong)}); "
-            "rebuild it with `fcsd cache-teacher` or point teacher.cache_dir elsewhere"
+            + (
+                fix
+                or "rebuild it with `fcsd cache-teacher MODEL` and this run's overrides plus overwrite=true, or "
+                "point teacher.cache_dir elsewhere"
+            )
         )
 
 

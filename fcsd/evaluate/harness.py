@@ -36,9 +36,27 @@ def load_for_eval(ref: str, device: str | None = None, dtype: str = "auto"):
     return model.eval(), tokenizer_from_pretrained(path)
 
 
-def check_code_execution(suite: SuiteConfig, allowed: bool) -> None:
-    """Refuse, before any model is loaded, a suite that runs model-written code without the opt-in."""
-    risky = [t.task for t in suite.tasks if t.code_execution]
+# Task-name prefixes of code benchmarks scored by running model-written code, whatever a suite says about them.
+CODE_TASK_PREFIXES = ("humaneval", "mbpp", "ds1000", "apps", "bigcodebench", "livecodebench", "instructhumaneval")
+
+
+def runs_code(task: str, marked: bool = False, manager=None) -> bool:
+    """Whether scoring ``task`` runs model-written code: the suite's own ``code_execution`` mark, a known code
+    benchmark, or lm-eval's ``unsafe_code: true`` in the task's YAML (when its task index is at hand)."""
+    if marked or task.lower().startswith(CODE_TASK_PREFIXES):
+        return True
+    info = getattr(manager, "task_index", {}).get(task) if manager is not None else None
+    yaml_path = info.get("yaml_path") if isinstance(info, dict) else None
+    if isinstance(yaml_path, str) and os.path.exists(yaml_path):
+        with open(yaml_path) as handle:
+            return any(line.replace(" ", "").startswith("unsafe_code:true") for line in handle)
+    return False
+
+
+def check_code_execution(suite: SuiteConfig, allowed: bool, manager=None) -> None:
+    """Refuse, before any model is loaded, a suite that runs model-written code without the opt-in (decided from
+    the tasks themselves, not only from the suite's marks, so that ``--tasks`` cannot bypass it)."""
+    risky = [t.task for t in suite.tasks if runs_code(t.task, t.code_execution, manager)]
     if risky and not allowed:
         raise ValueError(
             f"suite {suite.name!r} scores {', '.join(risky)} by running model-written code: add "
@@ -79,9 +97,10 @@ def run_suite(
     from lm_eval.models.huggingface import HFLM
 
     check_code_execution(suite, allow_code_execution)
+    manager = manager or task_manager(suite, include_paths)
+    check_code_execution(suite, allow_code_execution, manager)
     if allow_code_execution:
         os.environ["HF_ALLOW_CODE_EVAL"] = "1"  # the opt-in HF `evaluate`'s code_eval asks for
-    manager = manager or task_manager(suite, include_paths)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=str(model.device))
     groups: dict[tuple, list[str]] = {}
     for spec in suite.tasks:
@@ -136,6 +155,7 @@ def evaluate_checkpoints(refs: dict[str, str], suite: SuiteConfig, device: str |
 
     check_code_execution(suite, options.get("allow_code_execution", False))
     options["manager"] = task_manager(suite, options.get("include_paths", ()))  # before any model is loaded
+    check_code_execution(suite, options.get("allow_code_execution", False), options["manager"])
     results = {}
     for label, ref in refs.items():
         model, tokenizer = load_for_eval(ref, device, dtype)

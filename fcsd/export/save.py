@@ -39,11 +39,9 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
     out_dir = Path(out_dir).resolve()
     if not farskip_layers(model):
         raise ExportError("the model has no FarSkip layers: convert it (fcsd convert / fcsd.apply_farskip) first")
-    if source is not None and (out_dir == Path(source).resolve() or Path(source).resolve() in out_dir.parents):
-        raise ExportError(f"refusing to export into the source checkpoint's folder {source}; choose another OUT_DIR")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ExportError(f"{out_dir} is not empty; pass --overwrite (overwrite=True) to replace it")
+    check_export_target(out_dir, overwrite, [source] if source is not None else [])
     with safe_io.atomic_dir(out_dir) as staging:
+        safe_io.mark(staging, "export")
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         auto_map = write_remote_code(staging, model.config, type(model))
@@ -61,6 +59,32 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         record = {"parity_max_abs_diff": difference, "dtype": str(model.dtype), "farskip": config[CONFIG_KEY]}
         (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
+
+
+def check_export_target(out_dir: str | Path, overwrite: bool, sources: list) -> None:
+    """Refuse an ``out_dir`` that is, contains or lies inside a source (a run folder or its checkpoint), the current
+    or the home folder; a non-empty one unless ``overwrite``, and even then unless it is an export fcsd wrote."""
+    out_dir = Path(out_dir).expanduser().resolve()
+    for source in sources:
+        source = Path(source).expanduser().resolve()
+        if out_dir == source or source in out_dir.parents or out_dir in source.parents:
+            raise ExportError(
+                f"refusing to export into {out_dir}: it is, contains or lies inside the source {source}; "
+                "choose another OUT_DIR"
+            )
+    try:
+        safe_io.check_not_an_input(out_dir, "OUT_DIR", {})
+    except ValueError as error:
+        raise ExportError(str(error)) from None
+    if safe_io.is_empty(out_dir):
+        return
+    if not overwrite:
+        raise ExportError(f"{out_dir} is not empty; pass --overwrite (overwrite=True) to replace it")
+    if not safe_io.is_marked(out_dir):
+        raise ExportError(
+            f"{out_dir} is not an export fcsd wrote (no {safe_io.MARKER} marker): --overwrite only replaces an fcsd "
+            "export; choose another OUT_DIR"
+        )
 
 
 def parity_batch(model, length: int = 32) -> torch.Tensor:
@@ -110,5 +134,9 @@ def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwr
         source = RunFolder(source).model_to_export() or source
     if not (source / "config.json").exists():
         raise ExportError(f"{run_or_checkpoint}: neither a converted checkpoint nor a run folder with final/")
+    check_export_target(out_dir, overwrite, [source])  # before loading anything
+    run_root = RunFolder.of_checkpoint(source).root.resolve()  # a run's export/ may lie inside it, never around it
+    if Path(out_dir).expanduser().resolve() in (run_root, *run_root.parents):
+        raise ExportError(f"refusing to export into {out_dir}: it is or contains the run folder {run_root}")
     model = from_pretrained(str(source), dtype="auto")
     return export(model, tokenizer_from_pretrained(str(source)), out_dir, overwrite=overwrite, source=source)
