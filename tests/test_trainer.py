@@ -3,6 +3,7 @@ cache, exact resume after a kill, two gloo processes, NaN handling and input err
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,17 +175,48 @@ def test_killed_run_resumes_exactly(assets, tmp_path):
     assert resumed == uninterrupted
 
 
-def test_two_gloo_processes_match_one(assets, tmp_path):
+@pytest.fixture(scope="module")
+def parallel_runs(assets, tmp_path_factory):
+    """The same 3-step run (gradient clipping active) in one process, in 2 DDP processes and in 2 expert-parallel
+    processes (experts sharded 2 ways), plus the expert-parallel run resumed from its step-2 checkpoint."""
+    root = tmp_path_factory.mktemp("parallel")
     args = ["-m", "fcsd.cli", "convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}"]
     args += [f"data.cache_dir={assets / 'cache'}", *FAST, "train.max_steps=3", "train.micro_batch_size=4"]
-    args += ["train.save_every=2", "train.grad_clip=0", "export=false"]
-    torchrun(2, *args, f"output_dir={tmp_path / 'two'}")
+    args += ["train.save_every=2", "train.grad_clip=0.05"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    subprocess.run([sys.executable, *args, f"output_dir={tmp_path / 'one'}"], env=env, check=True, capture_output=True)
-    assert_same_training(tmp_path / "two", tmp_path / "one")
+    one = [sys.executable, *args, "export=false", f"output_dir={root / 'one'}"]
+    subprocess.run(one, env=env, check=True, capture_output=True)
+    torchrun(2, *args, "export=false", f"output_dir={root / 'ddp'}")
+    torchrun(2, *args, "parallel.ep_size=2", f"output_dir={root / 'ep'}")
+    shutil.copytree(root / "ep", root / "ep-resumed")
+    for name in ("final", "export", "run_summary.json"):
+        path = root / "ep-resumed" / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    torchrun(2, *args, "parallel.ep_size=2", f"output_dir={root / 'ep-resumed'}", "--resume")
+    return root
+
+
+def test_two_gloo_processes_match_one(parallel_runs):
+    assert_same_training(parallel_runs / "ddp", parallel_runs / "one")
+    assert max(records_of(parallel_runs / "one", "train/grad_norm")) > 0.05  # clipping took part
     # the checkpoint was renamed into place only after both processes wrote their RNG states into it
-    checkpoint = tmp_path / "two" / "checkpoints" / "step-2"
+    checkpoint = parallel_runs / "ddp" / "checkpoints" / "step-2"
     assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+
+
+def test_expert_parallel_training_matches_one_process_and_resumes_exactly(parallel_runs):
+    """parallel.ep_size=2: same losses, global gradient norms and final/ (unsharded layout) as one process; the
+    export loads with stock shapes; a resume from the step-2 checkpoint (unsharded weights, per-process optimizer
+    state) continues exactly."""
+    ep = parallel_runs / "ep"
+    assert_same_training(ep, parallel_runs / "one")
+    assert (ep / "export" / "config.json").exists()
+    assert {p.name for p in (ep / "checkpoints" / "step-2").glob("optimizer_ep_rank*.pt")} == {
+        "optimizer_ep_rank0.pt",
+        "optimizer_ep_rank1.pt",
+    }
+    assert records_of(parallel_runs / "ep-resumed", "train/loss") == records_of(ep, "train/loss")
+    assert records_of(parallel_runs / "ep-resumed", "train/grad_norm") == records_of(ep, "train/grad_norm")
 
 
 def test_non_finite_and_spiking_steps_are_skipped(assets, tmp_path, monkeypatch):
