@@ -219,6 +219,16 @@ def test_expert_parallel_training_matches_one_process_and_resumes_exactly(parall
     assert records_of(parallel_runs / "ep-resumed", "train/grad_norm") == records_of(ep, "train/grad_norm")
 
 
+def test_an_export_is_a_training_source(parallel_runs, assets, tmp_path):
+    """An exported farskip_* folder trains like any checkpoint: the teacher is the export as it is (FarSkip on its
+    recorded layers), so a student converted on the same layers starts at zero held-out KL."""
+    export = parallel_runs / "ep" / "export"
+    config = config_for(assets, tmp_path / "again", f"model.name={export}", "train.max_steps=1", "export=false")
+    result = convert(config)
+    assert result.eval_before["eval/kl"] < 1e-6
+    assert fcsd.farskip_layers(fcsd.from_pretrained(str(result.final_dir))) == [0, 1, 2, 3]
+
+
 def test_non_finite_and_spiking_steps_are_skipped(assets, tmp_path, monkeypatch):
     from fcsd.distill import trainer
 

@@ -46,9 +46,7 @@ def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True
     The student's master weights are fp32 (``model.dtype=auto``; bf16 compute comes from autocast) and its
     ``config.dtype`` is the checkpoint's, which is what ``final/`` is saved in. A multimodal checkpoint contributes
     its text model (what FCSD trains and exports)."""
-    from transformers import AutoConfig
-
-    from fcsd.loading import from_pretrained
+    from fcsd.loading import from_pretrained, load_config
 
     path = resolve_model(config.model.name)
     cuda = device.type == "cuda"
@@ -63,7 +61,7 @@ def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True
         teacher = from_pretrained(path, dtype=dtype, **common)
         teacher.eval().requires_grad_(False).to(device)
     if need_student:
-        source_dtype = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code).dtype
+        source_dtype = load_config(path).dtype  # an export's too (its stock config, no remote code)
         dtype = _dtype(config.model.dtype, cuda, "float32", "float32")
         student = from_pretrained(path, layers=config.farskip.layers, dtype=dtype, **common)
         student.config.dtype = source_dtype
