@@ -8,6 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+DESCRIPTION = (
+    "FarSkip-Collective conversion of Hugging Face MoE models with FCSD self-distillation: inspect, probe and convert "
+    "a checkpoint, export, evaluate and push the result."
+)
+
 
 def _inspect(args) -> int:
     from fcsd.connectivity.summary import summarize
@@ -174,7 +179,7 @@ def _cache_teacher(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fcsd", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fcsd", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="family, layers, experts and parameter counts of a checkpoint (config only)")
@@ -362,6 +367,9 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fcsd import quiet
+
+    quiet.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
