@@ -41,6 +41,8 @@ def _perfmodel(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
     config = pm.load_config(args.model, args.preset)
+    if args.model is not None and not any(layer.moe for layer in pm.model_shape(config).layers):
+        raise ValueError(f"--model {args.model}: it has no MoE layer, so FarSkip has nothing to overlap (dense model)")
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
     sparsities = [int(s) for s in args.sparsity.split(",")]
     scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
@@ -343,7 +345,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         from safetensors import SafetensorError
 
         errors.append(SafetensorError)
-    for module, name in (("httpx", "HTTPError"), ("requests", "RequestException")):
+    for module, name in (("httpx", "HTTPError"), ("httpx2", "HTTPError"), ("requests", "RequestException")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
