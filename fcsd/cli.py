@@ -8,6 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+DESCRIPTION = (
+    "FarSkip-Collective conversion of Hugging Face MoE models with FCSD self-distillation: inspect, probe and convert "
+    "a checkpoint, export, evaluate and push the result."
+)
+
 
 def _inspect(args) -> int:
     from fcsd.connectivity.summary import summarize
@@ -36,6 +41,8 @@ def _perfmodel(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
     config = pm.load_config(args.model, args.preset)
+    if args.model is not None and not any(layer.moe for layer in pm.model_shape(config).layers):
+        raise ValueError(f"--model {args.model}: it has no MoE layer, so FarSkip has nothing to overlap (dense model)")
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
     sparsities = [int(s) for s in args.sparsity.split(",")]
     scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
@@ -174,7 +181,7 @@ def _cache_teacher(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fcsd", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fcsd", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="family, layers, experts and parameter counts of a checkpoint (config only)")
@@ -338,7 +345,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         from safetensors import SafetensorError
 
         errors.append(SafetensorError)
-    for module, name in (("httpx", "HTTPError"), ("requests", "RequestException")):
+    for module, name in (("httpx", "HTTPError"), ("httpx2", "HTTPError"), ("requests", "RequestException")):
         if module in sys.modules:
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
@@ -362,6 +369,9 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fcsd import quiet
+
+    quiet.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv

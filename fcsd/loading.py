@@ -43,11 +43,12 @@ def tokenizer_from_pretrained(name_or_path: str):
 def load_config(name_or_path: str):
     """The transformers config of a checkpoint (an export's as its stock type), with an unreadable config.json as
     a one-line error."""
+    from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoConfig
 
     try:
         return _stock_config(name_or_path) or AutoConfig.from_pretrained(name_or_path)
-    except (ValueError, TypeError, KeyError) as error:  # garbage or wrongly typed config.json
+    except (ValueError, TypeError, KeyError, StrictDataclassFieldValidationError) as error:  # garbage or mistyped
         raise ValueError(f"{name_or_path}: config.json cannot be read ({str(error).splitlines()[0][:160]})") from None
 
 

@@ -328,7 +328,9 @@ def load_config(model: str | None = None, preset: str | None = None):
             raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)} or pass --model")
         values = dict(PRESETS[preset])
         return AutoConfig.for_model(values.pop("model_type"), **values)
-    return AutoConfig.from_pretrained(model)
+    from fcsd.loading import load_config as load_checkpoint_config
+
+    return load_checkpoint_config(model)  # an unreadable config.json is a one-line error
 
 
 def plot_sweep(rows: list[PrefillResult], path, title: str) -> None:

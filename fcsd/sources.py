@@ -19,6 +19,27 @@ def looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~"))
 
 
+def hub_id(name: str | None) -> str | None:
+    """``name`` when it can be a hub repository id and is no local folder (``models/dsv2`` that exists is a local
+    path, even though it looks like an id), else None; ``demo`` is never one."""
+    if not name or name == DEMO_NAME or looks_local(name) or Path(name).exists():
+        return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return name
+
+
+def display_name(name: str | None) -> str | None:
+    """How a model appears in cards and tables: its hub id, else the local folder's name (never an absolute path)."""
+    if not name:
+        return name
+    return hub_id(name) or (name if name == DEMO_NAME else Path(name).expanduser().name or name)
+
+
 def resolve_model(name: str) -> str:
     """``demo`` -> the demo checkpoint folder (built on first use); a local-looking path that does not exist is a
     clear error (not a hub lookup); anything else (a folder, a hub id) unchanged."""

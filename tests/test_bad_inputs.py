@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import transformers
 from tiny_models import build
 
 from fcsd.cli import main
@@ -64,6 +65,20 @@ def world(tmp_path_factory):
     (root / "mixed").mkdir()
     (root / "mixed" / "keep.txt").write_text("keep")
     (root / "suite.yaml").write_text("name: mine\ntasks:\n  - task: mbpp_plus\n")
+    for name, text in (("garbage", "{not json"), ("typed", '{"model_type": "qwen3_moe", "num_hidden_layers": "four"}')):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(text)
+    (root / "dense").mkdir()
+    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64).save_pretrained(root / "dense")
+    broken = root / "broken_model"  # a truncated weights file, as an interrupted download leaves it
+    broken.mkdir()
+    for path in (root / "model").iterdir():
+        (broken / path.name).write_bytes(
+            path.read_bytes()[:1000] if path.suffix == ".safetensors" else path.read_bytes()
+        )
+    (root / "runs" / "broken" / "final").mkdir(parents=True)
+    for path in broken.iterdir():
+        (root / "runs" / "broken" / "final" / path.name).write_bytes(path.read_bytes())
     return root
 
 
@@ -75,6 +90,9 @@ def env(world, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
     monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "1")
+    import datasets
+
+    datasets.disable_progress_bars()  # progress output is not an error line
     return world
 
 
@@ -224,6 +242,32 @@ CASES = [
     # 7. models
     ("unknown_hub_id_offline", lambda w: ["inspect", "no-such-org/no-such-model"], "hub access is off", None),
     (
+        "export_truncated_safetensors",
+        lambda w: ["export", str(w / "runs/broken"), str(w / "exported")],
+        "a .safetensors file is truncated or corrupt",
+        "exported",
+    ),
+    ("inspect_garbage_config", lambda w: ["inspect", str(w / "garbage")], "config.json cannot be read", None),
+    ("inspect_typed_config", lambda w: ["inspect", str(w / "typed")], "config.json cannot be read", None),
+    (
+        "probe_garbage_config",
+        lambda w: ["probe", str(w / "garbage"), "--data", str(w / "data/train.jsonl"), "--output-dir", str(w / "p")],
+        "config.json cannot be read",
+        "p",
+    ),
+    (
+        "perfmodel_garbage_config",
+        lambda w: ["perfmodel", "--model", str(w / "garbage")],
+        "config.json cannot be read",
+        None,
+    ),
+    (
+        "perfmodel_dense_model",
+        lambda w: ["perfmodel", "--model", str(w / "dense")],
+        "does not support model type",
+        None,
+    ),
+    (
         "perfmodel_tp_zero",
         lambda w: ["perfmodel", "--preset", "deepseek-v3", "--tp", "0"],
         "--tp=0: it must be at least 1",
@@ -286,3 +330,113 @@ def test_ctrl_c_stops_cleanly_with_the_resume_command(env, tmp_path):
     assert process.returncode == 130, err
     assert "Traceback" not in err, err
     assert "--resume`" in err and "the last checkpoint is step-" in err, err
+
+
+def test_malformed_jsonl_line_on_the_command_line_is_skipped_and_counted(env, tmp_path, caplog):
+    argv = run_convert(env, f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "export=false")
+    assert main([*argv, f"data.path={env / 'data' / 'one_bad_line.jsonl'}"]) == 0
+    assert "skipped 1 malformed" in caplog.text
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch):
+    """A hub endpoint that refuses every connection at once (nothing listens on port 9 of this machine)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
+
+
+def test_push_to_an_unreachable_hub_is_one_line_and_keeps_the_token(
+    env, unreachable_hub, tmp_path, monkeypatch, capsys
+):
+    from fcsd.export.save import PARITY_RECORD
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / PARITY_RECORD).write_text("{}")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token")
+    assert main(["push", str(folder), "me/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot be reached" in err and len(err.splitlines()) == 1 and "hf_secret_token" not in err, err
+
+
+def test_model_card_and_eval_table_name_local_bases_by_folder_and_ask_no_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from fcsd.evaluate.report import format_table
+    from fcsd.evaluate.suites import suite_from_tasks
+    from fcsd.export.model_card import render_card
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub.ModelCard, "load", lambda *args, **kwargs: asked.append(args))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "dsv2").mkdir(parents=True)
+    for base in ("models/dsv2", str(tmp_path / "models" / "dsv2")):
+        card = render_card({"layers": [1], "spec": "1"}, {"config": {"model": {"name": base}}}, 2)
+        assert "base_model" not in card.split("---")[1] and str(tmp_path) not in card and "dsv2" in card
+    assert asked == []
+    table = format_table(
+        {"original": {"Avg": 1.0}}, {"original": str(tmp_path / "models" / "dsv2")}, suite_from_tasks("x")
+    )
+    assert "original (dsv2)" in table and str(tmp_path) not in table
+
+
+def test_eval_of_a_model_without_farskip_layers_says_so(env, monkeypatch, capsys):
+    import fcsd.evaluate.harness as harness
+
+    def stop(*args, **kwargs):
+        raise ValueError("stopped before scoring")
+
+    monkeypatch.setattr(harness, "evaluate_checkpoints", stop)
+    assert main(["eval", str(env / "model"), "--tasks", "arc_easy"]) == 2
+    assert "has no FarSkip layers" in capsys.readouterr().err
+
+
+def test_apply_farskip_refuses_a_layer_with_its_own_forward():
+    import types
+
+    import fcsd
+    from fcsd.connectivity.families import family_for_config, find_decoder_layers
+
+    model = build("qwen3_moe")
+    layer = find_decoder_layers(model, family_for_config(model.config))[2]
+    layer.forward = types.MethodType(type(layer).forward, layer)  # what another patching tool leaves behind
+    with pytest.raises(ValueError, match="own `forward` attribute"):
+        fcsd.apply_farskip(model, "all")
+    del layer.forward
+    fcsd.apply_farskip(model, "all")
+    layer.forward = types.MethodType(type(layer).forward, layer)
+    assert 2 not in fcsd.farskip_layers(model)
+
+
+def test_expected_library_messages_are_silenced_and_real_ones_kept(caplog, recwarn, tmp_path):
+    import logging
+
+    from fcsd.cli import build_parser, main
+    from fcsd.distill.run_io import plot_curves
+
+    assert "Thin:" not in build_parser().format_help()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    other = logging.getLogger("accelerate.utils.other")
+    with caplog.at_level(logging.WARNING):
+        other.warning("Removed shared tensor {'lm_head.weight'} while saving. This should be OK")
+        logging.getLogger("lm_eval.models.huggingface").warning("`pretrained` model kwarg is not of type `str`.")
+        other.warning("Removed shared tensor {'model.layers.0.mlp.weight'} while saving")
+    assert [r.getMessage()[:21] for r in caplog.records] == ["Removed shared tensor"]
+    records = [{"step": s, "train/loss": 0.0, "train/lr": 1e-3, **({"eval/kl": 0.0} if s == 2 else {})} for s in (1, 2)]
+    plot_curves(records, tmp_path / "curves.png", "run")
+    assert not [w for w in recwarn if "log-scaled" in str(w.message)]
+
+
+def test_short_runs_evaluate_the_held_out_kl_along_the_way():
+    base = ["model.name=m", "data.path=d", "train.warmup_steps=0"]
+    assert to_config(compose([*base, "train.max_steps=50"])).train.eval_every == 5
+    assert to_config(compose([*base, "train.max_steps=50", "train.eval_every=0"])).train.eval_every == 0
+    assert to_config(compose([*base, "train.max_steps=100000"])).train.eval_every == 0

@@ -150,17 +150,43 @@ def _rebind_accelerate_forward(layer: nn.Module) -> None:
         layer._old_forward = types.MethodType(type(layer).forward, layer)
 
 
+def _check_own_forward(layer: nn.Module, index: int) -> None:
+    # An instance attribute `forward` (set by another patching tool) wins over the swapped class, so the conversion
+    # would silently have no effect: refuse it (accelerate's device-map wrapper is rebound instead, see above).
+    if "forward" in layer.__dict__ and not hasattr(layer, "_hf_hook"):
+        raise ValueError(
+            f"decoder layer {index} has its own `forward` attribute (set by another patching tool), which would win "
+            "over FarSkip connectivity: apply FarSkip before that tool, or remove it first (del layer.forward)"
+        )
+
+
+def _is_converted(layer: nn.Module) -> bool:
+    """A FarSkip layer whose FarSkip forward is the one that runs (no instance `forward` shadows it)."""
+    if not isinstance(layer, FarSkipLayerMixin):
+        return False
+    if "forward" not in layer.__dict__:
+        return True
+    return (
+        hasattr(layer, "_hf_hook")
+        and getattr(getattr(layer, "_old_forward", None), "__func__", None) is type(layer).forward
+    )
+
+
 def apply_farskip(model: nn.Module, layers="all") -> nn.Module:
     """Convert the decoder layers selected by ``layers`` to FarSkip connectivity, in place, keeping every weight.
 
     ``layers`` follows :mod:`fcsd.connectivity.layer_spec` (``"all"``, ``"last:50%"``, ``"0,3,5-7"``, a list...).
-    Applying again replaces the previous selection. The selection is recorded in ``model.config.farskip`` so that a
-    saved checkpoint reloads with the same connectivity through :func:`fcsd.from_pretrained`. Returns ``model``.
+    Applying again replaces the previous selection. A selected layer whose instance carries its own ``forward``
+    attribute (another patching tool's) is refused with a ``ValueError``, since it would shadow the conversion.
+    The selection is recorded in ``model.config.farskip`` so that a saved checkpoint reloads with the same
+    connectivity through :func:`fcsd.from_pretrained`. Returns ``model``.
     Implements paper Sec. 3 (Fig. 2) as specified in design §2.
     """
     family = family_for_config(model.config)
     decoder_layers = find_decoder_layers(model, family)
     selected = parse_layer_spec(layers, len(decoder_layers))
+    for index in selected:
+        _check_own_forward(decoder_layers[index], index)
     remove_farskip(model)
     kept = getattr(model.config, CONFIG_KEY, None) or {}
     stream = _PartialStream()
@@ -203,6 +229,7 @@ def remove_farskip(model: nn.Module) -> nn.Module:
 
 
 def farskip_layers(model: nn.Module) -> list[int]:
-    """Sorted indices of the decoder layers that currently have FarSkip connectivity."""
+    """Sorted indices of the decoder layers that currently have FarSkip connectivity (a converted layer whose
+    FarSkip forward is shadowed by an instance ``forward`` attribute is not reported)."""
     family = family_for_config(model.config)
-    return [i for i, layer in enumerate(find_decoder_layers(model, family)) if isinstance(layer, FarSkipLayerMixin)]
+    return [i for i, layer in enumerate(find_decoder_layers(model, family)) if _is_converted(layer)]

@@ -63,9 +63,9 @@ def _human(n: int) -> str:
 def summarize(name_or_path: str, layers=None, config=None) -> ModelSummary:
     """Summarise a hub id or local folder (reads ``config.json`` only) and resolve the layer spec ``layers``."""
     if config is None:
-        from transformers import AutoConfig
+        from fcsd.loading import load_config
 
-        config = AutoConfig.from_pretrained(name_or_path)
+        config = load_config(name_or_path)  # an unreadable config.json is a one-line error
     family = family_for_config(config)
     model = meta_model(config)
     decoder_layers = find_decoder_layers(model, family)

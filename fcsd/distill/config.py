@@ -84,7 +84,9 @@ class TrainConfig:
     save_every: int = 1000  # checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many step checkpoints to keep
     resume: bool = False  # continue from the newest checkpoint in output_dir
-    eval_every: int = 0  # held-out KL every N steps (0: only at step 0 and at the end)
+    # held-out KL every N steps besides step 0 and the end (0: only those two); None: automatic, about a tenth of
+    # the run for runs of at most SHORT_RUN_STEPS steps (so curves.png has points along them), else 0
+    eval_every: int | None = None
     log_every: int = 1  # metrics every N steps
     spike_factor: float = 4.0  # skip a step whose loss exceeds this multiple of the recent median
     spike_window: int = 20  # steps in that median (spike detection starts once it is full)
@@ -185,6 +187,20 @@ def _layer_spec(spec):
             "or farskip.layers=last:50%"
         )
     return spec
+
+
+SHORT_RUN_STEPS = 2000  # runs up to this long evaluate the held-out KL about ten times by default
+
+
+def auto_eval_every(train: TrainConfig) -> int:
+    """``train.eval_every`` when set, else about a tenth of a short run (at most :data:`SHORT_RUN_STEPS` steps,
+    ``train.stop_after`` included) and 0 (step 0 and the end only) for longer ones."""
+    if train.eval_every is not None:
+        return train.eval_every
+    steps = schedule_steps(train)
+    if train.stop_after is not None:
+        steps = min(steps, train.stop_after)
+    return max(1, steps // 10) if 1 < steps <= SHORT_RUN_STEPS else 0
 
 
 def schedule_steps(train: TrainConfig) -> int:
@@ -299,4 +315,7 @@ def to_config(cfg) -> FCSDConfig:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if train.eval_every is not None and train.eval_every < 0:
+        raise ValueError(f"train.eval_every={train.eval_every}: it must be >= 0 (0: held-out KL at step 0 and the end)")
+    train.eval_every = auto_eval_every(train)
     return config

@@ -187,7 +187,9 @@ def plot_curves(records: list[dict], path: Path, title: str) -> None:
     if evals:
         ax_loss.plot([r["step"] for r in evals], [kl_of(r) for r in evals], "o-", label="held-out KL")
     ax_loss.set_xlabel("step")
-    ax_loss.set_yscale("log")
+    values = [r["train/loss"] for r in train] + [kl_of(r) for r in evals]
+    if values and min(values) > 0:  # a log axis cannot show a loss of 0 (matplotlib would warn)
+        ax_loss.set_yscale("log")
     ax_loss.legend()
     ax_loss.set_title(title)
     ax_lr.plot([r["step"] for r in train], [r["train/lr"] for r in train])

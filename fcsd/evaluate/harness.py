@@ -93,9 +93,14 @@ def run_suite(
 ) -> dict:
     """lm-eval results of ``model`` on the suite (lm-eval's result layout; one ``config`` block per call under
     ``config``). ``manager``: a :func:`task_manager` already built for the suite."""
+    import lm_eval.evaluator
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
+    from fcsd import quiet
+
+    quiet.install()
+    lm_eval.evaluator.get_git_commit_hash = quiet.git_commit_hash  # no "fatal: not a git repository" outside git
     check_code_execution(suite, allow_code_execution)
     manager = manager or task_manager(suite, include_paths)
     check_code_execution(suite, allow_code_execution, manager)

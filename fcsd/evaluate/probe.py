@@ -145,6 +145,9 @@ def probe_checkpoint(
     if data is None:
         raise ValueError("--data is required (a local .jsonl/.json/.txt/.parquet file or a dataset name)")
     path = resolve_model(name)
+    from fcsd.loading import load_config
+
+    load_config(path)  # an unreadable config.json is a one-line error before anything loads
     tokenizer = tokenizer_from_pretrained(path)
     model = from_pretrained(path, layers=[], text_only=True, dtype=getattr(torch, dtype)).to(device)
     num_layers = len(find_decoder_layers(model, family_for_config(model.config)))

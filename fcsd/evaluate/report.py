@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fcsd.evaluate.harness import task_score
 from fcsd.evaluate.suites import SuiteConfig
+from fcsd.sources import display_name
 
 TABLE = "eval_table.md"
 
@@ -32,7 +33,7 @@ def format_table(table: dict[str, dict[str, float]], names: dict[str, str], suit
         "|---|" + "---:|" * len(columns),
     ]
     for label, row in table.items():
-        name = f"{label} ({names[label]})" if label in names else label
+        name = f"{label} ({display_name(names[label])})" if label in names else label
         cells = [f"{v:+.1f}" if label == "delta" else f"{v:.1f}" for v in row.values()]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     settings = "; ".join(_describe(spec) for spec in suite.tasks)
@@ -81,7 +82,7 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
     table = score_table(results, suite)
     (out / TABLE).write_text(format_table(table, names, suite) + "\n")
     plot_table(table, out / "eval_table.png", f"lm-eval suite {suite.name}")
-    summary = {"suite": suite.name, "models": names, "scores": table}
+    summary = {"suite": suite.name, "models": {k: display_name(v) for k, v in names.items()}, "scores": table}
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2))
     return table
 
@@ -92,6 +93,27 @@ def default_output(model: str) -> Path:
 
     run = RunFolder(model)
     return run.eval_dir if run.checkpoint() else Path("outputs") / "eval" / (run.root.name or "model")
+
+
+def warn_if_not_converted(model: str) -> None:
+    """Say so (on stderr) when the model scored as "converted" has no FarSkip layers: a stock checkpoint, or a run
+    folder's teacher, is scored with its regular connectivity."""
+    import sys
+
+    from fcsd.connectivity.patch import CONFIG_KEY
+    from fcsd.loading import load_config
+    from fcsd.sources import resolve_checkpoint
+
+    try:
+        config = load_config(resolve_checkpoint(model))
+    except Exception:  # unreadable or only on an unreachable hub: loading the model reports it
+        return
+    if not (getattr(config, CONFIG_KEY, None) or {}).get("layers"):
+        print(
+            f"fcsd eval: warning: {display_name(model)} has no FarSkip layers (a stock checkpoint, not a converted "
+            "one): it is scored with its regular connectivity, labelled 'converted' only as the row being compared",
+            file=sys.stderr,
+        )
 
 
 def evaluate_and_report(
@@ -105,6 +127,10 @@ def evaluate_and_report(
     from fcsd.evaluate.harness import evaluate_checkpoints
 
     refs = {"original": compare, "converted": model} if compare else {"converted": model}
+    from fcsd.evaluate.harness import check_code_execution
+
+    check_code_execution(suite, options.get("allow_code_execution", False))  # the refusal comes before any warning
+    warn_if_not_converted(model)
     out = Path(output) if output else default_output(model)
     results = evaluate_checkpoints(refs, suite, **options)
     table = write_report(out, results, refs, suite)

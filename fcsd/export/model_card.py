@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fcsd.sources import display_name, hub_id
+
 CITATION = """@article{farskip2025,
   title   = {FarSkip-Collective: Unhobbling Blocking Communication in Mixture of Experts Models},
   journal = {arXiv preprint arXiv:2511.11505},
@@ -56,13 +58,13 @@ def recipe_summary(facts: dict) -> dict | None:
         return None
     steps = summary.get("steps")
     return {
-        "base_model": (config.get("model") or {}).get("name"),
+        "base_model": display_name((config.get("model") or {}).get("name")),
         "objective": train["objective"],
         "lr": train["lr"],
         "batch_tokens": train["batch_tokens"],
         "steps": steps,
         "tokens": steps * train["batch_tokens"] if steps else None,
-        "data": (config.get("data") or {}).get("path"),
+        "data": display_name((config.get("data") or {}).get("path")),
     }
 
 
@@ -73,7 +75,9 @@ def base_license(base_model: str | None) -> str | None:
     try:
         from huggingface_hub import ModelCard
 
-        local = Path(base_model) / "README.md"
+        local = Path(base_model).expanduser() / "README.md"
+        if not local.exists() and hub_id(base_model) is None:
+            return None  # a local folder without a card: never asked on the hub
         card = ModelCard.load(str(local) if local.exists() else base_model)
         return card.data.to_dict().get("license")
     except Exception:  # offline, gated or missing card: the license stays unknown rather than guessed
@@ -85,11 +89,13 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
     from huggingface_hub import ModelCard, ModelCardData
 
     config = facts.get("config", {})
-    base = (config.get("model") or {}).get("name")
-    on_hub = bool(base) and not base.startswith((".", "/", "~")) and base != "demo"
+    source = (config.get("model") or {}).get("name")
+    on_hub = hub_id(source) is not None  # a local folder (relative or not) is never looked up on the hub
+    local = bool(source) and not on_hub and (Path(source).expanduser() / "README.md").is_file()
+    base = display_name(source)  # the hub id or the folder's name, never an absolute path
     data = ModelCardData(
-        base_model=base if on_hub else None,
-        license=base_license(base) if on_hub or (base and Path(base).is_dir()) else None,  # the demo asks no hub
+        base_model=source if on_hub else None,
+        license=base_license(source) if on_hub or local else None,  # the demo asks no hub
         library_name="transformers",
         tags=["moe", "farskip-collective", "fcsd"],
     )
@@ -122,7 +128,7 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
             f"| tokens | {tokens:,} |" if tokens else "| tokens | unknown |",
             f"| batch size | {train['batch_tokens']:,} tokens |",
             f"| learning rate | {train['lr']:g} (AdamW, cosine, {train['warmup_steps']} warm-up steps) |",
-            f"| data | `{(config.get('data') or {}).get('path')}` |",
+            f"| data | `{display_name((config.get('data') or {}).get('path'))}` |",
         ]
         before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
         if before and after:
