@@ -183,3 +183,21 @@ def test_closed_form_kl_gradient_equals_autograd():
         (expected,) = torch.autograd.grad(reference.sum(), student)
         torch.testing.assert_close(loss, reference.detach())
         torch.testing.assert_close(grad, expected)
+
+
+def test_a_mismatched_teacher_cache_is_rebuilt_only_with_overwrite(tmp_path):
+    """Without overwrite a mismatched cache is refused with a fix that works; with it the cache is rebuilt."""
+    from tiny_models import build
+
+    from fcsd.distill.teacher_cache import TeacherCacheError, build_cache, expected_meta
+
+    teacher = build("qwen3_moe").requires_grad_(False)
+    rows = pack_documents([torch.randint(3, 90, (n,)).tolist() for n in (9, 14, 11)], seq_len=8)
+    folder = tmp_path / "cache"
+    old = expected_meta(teacher, "data-a", len(rows), 8, 4, 1.0)
+    build_cache(teacher, rows, folder, old, progress=False)
+    new = expected_meta(teacher, "data-b", len(rows), 8, 4, 1.0)
+    with pytest.raises(TeacherCacheError, match="add overwrite=true to this command to rebuild it"):
+        build_cache(teacher, rows, folder, new, progress=False)
+    build_cache(teacher, rows, folder, new, progress=False, overwrite=True)
+    assert json.loads((folder / "meta.json").read_text())["data"] == "data-b"
