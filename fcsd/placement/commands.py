@@ -24,7 +24,7 @@ def record(args) -> int:
     """Load MODEL like ``fcsd probe`` (``demo`` included), read ``--tokens`` tokens of ``--data`` and save routes."""
     import torch
 
-    from fcsd.demo import DEMO_NAME, resolve_data, resolve_model
+    from fcsd.sources import DEMO_NAME, resolve_data, resolve_model
     from fcsd.distill.data import load_texts, pack_sequences, tokens_fingerprint
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.placement.record import record_routes
