@@ -17,8 +17,7 @@ from reference import causal_lm, farskip_reference
 from tiny_models import CONFIGS, TEXT_FAMILIES, build
 
 import fcsd
-from fcsd.connectivity.families import family_for_config
-from fcsd.connectivity.routing import moe_blocks
+from fcsd.connectivity.families import family_for_config, moe_blocks
 from fcsd.parallel import expert_parallel, full_state_dict, reduce_gradients
 from fcsd.parallel.dispatchers import AllToAllDispatcher, DedupAllToAllDispatcher
 from fcsd.parallel.schedule import SPLIT_COUNTS
