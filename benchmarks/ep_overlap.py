@@ -1,6 +1,6 @@
 """Expert-parallel overlap benchmark (paper Sec. 4, Appendix C): drives ``fcsd bench overlap``.
 
-    python benchmarks/ep_overlap.py --config mid --ranks 2 [--iters 5] [--json]
+    python benchmarks/ep_overlap.py --config mid --ranks 2 [--iters 5] [--dispatcher plain|dedup] [--json]
 
 Figures and their definitions: fcsd/parallel/bench.py. Results are recorded in BENCHMARKS.md.
 """
@@ -18,6 +18,7 @@ if __name__ == "__main__":
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--trace", default=None)
+    parser.add_argument("--dispatcher", choices=["plain", "dedup"], default="plain")
     args = parser.parse_args()
-    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace)
+    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher)
     print(json.dumps(result, indent=2) if args.json else format_table(result))

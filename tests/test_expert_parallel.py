@@ -96,8 +96,56 @@ def test_gathered_state_dict_equals_the_original(two, four):
         ("regular_on_converted", "farskip_reference"),
         ("bad_mode", "regular, farskip_reference, farskip_overlap"),
         ("indivisible", "cannot be split evenly"),
+        ("bad_dispatcher", "use one of plain, dedup"),
+        ("placement_ep", "computed for EP 4 but the expert-parallel group has 2 ranks"),
         ("checkpointing", "activation checkpointing is not supported"),
     ],
 )
 def test_errors_are_clear(two, case, words):
     assert words in two[0]["errors"][case]
+
+
+def test_dedup_dispatcher_matches_plain_in_the_model(two, four):
+    for results in (two, four):
+        for rank_result in results:
+            for name, result in rank_result["dedup"].items():
+                _assert_matches(result, "regular" not in name)
+            family_mode = next(iter(rank_result["dedup"]))
+            plain = rank_result["cases"].get(family_mode)
+            if plain is not None:  # one row per (token, rank) never exceeds one per (token, expert)
+                assert 0 < rank_result["dedup"][family_mode]["rows_sent"] <= plain["rows_sent"]
+        for rank, rank_result in enumerate(results):
+            if rank > 0:  # experts 0 and 1 live on rank 0: the others receive nothing
+                assert rank_result["dedup"]["route_to_first"]["rows_received"] == 0
+
+
+@pytest.mark.parametrize("blocking", ["True", "False"])
+def test_dedup_dispatcher_equals_plain_and_counts_like_the_offline_definition(two, four, blocking):
+    for results in (two, four):
+        for rank_result in results:
+            result = rank_result["direct_dispatch"][blocking]
+            assert result["output"] < TOL and result["x_grad"] < TOL and result["weight_grad"] < TOL
+            assert result["rows"][0] == result["rows"][1] and result["bytes"][0] == result["bytes"][1]
+            assert result["plain_rows"][0] == result["plain_rows"][1]
+            assert result["rows"][0] < result["plain_rows"][0]  # token 0's experts 0 and 1 share rank 0
+        # the combine returns one partial sum per (token, remote rank): as many rows as the dispatch sent
+        combine = sum(r["direct_dispatch"][blocking]["combine_rows"] for r in results)
+        assert combine == sum(r["direct_dispatch"][blocking]["rows"][0] for r in results)
+
+
+def test_placement_in_expert_parallel_keeps_outputs_and_gradients(two):
+    for rank_result in two:
+        assert len(rank_result["placement"]) == 2
+        for name, result in rank_result["placement"].items():
+            _assert_matches(result, "regular" not in name)
+            assert result["unplaced_logits"] < TOL
+
+
+def test_placement_gathered_state_dict_is_the_permuted_stock_layout(two):
+    for rank_result in two:
+        assert rank_result["placement_state_dict"] == {
+            "equal": True,
+            "permuted": True,
+            "fresh_logits": pytest.approx(0.0, abs=TOL),
+            "recorded": True,
+        }

@@ -10,6 +10,11 @@ family exposes three parts that can be called separately:
   experts weighted and summed;
 - ``shared(moe, x) -> shared output``.
 
+Router access for expert-coupling work (second paper, Sec. II-B, V-A) reads the same router output:
+``read_topk(router, router_output) -> (ids, weights)`` is what ``route`` uses, so a forward hook on the router
+(route recording) sees exactly the experts the model runs; ``routing_groups(config) -> groups`` says which
+contiguous expert groups a group-limited router needs kept together when experts are permuted.
+
 Every adapter calls the stock sub-modules (router, experts, shared experts) of the installed transformers, so hooks
 on them (router-logit recording) keep working. Shape suffixes: ``T`` tokens, ``R`` rows, ``K`` experts per token,
 ``D`` hidden size, ``E`` experts. Single-device code: no collectives here (exports copy this file).
@@ -32,10 +37,28 @@ class Routing(NamedTuple):
     tokens: torch.Tensor  # (T, D) the rows the routed experts take (the input; jittered for Mixtral in training)
 
 
+TopK = tuple[torch.Tensor, torch.Tensor]  # (ids (T, K) int64, weights (T, K))
+
+
+def gate_topk(router: nn.Module, output) -> TopK:
+    """Routers returning ``(logits, top-k weights, top-k ids)``: Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-V2/V3."""
+    _, topk_weights, topk_ids = output
+    return topk_ids, topk_weights
+
+
+def llama4_topk(router: nn.Module, output) -> TopK:
+    """Llama-4 returns ``(scores (T, E): sigmoid of the top-k logits, 0 elsewhere; logits)``; its own top-k is on the
+    logits, so repeating it gives the same ids."""
+    scores_TE, router_logits = output
+    topk_ids = torch.topk(router_logits, router.top_k, dim=1).indices
+    return topk_ids, scores_TE.gather(1, topk_ids)
+
+
 def topk_route(moe: nn.Module, x_TD: torch.Tensor) -> Routing:
     """Routers named ``gate`` returning ``(logits, weights, ids)``: Qwen3-MoE, Qwen2-MoE, DeepSeek-V2/V3, OLMoE."""
-    router_logits, topk_weights, topk_ids = moe.gate(x_TD)
-    return Routing(router_logits, topk_ids, topk_weights, x_TD)
+    output = moe.gate(x_TD)
+    topk_ids, topk_weights = gate_topk(moe.gate, output)
+    return Routing(output[0], topk_ids, topk_weights, x_TD)
 
 
 def mixtral_route(moe: nn.Module, x_TD: torch.Tensor) -> Routing:
@@ -48,9 +71,24 @@ def mixtral_route(moe: nn.Module, x_TD: torch.Tensor) -> Routing:
 
 def llama4_route(moe: nn.Module, x_TD: torch.Tensor) -> Routing:
     """Llama-4: the sigmoid top-k router returns dense scores (0 where not selected); keep the selected ones."""
-    scores_TE, router_logits = moe.router(x_TD)
-    topk_ids = torch.topk(router_logits, moe.router.top_k, dim=1).indices  # the router's own top-k, recomputed
-    return Routing(router_logits, topk_ids, scores_TE.gather(1, topk_ids), x_TD)
+    output = moe.router(x_TD)
+    topk_ids, topk_weights = llama4_topk(moe.router, output)
+    return Routing(output[1], topk_ids, topk_weights, x_TD)
+
+
+def deepseek_groups(always: bool):
+    """Expert groups of DeepSeek's group-limited routing: ``n_group`` contiguous blocks of ``E / n_group`` ids when
+    the router selects among ``topk_group < n_group`` of them (DeepSeek-V3 always; DeepSeek-V2 only with
+    ``topk_method="group_limited_greedy"``), else 1."""
+
+    def routing_groups(config) -> int:
+        n_group, topk_group = getattr(config, "n_group", None) or 1, getattr(config, "topk_group", None) or 1
+        if not always and getattr(config, "topk_method", "greedy") != "group_limited_greedy":
+            return 1
+        return int(n_group) if topk_group < n_group else 1
+
+    routing_groups.__name__ = f"deepseek_groups_{'always' if always else 'group_limited_greedy'}"
+    return routing_groups
 
 
 def weighted_experts(moe: nn.Module, tokens_RD, expert_ids_RK, weights_RK) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The registry of supported MoE families: one table row per Hugging Face model type.
 
-A row says where the decoder layers, the MLP/MoE block and its parts are; the functions it names live in
+A row says where the decoder layers, the MLP/MoE block and its parts are, where the router is and how to read it,
+and which per-expert tensors a permutation of the experts moves (expert placement); the functions it names live in
 :mod:`fcsd.connectivity.adapters`. Adding a family is one row here, an adapter only where the MoE block differs,
 and one tiny config in ``tests/tiny_models.py``. Every decoder layer of a supported family must have ``self_attn``,
 ``input_layernorm`` and ``post_attention_layernorm`` (all the families below share that layout).
@@ -16,8 +17,12 @@ from torch import nn
 
 from fcsd.connectivity.adapters import (
     Routing,
+    TopK,
+    deepseek_groups,
+    gate_topk,
     llama4_experts,
     llama4_route,
+    llama4_topk,
     mixtral_route,
     qwen2_gated_shared,
     shared_module,
@@ -28,6 +33,7 @@ from fcsd.connectivity.adapters import (
 MlpPart = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 RoutePart = Callable[[nn.Module, torch.Tensor], Routing]
 ExpertsPart = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ReadTopK = Callable[[nn.Module, object], TopK]
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,20 @@ class MoEFamily:
     mlp_attr: str = "mlp"  # decoder-layer attribute that holds the MLP or MoE block
     experts_attr: str = "experts"  # MoE-block attribute holding the routed experts (parameter counts)
     top_k_attr: str = "num_experts_per_tok"  # config attribute: experts per token
+    router_attr: str = "gate"  # MoE-block attribute holding the router module
+    read_topk: ReadTopK = gate_topk  # (router, router forward output) -> (top-k ids, weights), as ``route`` reads it
+    router_per_expert: tuple[str, ...] = ("weight",)  # router parameters/buffers with one row per expert (dim 0)
+    experts_per_expert: tuple[str, ...] = ("gate_up_proj", "down_proj")  # fused expert tensors, dim 0 = expert
+    groups: Callable[[object], int] | None = None  # (text config) -> expert groups of group-limited routing
+
+    def router(self, mlp: nn.Module) -> nn.Module:
+        """The router module of the MoE block ``mlp`` (route recording hooks it)."""
+        return getattr(mlp, self.router_attr)
+
+    def routing_groups(self, config) -> int:
+        """Contiguous expert groups the router's group-limited routing selects among (1 if none): a permutation of
+        the experts keeps routing exact only if it maps every group onto a group."""
+        return self.groups(text_config(config)) if self.groups is not None else 1
 
     def split_mlp(self, mlp: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(shared_k, routed_k)`` of design §2 for the block ``mlp`` on its input ``x``.
@@ -74,6 +94,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         moe_block="DeepseekV2Moe",
         route=topk_route,
         shared=shared_module("shared_experts"),
+        groups=deepseek_groups(always=False),
     ),
     MoEFamily(
         name="DeepSeek-V3",
@@ -83,6 +104,8 @@ FAMILIES: tuple[MoEFamily, ...] = (
         moe_block="DeepseekV3MoE",
         route=topk_route,
         shared=shared_module("shared_experts"),
+        router_per_expert=("weight", "e_score_correction_bias"),
+        groups=deepseek_groups(always=True),
     ),
     MoEFamily(
         name="Qwen3-MoE",
@@ -111,6 +134,9 @@ FAMILIES: tuple[MoEFamily, ...] = (
         experts=llama4_experts,
         shared=shared_module("shared_expert"),
         mlp_attr="feed_forward",
+        router_attr="router",
+        read_topk=llama4_topk,
+        router_per_expert=("weight", "bias"),
     ),
     MoEFamily(
         name="Mixtral",
@@ -204,6 +230,16 @@ def find_decoder_layers(model: nn.Module, family: MoEFamily) -> nn.ModuleList:
     raise UnsupportedModelError(
         f"found no list of {family.decoder_layer} modules in {type(model).__name__}; is this a {family.name} model?"
     )
+
+
+def moe_blocks(model: nn.Module, family: MoEFamily) -> dict[int, nn.Module]:
+    """``{decoder layer index: MoE block}`` for every MoE layer of ``model`` (dense layers skipped)."""
+    blocks = {}
+    for index, layer in enumerate(find_decoder_layers(model, family)):
+        mlp = getattr(layer, family.mlp_attr, None)
+        if mlp is not None and family.is_moe(mlp):
+            blocks[index] = mlp
+    return blocks
 
 
 def _base_name(layer: nn.Module) -> str:

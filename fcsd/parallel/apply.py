@@ -19,11 +19,19 @@ from torch import nn
 
 from fcsd.connectivity.families import expert_count, family_for_config, find_decoder_layers
 from fcsd.connectivity.patch import FarSkipLayerMixin, farskip_layers
-from fcsd.parallel.dispatchers import AllReduceDispatcher, AllToAllDispatcher, Dispatcher, LocalDispatcher
+from fcsd.parallel.dispatchers import (
+    AllReduceDispatcher,
+    AllToAllDispatcher,
+    DedupAllToAllDispatcher,
+    Dispatcher,
+    LocalDispatcher,
+)
 from fcsd.parallel.schedule import FarSkipEPSchedule, _refuse_checkpointing, ep_moe_forward
 
 MODES = ("regular", "farskip_reference", "farskip_overlap")
 LAYOUTS = ("all_to_all", "all_reduce")
+#: dispatchers of the all-to-all layout: one row per (token, expert), or one per (token, destination rank)
+DISPATCHERS = {"plain": AllToAllDispatcher, "dedup": DedupAllToAllDispatcher}
 
 
 @dataclass
@@ -41,7 +49,12 @@ class ExpertParallelState:
 
 
 def expert_parallel(
-    model: nn.Module, group=None, mode: str = "farskip_overlap", layout: str = "all_to_all", placement=None
+    model: nn.Module,
+    group=None,
+    mode: str = "farskip_overlap",
+    layout: str = "all_to_all",
+    placement=None,
+    dispatcher: str = "plain",
 ):
     """Shard ``model``'s routed experts over ``group`` (default: the whole job) and run it expert-parallel, in place.
 
@@ -53,17 +66,26 @@ def expert_parallel(
     - ``layout="all_to_all"``: each rank runs its own tokens, sent to the experts' ranks and back (training and
       inference); ``"all_reduce"``: every rank holds the *same* tokens, experts sharded, one all-reduce per layer
       (inference only, Sec. 4.2; use it with ``generate``).
-    - ``placement``: ``None`` or a callable ``placement(model)`` run before sharding that permutes experts (weights and
-      router rows, outputs unchanged), e.g. ``lambda m: fcsd.placement.apply_placement(m, plan)``; the gathered state
-      dict then holds the permuted layout.
+    - ``placement``: an expert placement (a PLACEMENT.json path, its dict, or a :class:`fcsd.placement.Placement`
+      computed by ``fcsd routes place --ep P`` for ``P`` = the group size), applied with
+      :func:`fcsd.placement.apply_placement` before sharding: experts (weights, router rows, per-expert router
+      buffers) are permuted so that contiguous sharding puts each on its placed rank; outputs are unchanged, the
+      gathered state dict holds the permuted (still stock) layout and ``config.farskip["placement"]`` records it.
+      A callable ``placement(model)`` is also accepted and run as is.
+    - ``dispatcher`` (layout ``all_to_all``): ``"plain"``, one row per (token, expert); ``"dedup"``, one row per
+      (token, destination rank) carrying that rank's expert ids and weights (second paper, Sec. V-A), the same
+      outputs with fewer rows when a token's experts share ranks (most with a correlated ``placement``).
 
-    Returns ``model``. Raises ``ValueError`` for an unknown mode or layout, a number of experts not divisible by the
-    group size, or a FarSkip mode on an unconverted model (and ``regular`` on a converted one).
+    Returns ``model``. Raises ``ValueError`` for an unknown mode, layout or dispatcher, a number of experts not
+    divisible by the group size, a placement for another EP size, or a FarSkip mode on an unconverted model (and
+    ``regular`` on a converted one).
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {', '.join(MODES)}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher={dispatcher!r}: use one of {', '.join(DISPATCHERS)}")
     if not dist.is_initialized():
         raise RuntimeError("fcsd.parallel.expert_parallel needs an initialised torch.distributed process group")
     if getattr(model, "fcsd_expert_parallel", None) is not None:
@@ -79,12 +101,14 @@ def expert_parallel(
             f"mode={mode!r} needs a FarSkip model: convert it with fcsd.apply_farskip(model, layers) first "
             "(or load a converted checkpoint with fcsd.from_pretrained), or use mode='regular'"
         )
-    if placement is not None:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if callable(placement):
         placement(model)
+    elif placement is not None:
+        _apply_placement(model, placement, size)
 
     family = family_for_config(model.config)
     layers = find_decoder_layers(model, family)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
     moe_blocks = [getattr(layer, family.mlp_attr) for layer in layers if family.is_moe(getattr(layer, family.mlp_attr))]
     num_experts = {expert_count(getattr(moe, family.experts_attr)) for moe in moe_blocks}
     for count in num_experts:
@@ -94,12 +118,13 @@ def expert_parallel(
                 f"that divides {count}"
             )
     local = (num_experts.pop() if num_experts else size) // size
+    blocking = mode != "farskip_overlap"
     if size == 1:
         dispatcher = LocalDispatcher()
     elif layout == "all_reduce":
-        dispatcher = AllReduceDispatcher(group=group, num_local_experts=local, blocking=mode != "farskip_overlap")
+        dispatcher = AllReduceDispatcher(group=group, num_local_experts=local, blocking=blocking)
     else:
-        dispatcher = AllToAllDispatcher(group=group, num_local_experts=local, blocking=mode != "farskip_overlap")
+        dispatcher = DISPATCHERS[dispatcher](group=group, num_local_experts=local, blocking=blocking)
 
     expert_params = []
     for moe in moe_blocks:
@@ -114,6 +139,18 @@ def expert_parallel(
         mode, layout, group, size, rank, dispatcher, expert_params, _replica_group(group, size)
     )
     return model
+
+
+def _apply_placement(model: nn.Module, placement, size: int) -> None:
+    from fcsd.placement import apply_placement, load_placement
+
+    placement = load_placement(placement)
+    if placement.ep != size:
+        raise ValueError(
+            f"the placement was computed for EP {placement.ep} but the expert-parallel group has {size} ranks: "
+            f"compute one with `fcsd routes place ROUTES --ep {size}`"
+        )
+    apply_placement(model, placement)
 
 
 def _shard_experts(experts: nn.Module, rank: int, size: int, group) -> list[nn.Parameter]:

@@ -12,7 +12,8 @@ Effective overlap = (T_ref - T_ovl) / (T_ref - T_comp): the share of the exposed
 Wait-only overlap = 1 - (time spent inside waits in the overlapped run) / T_comm: what a profiler of waits would
 claim; it overstates (collectives also slow the compute they overlap). Step speedup = (T_regular) / (T_ovl), forward +
 backward. Run as ``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (the
-``fcsd bench overlap`` command does that).
+``fcsd bench overlap`` command does that). ``--dispatcher dedup`` runs every all-to-all mode with the deduplicating
+dispatcher (one row per (token, destination rank)); the result then also holds the rows and bytes each sent.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 import fcsd
+from fcsd.connectivity.families import family_for_config, moe_blocks
 from fcsd.parallel import collectives
-from fcsd.parallel.apply import expert_parallel
-from fcsd.parallel.dispatchers import AllToAllDispatcher
+from fcsd.parallel.apply import DISPATCHERS, expert_parallel
 
 CONFIGS = {  # Qwen3-MoE shapes; "mid" is sized so that a layer's compute is not negligible next to its all-to-all
     "tiny": dict(hidden=64, layers=2, experts=8, top_k=2, inter=64, heads=4, batch=2, seq=64),
@@ -95,23 +96,25 @@ def _model_for(mode, args, group=None):
     model, batch, seq = build_model(args.config, args.model)
     if mode != "regular":
         fcsd.apply_farskip(model, "all")
-    return expert_parallel(model, group=group, mode=mode), batch, seq
+    return expert_parallel(model, group=group, mode=mode, dispatcher=args.dispatcher), batch, seq
 
 
-def _comm_only(model, input_ids, iters: int):
+def _comm_only(model, input_ids, iters: int, kind: str = "plain"):
     """Dispatch + combine of every MoE layer alone, with the routing the model produces, forward then backward."""
     state = model.fcsd_expert_parallel
+    family = family_for_config(model.config)
     captured = []
-    hooks = [
-        moe.gate.register_forward_hook(lambda m, a, out: captured.append((a[0].detach(), out[2], out[1].detach())))
-        for moe in model.modules()
-        if type(moe).__name__.endswith("SparseMoeBlock")
-    ]
+
+    def capture(router, args, output):
+        ids, weights = family.read_topk(router, output)
+        captured.append((args[0].detach(), ids, weights.detach()))
+
+    hooks = [family.router(moe).register_forward_hook(capture) for moe in moe_blocks(model, family).values()]
     with torch.no_grad():
         model(input_ids=input_ids, use_cache=False)
     for hook in hooks:
         hook.remove()
-    dispatcher = AllToAllDispatcher(
+    dispatcher = DISPATCHERS[kind](
         group=state.group, num_local_experts=state.dispatcher.num_local_experts, blocking=True
     )
     forward, backward = [], []
@@ -149,11 +152,19 @@ def measure(args) -> dict:
             traces[mode] = args.trace
         if mode == "farskip_overlap":
             waits = {k: _slowest(v / (args.iters + 1)) for k, v in collectives.WAIT_SECONDS.items()}
-            comm = _comm_only(model, input_ids, args.iters)
+            sent = model.fcsd_expert_parallel.dispatcher
+            traffic = torch.tensor(
+                [sent.dispatch_rows_sent, sent.dispatch_bytes_sent, sent.rows_sent], dtype=torch.float64
+            )
+            dist.all_reduce(traffic)
+            comm = _comm_only(model, input_ids, args.iters, args.dispatcher)
     singles = [dist.new_group([r]) for r in range(ranks)]
     model, batch, seq = _model_for("farskip_overlap", args, group=singles[rank])
     times["compute_only"] = _time_steps(model, input_ids, args.iters)
     result = {"ranks": ranks, "config": args.model or args.config, "tokens_per_rank": batch * seq}
+    steps = args.iters + 1  # the overlapped model's forwards (warm-up included), summed over ranks
+    result.update(dispatcher=args.dispatcher, dispatch_rows_per_step=float(traffic[0]) / steps)
+    result.update(dispatch_bytes_per_step=float(traffic[1]) / steps, rows_per_step=float(traffic[2]) / steps)
     for index, phase in enumerate(("forward", "backward")):
         t_reg, t_ref, t_ovl = (times[m][index] for m in ("regular", "farskip_reference", "farskip_overlap"))
         t_comp, t_comm = times["compute_only"][index], comm[index]
@@ -184,6 +195,12 @@ def _profiler(args, mode):
 def format_table(result: dict) -> str:
     """The figures as a small text table."""
     lines = [f"ranks={result['ranks']} model={result['config']} tokens/rank={result['tokens_per_rank']}"]
+    if "dispatcher" in result:
+        lines.append(
+            f"dispatcher={result['dispatcher']}: per step, all ranks, remote rows dispatched "
+            f"{result['dispatch_rows_per_step']:.0f} ({result['dispatch_bytes_per_step'] / 1e6:.3f} MB), "
+            f"dispatch + combine rows {result['rows_per_step']:.0f}"
+        )
     keys = ("T_regular_ms", "T_ref_ms", "T_ovl_ms", "T_comp_ms", "T_comm_ms", "effective_overlap", "wait_only_overlap")
     lines.append(f"{'':10}" + "".join(f"{k:>19}" for k in keys))
     for phase in ("forward", "backward"):
@@ -200,6 +217,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--trace", default=None, help="folder for torch.profiler traces")
+    parser.add_argument("--dispatcher", choices=sorted(DISPATCHERS), default="plain")
     args = parser.parse_args(argv)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -213,7 +231,9 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def run_overlap_benchmark(ranks: int, config: str = "tiny", model: str | None = None, iters: int = 5, trace=None):
+def run_overlap_benchmark(
+    ranks: int, config: str = "tiny", model: str | None = None, iters: int = 5, trace=None, dispatcher: str = "plain"
+):
     """Launch the benchmark on ``ranks`` local gloo processes (torchrun); returns the result dict."""
     import os
     import socket
@@ -230,6 +250,7 @@ def run_overlap_benchmark(ranks: int, config: str = "tiny", model: str | None = 
         command += ["-m", "fcsd.parallel.bench", "--config", config, "--iters", str(iters), "--json-out", out]
         command += ["--model", model] if model else []
         command += ["--trace", trace] if trace else []
+        command += ["--dispatcher", dispatcher]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
         subprocess.run(command, check=True, env=env)
         with open(out) as handle:

@@ -10,9 +10,11 @@ Interface (what a schedule uses; a new dispatcher, e.g. the deduplicating one, i
 
 Implementations: :class:`LocalDispatcher` (EP=1, no communication), :class:`AllToAllDispatcher` (blocking, or
 split-phase asynchronous: the token counts are exchanged first, then the rows go asynchronously; no host sync between
-a launch and its wait), :class:`AllReduceDispatcher` (inference layout of paper Sec. 4.2: activations replicated,
-experts sharded, one asynchronous all-reduce). Each counts the rows and bytes it sends (``rows_sent``,
-``bytes_sent``), for the benchmarks.
+a launch and its wait), :class:`DedupAllToAllDispatcher` (the same, one row per (token, destination rank): second
+paper, Sec. V-A), :class:`AllReduceDispatcher` (inference layout of paper Sec. 4.2: activations replicated,
+experts sharded, one asynchronous all-reduce). Each counts the rows and bytes it sends to other ranks (``rows_sent``,
+``bytes_sent``: dispatch and combine together; ``dispatch_rows_sent``, ``dispatch_bytes_sent``: the dispatch alone),
+for the benchmarks.
 
 Shape suffixes: ``T`` tokens of this rank, ``K`` experts per token, ``R`` rows this rank's experts receive, ``D``
 hidden size, ``P`` ranks of the expert-parallel group. Expert ``e`` lives on rank ``e // (E / P)`` as local expert
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fcsd.parallel.collectives import AllReduceHandle, Exchange, launch_all_to_all, sync_debug, wait_all_to_all
+from fcsd.placement.stats import ID_BYTES
 
 
 class DispatchedRows(NamedTuple):
@@ -64,16 +67,22 @@ class Dispatcher:
     rows_sent: int = field(default=0, init=False)
     bytes_sent: int = field(default=0, init=False)
     rows_received: int = field(default=0, init=False)
+    dispatch_rows_sent: int = field(default=0, init=False)
+    dispatch_bytes_sent: int = field(default=0, init=False)
     #: True where routing needs no exchange before the experts (the all-reduce layout): the schedule may then wait the
     #: previous layer's Combine after the whole attention instead of between its parts.
     routes_locally = False
 
-    def _count(self, rows: int, row_bytes: int) -> None:
+    def _count(self, rows: int, row_bytes: int, dispatch: bool = False, extra_bytes: int = 0) -> None:
         self.rows_sent += rows
-        self.bytes_sent += rows * row_bytes
+        self.bytes_sent += rows * row_bytes + extra_bytes
+        if dispatch:
+            self.dispatch_rows_sent += rows
+            self.dispatch_bytes_sent += rows * row_bytes + extra_bytes
 
     def reset_counters(self) -> None:
         self.rows_sent = self.bytes_sent = self.rows_received = 0
+        self.dispatch_rows_sent = self.dispatch_bytes_sent = 0
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
         raise NotImplementedError
@@ -134,7 +143,8 @@ class AllToAllDispatcher(Dispatcher):
         send_RD = torch.cat([x_TD[token_of_row], weights], dim=1)
         exchange = Exchange(send_sizes, recv_sizes, self.group, sync=self._sync())
         recv = launch_all_to_all(send_RD, exchange)
-        self._count(sum(s for r, s in enumerate(send_sizes) if r != dist.get_rank(self.group)), send_RD[:1].nbytes)
+        remote = sum(s for r, s in enumerate(send_sizes) if r != dist.get_rank(self.group))
+        self._count(remote, send_RD[:1].nbytes, dispatch=True)
         local_ids = torch.arange(self.num_local_experts, device=x_TD.device).repeat(num_ranks)
         local_ids = local_ids.repeat_interleave(recv_counts_PE.reshape(-1), output_size=sum(recv_sizes))
 
@@ -155,6 +165,129 @@ class AllToAllDispatcher(Dispatcher):
         back = Exchange(forward.recv_sizes, forward.send_sizes, self.group, sync=self._sync())
         recv = launch_all_to_all(y_RD, back)
         self._count(sum(s for r, s in enumerate(back.send_sizes) if r != dist.get_rank(self.group)), y_RD[:1].nbytes)
+
+        def wait() -> torch.Tensor:
+            rows = wait_all_to_all(recv, back)
+            out_TD = rows.new_zeros((state.num_tokens, rows.shape[1]))
+            return out_TD.index_add(0, state.token_of_row, rows)
+
+        return Pending(wait)
+
+
+class _DedupState(NamedTuple):
+    token_of_row: torch.Tensor  # (S,) the token each sent row came from, in send order
+    num_tokens: int
+    exchange: Exchange  # the payload's exchange (element counts per rank)
+    send_rows: list[int]  # rows sent to each rank
+    recv_rows: list[int]  # rows received from each rank
+    received: dict  # filled by wait(): "rows" (R, D) received rows, "row_of_pair" (A,) row of each expanded pair
+
+
+@dataclass
+class DedupAllToAllDispatcher(Dispatcher):
+    """One row per (token, destination rank) instead of one per (token, expert) (second paper, Sec. V-A).
+
+    A token whose ``k`` experts live on ``g`` distinct ranks sends ``g`` rows instead of ``k``; each row carries the
+    ids and weights of the token's experts on that rank. On the wire, per destination rank: its rows' hidden states,
+    then one routing weight per (token, expert) pair (same dtype, autograd flows through it as in the plain
+    dispatcher), in one all-to-all; the pairs' local expert ids (int32, the first pair of each row marked by a
+    negative id) in a second one without autograd. The receiver expands its rows locally into the expert-major
+    ``(pair, 1)`` rows the plain dispatcher delivers (same expert inputs, so the same outputs); the combine first sums
+    each row's pairs into one weighted partial sum per (token, rank), then sends those back (again one row per
+    (token, rank)), where each token adds its partial sums.
+
+    Counters follow :func:`fcsd.placement.stats.dispatch_counts` (remote rows/bytes): a dispatch row costs ``D`` hidden
+    values and each of its pairs an int32 id plus a weight; a combine row ``D`` values. ``blocking`` as in
+    :class:`AllToAllDispatcher`.
+    """
+
+    group: Any = None
+    num_local_experts: int = 1
+    blocking: bool = False
+
+    def _sync(self) -> bool:
+        return self.blocking or sync_debug()
+
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
+        num_ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        num_tokens, top_k = topk_ids_TK.shape
+        hidden = x_TD.shape[1]
+        flat_ids = topk_ids_TK.reshape(-1)
+        dest = flat_ids // self.num_local_experts
+        token = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(top_k)
+        key = dest * num_tokens + token
+        order = torch.argsort(key, stable=True)  # pairs grouped by destination rank, then token, then slot
+        sorted_key = key[order]
+        first = torch.ones_like(sorted_key, dtype=torch.bool)
+        first[1:] = sorted_key[1:] != sorted_key[:-1]  # the first pair of each (token, rank) row
+        row_keys = sorted_key[first]
+        token_of_row = row_keys % max(num_tokens, 1)
+        counts = torch.stack(
+            [
+                torch.bincount(row_keys // max(num_tokens, 1), minlength=num_ranks),
+                torch.bincount(dest, minlength=num_ranks),
+            ],
+            dim=1,
+        ).reshape(-1)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)  # (rows, pairs) per rank: sizes on the host
+        send_rows, send_pairs = counts.view(num_ranks, 2).t().tolist()
+        recv_rows, recv_pairs = recv_counts.view(num_ranks, 2).t().tolist()
+        self.rows_received += sum(recv_rows)
+
+        weights = topk_weights_TK.reshape(-1)[order].to(x_TD.dtype)
+        pieces = []
+        for rows_part, weights_part in zip(x_TD[token_of_row].split(send_rows), weights.split(send_pairs)):
+            pieces += [rows_part.reshape(-1), weights_part]
+        exchange = Exchange(
+            [n * hidden + a for n, a in zip(send_rows, send_pairs)],
+            [n * hidden + a for n, a in zip(recv_rows, recv_pairs)],
+            self.group,
+            sync=self._sync(),
+        )
+        recv = launch_all_to_all(torch.cat(pieces), exchange)
+        local = (flat_ids[order] % self.num_local_experts).to(torch.int32)
+        send_ids = torch.where(first, -local - 1, local)
+        recv_ids = send_ids.new_empty(sum(recv_pairs))
+        ids_work = dist.all_to_all_single(recv_ids, send_ids, recv_pairs, send_pairs, group=self.group, async_op=True)
+        if self._sync():
+            ids_work.wait()
+        remote_rows = sum(n for r, n in enumerate(send_rows) if r != rank)
+        remote_pairs = sum(a for r, a in enumerate(send_pairs) if r != rank)
+        elem = x_TD.element_size()
+        self._count(remote_rows, hidden * elem, dispatch=True, extra_bytes=remote_pairs * (ID_BYTES + elem))
+        state = _DedupState(token_of_row, num_tokens, exchange, send_rows, recv_rows, {})
+
+        def wait() -> DispatchedRows:
+            ready = wait_all_to_all(recv, exchange)
+            ids_work.wait()
+            send_ids.numel()  # the send buffer lives until here
+            parts = ready.split([size for n, a in zip(recv_rows, recv_pairs) for size in (n * hidden, a)])
+            rows_RD = torch.cat([part.view(-1, hidden) for part in parts[0::2]])
+            weights_A = torch.cat(parts[1::2])
+            starts = recv_ids < 0
+            local_A = torch.where(starts, -recv_ids - 1, recv_ids).long()
+            row_of_pair = torch.cumsum(starts, 0) - 1
+            expert_major = torch.argsort(local_A, stable=True)  # expand locally, grouped by expert
+            row_of_pair = row_of_pair[expert_major]
+            # keep every received value in the graph, so that every rank runs the reverse all-to-all in backward
+            state.received.update(rows=rows_RD, row_of_pair=row_of_pair, anchor=ready[:0].sum())
+            return DispatchedRows(
+                rows_RD[row_of_pair], local_A[expert_major].unsqueeze(1), weights_A[expert_major].unsqueeze(1)
+            )
+
+        return Pending(wait, state)
+
+    def combine_async(self, y_RD, pending: Pending) -> Pending:
+        state: _DedupState = pending.state
+        pending.wait()
+        received = state.received
+        partial = y_RD.new_zeros((received["rows"].shape[0], y_RD.shape[1])).index_add(0, received["row_of_pair"], y_RD)
+        partial = partial + received["anchor"]
+        back = Exchange(state.recv_rows, state.send_rows, self.group, sync=self._sync())
+        recv = launch_all_to_all(partial, back)
+        rank = dist.get_rank(self.group)
+        self._count(sum(n for r, n in enumerate(back.send_sizes) if r != rank), y_RD.shape[1] * y_RD.element_size())
 
         def wait() -> torch.Tensor:
             rows = wait_all_to_all(recv, back)

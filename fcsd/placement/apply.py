@@ -15,9 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from fcsd.connectivity.families import family_for_config
+from fcsd.connectivity.families import MoEFamily, family_for_config, moe_blocks
 from fcsd.connectivity.patch import CONFIG_KEY
-from fcsd.connectivity.routing import moe_blocks, per_expert_tensors, routing_groups
 from fcsd.placement.format import Placement, PlacementError, load_placement
 from fcsd.placement.traces import check_same_model
 
@@ -44,7 +43,7 @@ def check_placement(model: nn.Module, placement) -> Placement:
             f"the placement names layer(s) {unknown} that are not MoE layers of this model (its MoE layers: "
             f"{sorted(blocks)})"
         )
-    groups = routing_groups(model.config, family)
+    groups = family.routing_groups(model.config)
     if groups > 1:
         size = placement.num_experts // groups
         for layer in placement.layers:
@@ -56,6 +55,36 @@ def check_placement(model: nn.Module, placement) -> Placement:
                     "(it keeps groups together)"
                 )
     return placement
+
+
+def per_expert_tensors(block: nn.Module, family: MoEFamily) -> list[tuple[nn.Module, str]]:
+    """``(module, attribute)`` of every tensor of ``block`` indexed by expert on dim 0 that a permutation must move:
+    the family row's ``router_per_expert`` and ``experts_per_expert`` (an ``nn.ModuleList`` of experts is permuted
+    as a list).
+
+    Raises ``ValueError`` if the router or experts hold another tensor with a leading expert dimension that the
+    family table does not list (a permutation that missed it would silently change the model).
+    """
+    router = family.router(block)
+    experts = getattr(block, family.experts_attr)
+    num_experts = router.weight.shape[0]
+    found: list[tuple[nn.Module, str]] = []
+    for owner, names in ((router, family.router_per_expert), (experts, family.experts_per_expert)):
+        if isinstance(owner, nn.ModuleList):  # unfused experts: the list itself is permuted
+            found.append((owner, ""))
+            continue
+        for name in names:
+            if getattr(owner, name, None) is not None:
+                found.append((owner, name))
+        known = {name for module, name in found if module is owner}
+        for name, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+            if name not in known and tensor.dim() >= 1 and tensor.shape[0] == num_experts:
+                raise ValueError(
+                    f"{type(owner).__name__}.{name} has one row per expert but is not in {family.name}'s row of the "
+                    "family table (router_per_expert / experts_per_expert in fcsd/connectivity/families.py); add it "
+                    "there before permuting experts"
+                )
+    return found
 
 
 @torch.no_grad()

@@ -24,10 +24,10 @@ def record(args) -> int:
     """Load MODEL like ``fcsd probe`` (``demo`` included), read ``--tokens`` tokens of ``--data`` and save routes."""
     import torch
 
-    from fcsd.demo import DEMO_NAME, resolve_data, resolve_model
     from fcsd.distill.data import load_texts, pack_sequences, tokens_fingerprint
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.placement.record import record_routes
+    from fcsd.sources import DEMO_NAME, resolve_data, resolve_model
 
     data = resolve_data(args.data or (DEMO_NAME if args.model == DEMO_NAME else None))  # demo: its training chats
     if data is None:

@@ -3,8 +3,8 @@ expert ids and weights while the model reads text.
 
 Works on stock and FarSkip-converted models alike: both call the same router module once per MoE layer and
 forward pass (a converted layer calls it through its routed-expert adapter). Dense layers have no router and are
-skipped. The family specifics (where the router is, how to read its output) come from
-:mod:`fcsd.connectivity.routing`.
+skipped. The family specifics (where the router is, how to read its output: the same reader the family's ``route``
+adapter uses) come from the family table (:mod:`fcsd.connectivity.families`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fcsd.connectivity.families import family_for_config, text_config
-from fcsd.connectivity.routing import moe_blocks, router_of, router_spec, routing_groups
+from fcsd.connectivity.families import family_for_config, moe_blocks, text_config
 from fcsd.placement.traces import Routes, model_fingerprint
 
 
@@ -27,7 +26,7 @@ def routes_header(model: nn.Module, name: str | None = None) -> dict:
     if not blocks:
         raise ValueError(f"{name or type(model).__name__} has no MoE layer: there are no routes to record")
     first = next(iter(blocks.values()))
-    num_experts = router_of(first, family).weight.shape[0]
+    num_experts = family.router(first).weight.shape[0]
     cfg = text_config(model.config)
     top_k = int(getattr(cfg, family.top_k_attr))
     layers = sorted(blocks)
@@ -40,7 +39,7 @@ def routes_header(model: nn.Module, name: str | None = None) -> dict:
         "num_experts": int(num_experts),
         "top_k": top_k,
         "hidden_size": int(cfg.hidden_size),
-        "routing_groups": routing_groups(model.config, family),
+        "routing_groups": family.routing_groups(model.config),
         "placement": placement,
     }
 
@@ -54,14 +53,13 @@ class RouteRecorder:
     def __init__(self, model: nn.Module):
         self.family = family_for_config(model.config)
         self.blocks = moe_blocks(model, self.family)
-        self.spec = router_spec(self.family)
         self.ids: dict[int, list[torch.Tensor]] = {index: [] for index in self.blocks}
         self.weights: dict[int, list[torch.Tensor]] = {index: [] for index in self.blocks}
         self._handles = []
 
     def __enter__(self) -> RouteRecorder:
         for index, block in self.blocks.items():
-            router = router_of(block, self.family)
+            router = self.family.router(block)
             self._handles.append(router.register_forward_hook(self._hook(index)))
         return self
 
@@ -72,7 +70,7 @@ class RouteRecorder:
 
     def _hook(self, index: int):
         def hook(router, inputs, output):
-            ids, weights = self.spec.read_topk(router, output)
+            ids, weights = self.family.read_topk(router, output)
             self.ids[index].append(ids.detach().to("cpu", torch.int32))
             self.weights[index].append(weights.detach().to("cpu", torch.float16))
 

@@ -36,6 +36,8 @@ class DispatchCounts:
     remote_dedup: int
     bytes_plain: int  # hidden-state payload + metadata
     bytes_dedup: int
+    remote_bytes_plain: int  # the same for the rows leaving the token's rank (all rows without a source rank)
+    remote_bytes_dedup: int
 
     @property
     def dedup_removed(self) -> float:
@@ -62,13 +64,15 @@ def dispatch_counts(
     source_T: np.ndarray | None = None,
     hidden_size: int = 0,
     elem_bytes: int = 2,
+    weight_bytes: int = WEIGHT_BYTES,
 ) -> DispatchCounts:
     """Rows (and bytes) a plain and a deduplicating dispatcher send for these routes under ``ranks_E``.
 
     Plain: one row per (token, expert), each the hidden state plus that expert's id and weight. Deduplicated: one
     row per (token, destination rank), each the hidden state plus the ids and weights of the token's experts on that
     rank (so metadata bytes are equal; the payload shrinks). ``source_T`` (the rank holding each token) counts the
-    rows that leave their rank; without it every row counts as remote.
+    rows (and bytes) that leave their rank; without it every row counts as remote. ``weight_bytes``: bytes of one
+    routing weight on the wire (fcsd's dispatchers send it in the hidden dtype: pass ``elem_bytes``).
     """
     tokens, k = ids_TK.shape
     dest = destination_ranks(ids_TK, ranks_E)
@@ -80,7 +84,8 @@ def dispatch_counts(
         local = dest == np.asarray(source_T)[:, None]
         remote_plain = int((~local).sum())
         remote_dedup = rows_dedup - int(local.any(axis=1).sum())
-    meta = (ID_BYTES + WEIGHT_BYTES) * tokens * k
+    pair_meta = ID_BYTES + weight_bytes
+    meta = pair_meta * tokens * k
     payload = hidden_size * elem_bytes
     return DispatchCounts(
         tokens=tokens,
@@ -91,6 +96,8 @@ def dispatch_counts(
         remote_dedup=remote_dedup,
         bytes_plain=rows_plain * payload + meta,
         bytes_dedup=rows_dedup * payload + meta,
+        remote_bytes_plain=remote_plain * (payload + pair_meta),
+        remote_bytes_dedup=remote_dedup * payload + remote_plain * pair_meta,  # remote pairs = remote plain rows
     )
 
 

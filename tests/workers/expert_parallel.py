@@ -10,14 +10,19 @@ import json
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from reference import causal_lm, farskip_reference
 from tiny_models import CONFIGS, TEXT_FAMILIES, build
 
 import fcsd
+from fcsd.connectivity.families import family_for_config, moe_blocks
 from fcsd.parallel import expert_parallel, full_state_dict, reduce_gradients
+from fcsd.parallel.dispatchers import AllToAllDispatcher, DedupAllToAllDispatcher
 from fcsd.parallel.schedule import SPLIT_COUNTS
+from fcsd.placement import Placement, apply_placement
+from fcsd.placement.stats import dispatch_counts
 
 dist.init_process_group("gloo")
 RANK, WORLD = dist.get_rank(), dist.get_world_size()
@@ -48,6 +53,16 @@ def run(model, ids):
     return logits, embeds
 
 
+def shuffled_placement(model, seed=3):
+    """A non-trivial balanced placement over WORLD ranks for every MoE layer (same on every rank)."""
+    gen = np.random.default_rng(seed)
+    blocks = moe_blocks(model, family_for_config(model.config))
+    num_experts = fcsd.connectivity.families.expert_count(next(iter(blocks.values())).experts)
+    contiguous = np.arange(num_experts) // (num_experts // WORLD)
+    layers = {layer: gen.permutation(contiguous).tolist() for layer in blocks}
+    return Placement(num_experts=num_experts, ep=WORLD, nodes=1, layers=layers)
+
+
 def prepare(family, mode, route_to_first=False):
     model = build(family)
     if route_to_first:  # every token to experts 0 and 1: other ranks' experts receive nothing
@@ -59,8 +74,11 @@ def prepare(family, mode, route_to_first=False):
     return model
 
 
-def case(family, mode, route_to_first=False):
+def case(family, mode, route_to_first=False, dispatcher="plain", placement=False):
     single = prepare(family, mode, route_to_first)
+    plan = shuffled_placement(single) if placement else None
+    if plan is not None:  # the single-process reference with the same (output-preserving) permutation of experts
+        apply_placement(single, plan)
     shares = batch(single)
     total, outputs = 0, []
     for share in shares:
@@ -69,7 +87,8 @@ def case(family, mode, route_to_first=False):
         outputs.append((logits, embeds))
     total.backward()
     expected_logits, expected_embeds = outputs[RANK]
-    model = expert_parallel(prepare(family, mode, route_to_first), mode=mode)
+    where = plan.to_dict() if plan is not None else None  # the dict form, as read from PLACEMENT.json
+    model = expert_parallel(prepare(family, mode, route_to_first), mode=mode, dispatcher=dispatcher, placement=where)
     logits, embeds = run(model, shares[RANK])
     loss_of(logits).backward()
     reduce_gradients(model, op="sum")
@@ -97,7 +116,71 @@ def case(family, mode, route_to_first=False):
         result["reference_logits"] = rel(logits.detach(), ref_logits)
     result["rows_sent"] = model.fcsd_expert_parallel.dispatcher.rows_sent
     result["rows_received"] = model.fcsd_expert_parallel.dispatcher.rows_received
+    if plan is not None:
+        unplaced = prepare(family, mode, route_to_first)  # outputs unchanged by the placement itself
+        result["unplaced_logits"] = rel(logits.detach(), run(unplaced, shares[RANK])[0].detach())
     return result
+
+
+def direct_dispatch(blocking, tokens=7 + 3 * RANK, hidden=5, top_k=3, local=2):
+    """Plain vs deduplicating dispatcher on the same random routes with per-expert linear maps: outputs, gradients
+    (tokens and routing weights), and the dedup counters against the offline dispatch_counts."""
+    num_experts = local * WORLD
+    gen = torch.Generator().manual_seed(10 + RANK)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[0] = torch.arange(top_k) % num_experts  # at least one token with two experts on rank 0
+    weights = torch.rand(tokens, top_k, generator=gen)
+    maps = torch.randn(num_experts, hidden, hidden, generator=torch.Generator().manual_seed(99))[
+        RANK * local : (RANK + 1) * local
+    ]
+    probe = torch.randn(tokens, hidden, generator=gen)
+    out = {}
+    for name, cls in (("plain", AllToAllDispatcher), ("dedup", DedupAllToAllDispatcher)):
+        dispatcher = cls(num_local_experts=local, blocking=blocking)
+        xg, wg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        pending = dispatcher.dispatch_async(xg, ids, wg)
+        rows = pending.wait()
+        y = torch.einsum("rd,rde->re", rows.tokens, maps[rows.expert_ids[:, 0]]) * rows.weights
+        result = dispatcher.combine_async(y, pending).wait()
+        (result * probe).sum().backward()
+        out[name] = (result.detach(), xg.grad, wg.grad, dispatcher)
+    plain, dedup = out["plain"], out["dedup"]
+    counts = dispatch_counts(
+        ids.numpy(), np.arange(num_experts) // local, np.full(tokens, RANK), hidden, elem_bytes=4, weight_bytes=4
+    )
+    d = dedup[3]
+    return {
+        "output": rel(dedup[0], plain[0]),
+        "x_grad": rel(dedup[1], plain[1]),
+        "weight_grad": rel(dedup[2], plain[2]),
+        "rows": [d.dispatch_rows_sent, counts.remote_dedup],
+        "bytes": [d.dispatch_bytes_sent, counts.remote_bytes_dedup],
+        "plain_rows": [plain[3].dispatch_rows_sent, counts.remote_plain],
+        "combine_rows": d.rows_sent - d.dispatch_rows_sent,
+    }
+
+
+def placement_state_dict(family):
+    """EP with a placement: the gathered state dict is the permuted stock layout, recorded in config.farskip, and a
+    fresh stock model loading it computes what the original model computes."""
+    original = build(family)
+    plan = shuffled_placement(original)
+    placed = apply_placement(build(family), plan)
+    model = expert_parallel(build(family), mode="regular", placement=plan)
+    gathered = full_state_dict(model)
+    expected = placed.state_dict()
+    fresh = build(family, seed=1)
+    fresh.load_state_dict(gathered)
+    ids = batch(original)[RANK]
+    recorded = (model.config.farskip or {}).get("placement", {})
+    orders = {str(layer): plan.order(layer).tolist() for layer in plan.layers}
+    return {
+        "equal": expected.keys() == gathered.keys() and all(torch.equal(expected[k], gathered[k]) for k in expected),
+        "permuted": any(not torch.equal(original.state_dict()[k], gathered[k]) for k in gathered),
+        "fresh_logits": rel(run(fresh, ids)[0].detach(), run(original, ids)[0].detach()),
+        "recorded": recorded.get("expert_order") == orders and recorded.get("ep") == WORLD,
+    }
 
 
 def error_of(fn) -> str:
@@ -115,6 +198,11 @@ def errors():
         lambda: expert_parallel(fcsd.apply_farskip(build("qwen3_moe"), "all"), mode="regular")
     )
     out["bad_mode"] = error_of(lambda: expert_parallel(build("qwen3_moe"), mode="fast"))
+    out["bad_dispatcher"] = error_of(lambda: expert_parallel(build("qwen3_moe"), mode="regular", dispatcher="x"))
+    wrong_ep = shuffled_placement(build("qwen3_moe")).to_dict()
+    contiguous = (np.arange(wrong_ep["num_experts"]) // (wrong_ep["num_experts"] // (2 * WORLD))).tolist()
+    wrong_ep.update(ep=2 * WORLD, layers={k: contiguous for k in wrong_ep["layers"]})
+    out["placement_ep"] = error_of(lambda: expert_parallel(build("qwen3_moe"), mode="regular", placement=wrong_ep))
     model_cls, config = CONFIGS["qwen3_moe"]()
     config.num_experts = WORLD + 1
     config._attn_implementation = "eager"
@@ -159,6 +247,20 @@ results["generate"] = {
     for mode in ("regular", "farskip_overlap")
 }
 results["state_dict_equal"] = {family: state_dicts(family) for family in ("qwen3_moe", "llama4_text")}
+DEDUP_CASES = {
+    True: [("qwen3_moe", "farskip_overlap"), ("deepseek_v3", "farskip_reference"), ("llama4_text", "farskip_overlap")]
+    + [("mixtral", "regular"), ("qwen2_moe", "farskip_overlap")],
+    False: [("deepseek_v3", "farskip_overlap"), ("olmoe", "regular")],
+}[FULL]
+results["dedup"] = {f"{f}/{m}": case(f, m, dispatcher="dedup") for f, m in DEDUP_CASES}
+results["dedup"]["route_to_first"] = case("deepseek_v3", "farskip_overlap", True, dispatcher="dedup")
+os.environ["FCSD_EP_SYNC"] = "1"
+results["dedup"]["sync_debug"] = case("deepseek_v3", "farskip_overlap", dispatcher="dedup")
+os.environ["FCSD_EP_SYNC"] = "0"
+results["direct_dispatch"] = {str(blocking): direct_dispatch(blocking) for blocking in (True, False)}
+PLACED = [("qwen3_moe", "farskip_overlap", "dedup"), ("olmoe", "regular", "plain")] if FULL else []
+results["placement"] = {f"{f}/{m}/{d}": case(f, m, dispatcher=d, placement=True) for f, m, d in PLACED}
+results["placement_state_dict"] = placement_state_dict("qwen3_moe") if FULL else {}
 with open(f"{sys.argv[1]}.{RANK}.json", "w") as handle:
     json.dump(results, handle, indent=1)
 dist.destroy_process_group()
