@@ -370,8 +370,24 @@ def _one_line(error: BaseException) -> str:
     return " ".join(message.split("\n")).replace("  ", " ")
 
 
+def _quiet_hub_retries() -> None:
+    """huggingface_hub retries an unreachable hub with backoff and logs each try over two lines; fcsd reports the
+    outcome in one line (:func:`fcsd.sources.explain_error`) instead."""
+    import logging
+
+    class DropRetries(logging.Filter):
+        def filter(self, record):
+            message = record.getMessage()
+            return not (message.startswith("Retrying in") or "thrown while requesting" in message)
+
+    logger = logging.getLogger("huggingface_hub.utils._http")
+    if not any(isinstance(f, DropRetries) for f in logger.filters):
+        logger.addFilter(DropRetries())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_hub_retries()
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

@@ -78,7 +78,11 @@ def explain_error(error: BaseException) -> str | None:
         return access
     if names & {"RepositoryNotFoundError", "GatedRepoError"} or "is not a valid model identifier" in text:
         return f"not found on the hub or as a local folder ({_first_line(error)}); {local}"
-    offline = names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError"} or "HF_HUB_OFFLINE" in text
+    offline = (
+        "OfflineModeIsEnabled" in names
+        or "HF_HUB_OFFLINE" in text
+        or ("LocalEntryNotFoundError" in names and _offline())
+    )
     unreachable = names & {"ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "TimeoutException"}
     if offline or unreachable or "couldn't connect to" in text or "Failed to resolve" in text:
         why = "hub access is off (HF_HUB_OFFLINE=1)" if offline else "the Hugging Face hub cannot be reached"
@@ -86,6 +90,13 @@ def explain_error(error: BaseException) -> str | None:
     if "SafetensorError" in names or "header too large" in text or "incomplete metadata" in text:
         return f"a .safetensors file is truncated or corrupt ({_first_line(error)}): download or copy it again"
     return None
+
+
+def _offline() -> bool:
+    """Whether hub access is switched off (``HF_HUB_OFFLINE=1``), as huggingface_hub sees it."""
+    import huggingface_hub.constants
+
+    return bool(huggingface_hub.constants.HF_HUB_OFFLINE)
 
 
 def _hub_access_error(chain: list[BaseException]) -> str | None:

@@ -152,7 +152,7 @@ def test_the_pushed_repo_loads_back_with_remote_code_without_fcsd_and_with_fcsd(
 def test_eval_of_the_pushed_repo_against_its_base(hub, pushed, tmp_path, capsys):
     include = str(ROOT / "eval" / "tasks" / "fcsd_demo")
     args = ["eval", PUSHED, "--compare", MODEL, "--tasks", "fcsd_demo_choice", "--include-path", include]
-    assert main([*args, "--limit", "4", "--device", "cpu", "--output", str(tmp_path / "eval")]) == 0
+    assert main([*args, "--limit", "2", "--device", "cpu", "--output", str(tmp_path / "eval")]) == 0
     table = capsys.readouterr().out
     assert PUSHED in table and MODEL in table
 
@@ -172,7 +172,7 @@ def test_inspect_reads_only_config_json(hub, capsys, tmp_path, monkeypatch):
         ("org/gated-moe", "hf auth login"),
         ("org/private-moe", "HF_TOKEN"),
         ("org/no-such-model", "not found"),
-        (f"{MODEL}@no-such-revision", "no-such-revision"),
+        (f"{MODEL}@no-such-revision", "no such revision"),
     ],
 )
 def test_hub_errors_are_one_line_and_write_nothing(hub, tmp_path, capsys, repo, expected):
@@ -184,7 +184,10 @@ def test_hub_errors_are_one_line_and_write_nothing(hub, tmp_path, capsys, repo, 
 
 
 def test_an_unreachable_hub_is_one_line(hub, tmp_path, capsys, monkeypatch):
+    import huggingface_hub.utils._http as http
+
     point_at_hub(monkeypatch, "http://127.0.0.1:9", tmp_path / "cold")
+    monkeypatch.setattr(http.time, "sleep", lambda seconds: None)  # huggingface_hub's retries, without the waits
     for command in (
         ["inspect", MODEL],
         ["convert", MODEL, f"data.path={DATA}", f"output_dir={tmp_path / 'run'}", *FAST],
@@ -223,3 +226,10 @@ def test_a_pinned_revision_is_recorded_then_served_from_the_cache_and_offline(hu
     assert main(["convert", f"{MODEL}@v1", f"data.path={DATA}", f"output_dir={tmp_path / 'offline'}", *FAST]) == 0
     assert hub.requests[first:] == []
     assert (tmp_path / "offline" / "export" / "config.json").exists()
+
+
+def test_a_missing_hub_dataset_is_one_line_and_writes_nothing(hub, tmp_path, capsys):
+    assert main(["convert", MODEL, "data.path=org/no-such-data", f"output_dir={tmp_path / 'run'}", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "org/no-such-data" in err, err
+    assert not (tmp_path / "run").exists()
