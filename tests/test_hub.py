@@ -233,3 +233,11 @@ def test_a_missing_hub_dataset_is_one_line_and_writes_nothing(hub, tmp_path, cap
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "org/no-such-data" in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_mbpp_plus_file_is_served_as_a_dataset(hub):
+    import datasets
+
+    rows = datasets.load_dataset("org/mbpp-plus-mini", split="train")
+    fixture = (ROOT / "eval" / "fixtures" / "mbpp_plus_mini.jsonl").read_text().splitlines()
+    assert len(rows) == len([line for line in fixture if line.strip()]) and "task_id" in rows.column_names
