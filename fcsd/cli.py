@@ -18,7 +18,13 @@ def _inspect(args) -> int:
     from fcsd.connectivity.summary import summarize
     from fcsd.sources import resolve_model
 
-    summary = summarize(resolve_model(args.model), layers=args.layers)
+    source = resolve_model(args.model)
+    if "@" in source and not Path(source).exists():  # REPO@REV: the config.json of that hub revision
+        from huggingface_hub import hf_hub_download
+
+        repo, revision = source.rsplit("@", 1)
+        source = str(Path(hf_hub_download(repo, "config.json", revision=revision)).parent)
+    summary = summarize(source, layers=args.layers)
     summary.name = args.model
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.to_text())
     return 0
@@ -67,6 +73,9 @@ def _run_overrides(args) -> list[str]:
     if args.model is not None and "=" in args.model:  # no MODEL given: the first token is already an override
         overrides.insert(0, args.model)
         args.model = None
+    if args.model is not None and "@" in args.model and not Path(args.model).exists():  # MODEL@REV: a hub revision
+        args.model, revision = args.model.rsplit("@", 1)
+        overrides.insert(0, f"model.revision={revision}")
     if args.model is not None:
         overrides.insert(0, f"model.name={args.model}")
         preset = preset_for(args.model)
@@ -368,11 +377,27 @@ def _one_line(error: BaseException) -> str:
     return " ".join(message.split("\n")).replace("  ", " ")
 
 
+def _quiet_hub_retries() -> None:
+    """huggingface_hub retries an unreachable hub with backoff and logs each try over two lines; fcsd reports the
+    outcome in one line (:func:`fcsd.sources.explain_error`) instead."""
+    import logging
+
+    class DropRetries(logging.Filter):
+        def filter(self, record):
+            message = record.getMessage()
+            return not (message.startswith("Retrying in") or "thrown while requesting" in message)
+
+    logger = logging.getLogger("huggingface_hub.utils._http")
+    if not any(isinstance(f, DropRetries) for f in logger.filters):
+        logger.addFilter(DropRetries())
+
+
 def main(argv: list[str] | None = None) -> int:
     from fcsd import quiet
 
     quiet.install()
     argv = list(sys.argv[1:] if argv is None else argv)
+    _quiet_hub_retries()
     args = build_parser().parse_args(argv)
     args.argv = argv
     try:

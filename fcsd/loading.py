@@ -18,7 +18,7 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **k
     the stock transformers classes, without its remote code. ``kwargs`` go to ``from_pretrained`` (``dtype``,
     ``device_map``, ...).
     """
-    config = _stock_config(name_or_path)
+    config = _stock_config(name_or_path, kwargs.get("revision"))
     if config is not None:
         kwargs.setdefault("config", config)
     import transformers
@@ -31,29 +31,30 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **k
     return apply_farskip(model, layers)
 
 
-def tokenizer_from_pretrained(name_or_path: str):
-    """The tokenizer of a checkpoint; for an exported FarSkip folder without asking to run its remote code (the
-    tokenizer is a stock one: only the model type is new)."""
+def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):
+    """The tokenizer of a checkpoint (at ``revision`` of a hub repo); for an exported FarSkip folder or hub repo
+    without asking to run its remote code (the tokenizer is a stock one: only the model type is new)."""
     from transformers import AutoTokenizer
 
-    config = _stock_config(name_or_path)
-    return AutoTokenizer.from_pretrained(name_or_path, **({"config": config} if config is not None else {}))
+    config = _stock_config(name_or_path, revision)
+    options = {"config": config} if config is not None else {}
+    return AutoTokenizer.from_pretrained(name_or_path, revision=revision, **options)
 
 
-def load_config(name_or_path: str):
-    """The transformers config of a checkpoint (an export's as its stock type), with an unreadable config.json as
-    a one-line error."""
+def load_config(name_or_path: str, revision: str | None = None):
+    """The transformers config of a checkpoint (an export's as its stock type; a hub repo at ``revision``), with an
+    unreadable config.json as a one-line error."""
     from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoConfig
 
     try:
-        return _stock_config(name_or_path) or AutoConfig.from_pretrained(name_or_path)
+        return _stock_config(name_or_path, revision) or AutoConfig.from_pretrained(name_or_path, revision=revision)
     except (ValueError, TypeError, KeyError, StrictDataclassFieldValidationError) as error:  # garbage or mistyped
         raise ValueError(f"{name_or_path}: config.json cannot be read ({str(error).splitlines()[0][:160]})") from None
 
 
-def _stock_config(name_or_path: str):
-    """The stock transformers config of an exported FarSkip folder, or None for anything else."""
+def _stock_config(name_or_path: str, revision: str | None = None):
+    """The stock transformers config of an exported FarSkip folder or hub repo, or None for anything else."""
     import json
     from pathlib import Path
 
@@ -63,6 +64,8 @@ def _stock_config(name_or_path: str):
 
     path = Path(name_or_path) / "config.json"
     if not path.exists():
+        path = _hub_config_file(name_or_path, revision)
+    if path is None:
         return None
     values = json.loads(path.read_text())
     if not values.get("model_type", "").startswith(EXPORTED_PREFIX):
@@ -72,6 +75,19 @@ def _stock_config(name_or_path: str):
     base_type = base_model_type(values.pop("model_type"))
     values["architectures"] = values.get(CONFIG_KEY, {}).get("base_architectures")
     return AutoConfig.for_model(base_type, **values)
+
+
+def _hub_config_file(name: str, revision: str | None):
+    """``config.json`` of hub repo ``name`` (downloaded once into the hub cache), None for a local path."""
+    from pathlib import Path
+
+    from fcsd.sources import looks_local
+
+    if looks_local(name) or Path(name).exists() or name.count("/") > 1:
+        return None
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(name, "config.json", revision=revision))
 
 
 def _model_class(name_or_path: str, config=None):

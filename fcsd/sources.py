@@ -94,15 +94,47 @@ def explain_error(error: BaseException) -> str | None:
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e) for e in chain)
     local = "give a local checkpoint folder (e.g. ./models/my-model), a hub id, or 'demo'"
+    access = _hub_access_error(chain)
+    if access is not None:
+        return access
     if names & {"RepositoryNotFoundError", "GatedRepoError"} or "is not a valid model identifier" in text:
         return f"not found on the hub or as a local folder ({_first_line(error)}); {local}"
-    offline = names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError"} or "HF_HUB_OFFLINE" in text
+    offline = (
+        "OfflineModeIsEnabled" in names
+        or "HF_HUB_OFFLINE" in text
+        or ("LocalEntryNotFoundError" in names and _offline())
+    )
     unreachable = names & {"ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "TimeoutException"}
     if offline or unreachable or "couldn't connect to" in text or "Failed to resolve" in text:
         why = "hub access is off (HF_HUB_OFFLINE=1)" if offline else "the Hugging Face hub cannot be reached"
         return f"{why} and it is not in the local cache: check the network or HF_ENDPOINT, or {local}"
     if "SafetensorError" in names or "header too large" in text or "incomplete metadata" in text:
         return f"a .safetensors file is truncated or corrupt ({_first_line(error)}): download or copy it again"
+    return None
+
+
+def _offline() -> bool:
+    """Whether hub access is switched off (``HF_HUB_OFFLINE=1``), as huggingface_hub sees it."""
+    import huggingface_hub.constants
+
+    return bool(huggingface_hub.constants.HF_HUB_OFFLINE)
+
+
+def _hub_access_error(chain: list[BaseException]) -> str | None:
+    """One line for a hub repo that needs a token (gated, or private / unknown without one) and for a revision
+    the repo does not have."""
+    for error in chain:
+        name, repo = type(error).__name__, getattr(error, "repo_id", None) or "the repo"
+        response = getattr(error, "response", None)
+        status = getattr(response, "status_code", None)
+        login = "log in with `hf auth login` or set HF_TOKEN (a token with access to it)"
+        if name == "GatedRepoError":
+            return f"{repo} is a gated repo: accept its conditions on its hub page, then {login}"
+        if name == "RepositoryNotFoundError" and status == 401:
+            return f"{repo}: no such repo on the hub, or a private one and no token was sent: {login}"
+        if name == "RevisionNotFoundError":
+            why = (getattr(error, "server_message", None) or "").strip() or _first_line(error)
+            return f"{repo}: the hub has no such revision ({why}); give a branch, tag or commit sha of the repo"
     return None
 
 

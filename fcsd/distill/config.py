@@ -23,6 +23,7 @@ EARLY_STOP_METRICS = ("plus", "base")
 @dataclass
 class ModelConfig:
     name: str = MISSING  # hub id, local folder, or 'demo'; the MODEL argument of `fcsd convert` sets it
+    revision: str | None = None  # hub branch, tag or commit sha of `name` (None: main); MODEL@REV sets it
     dtype: str = "auto"  # weights of the student (master copy): auto = float32 (bf16 compute comes from autocast)
     attn_implementation: str | None = None  # e.g. sdpa, flash_attention_2; None = the transformers default
     experts_implementation: str | None = None  # transformers' expert kernels: grouped_mm (default), batched_mm, eager

@@ -18,7 +18,7 @@ def load_tokenizer(config: FCSDConfig):
     from fcsd.loading import tokenizer_from_pretrained
 
     check_seq_len(config)
-    return tokenizer_from_pretrained(resolve_model(config.model.name))
+    return tokenizer_from_pretrained(resolve_model(config.model.name), revision=config.model.revision)
 
 
 def check_seq_len(config: FCSDConfig) -> None:
@@ -51,6 +51,8 @@ def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True
     path = resolve_model(config.model.name)
     cuda = device.type == "cuda"
     common = {"trust_remote_code": config.model.trust_remote_code, "text_only": True}
+    if config.model.revision:
+        common["revision"] = config.model.revision
     if config.model.attn_implementation:
         common["attn_implementation"] = config.model.attn_implementation
     if config.model.experts_implementation:
@@ -61,7 +63,7 @@ def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True
         teacher = from_pretrained(path, dtype=dtype, **common)
         teacher.eval().requires_grad_(False).to(device)
     if need_student:
-        source_dtype = load_config(path).dtype  # an export's too (its stock config, no remote code)
+        source_dtype = load_config(path, revision=config.model.revision).dtype  # an export's: its stock config
         dtype = _dtype(config.model.dtype, cuda, "float32", "float32")
         student = from_pretrained(path, layers=config.farskip.layers, dtype=dtype, **common)
         student.config.dtype = source_dtype

@@ -13,6 +13,7 @@ from fcsd.run_folder import RunFolder
 # Keys a resumed run must share with the run it continues (the rest, e.g. train.max_steps or progress, may change).
 RESUME_KEYS = (
     "model.name",
+    "model.revision",
     "farskip.layers",
     "data.path",
     "data.split",

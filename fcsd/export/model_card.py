@@ -59,6 +59,7 @@ def recipe_summary(facts: dict) -> dict | None:
     steps = summary.get("steps")
     return {
         "base_model": display_name((config.get("model") or {}).get("name")),
+        "base_revision": (config.get("model") or {}).get("revision"),
         "objective": train["objective"],
         "lr": train["lr"],
         "batch_tokens": train["batch_tokens"],
@@ -68,8 +69,9 @@ def recipe_summary(facts: dict) -> dict | None:
     }
 
 
-def base_license(base_model: str | None) -> str | None:
-    """The base checkpoint's license from its own model card (a local folder or the hub), when it can be read."""
+def base_license(base_model: str | None, revision: str | None = None) -> str | None:
+    """The base checkpoint's license from its own model card (a local folder, or the hub at ``revision``), when it
+    can be read."""
     if not base_model:
         return None
     try:
@@ -78,6 +80,10 @@ def base_license(base_model: str | None) -> str | None:
         local = Path(base_model).expanduser() / "README.md"
         if not local.exists() and hub_id(base_model) is None:
             return None  # a local folder without a card: never asked on the hub
+        if revision and not local.exists():  # the card of the pinned revision, through the hub cache
+            from huggingface_hub import hf_hub_download
+
+            local = Path(hf_hub_download(base_model, "README.md", revision=revision))
         card = ModelCard.load(str(local) if local.exists() else base_model)
         return card.data.to_dict().get("license")
     except Exception:  # offline, gated or missing card: the license stays unknown rather than guessed
@@ -90,12 +96,13 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
 
     config = facts.get("config", {})
     source = (config.get("model") or {}).get("name")
+    revision = (config.get("model") or {}).get("revision")
     on_hub = hub_id(source) is not None  # a local folder (relative or not) is never looked up on the hub
     local = bool(source) and not on_hub and (Path(source).expanduser() / "README.md").is_file()
     base = display_name(source)  # the hub id or the folder's name, never an absolute path
     data = ModelCardData(
         base_model=source if on_hub else None,
-        license=base_license(source) if on_hub or local else None,  # the demo asks no hub
+        license=base_license(source, revision) if on_hub or local else None,  # the demo asks no hub
         library_name="transformers",
         tags=["moe", "farskip-collective", "fcsd"],
     )
@@ -106,7 +113,9 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
         "",
         f"# {base or 'model'} with FarSkip-Collective connectivity",
         "",
-        f"This checkpoint keeps the weights of `{base or 'its base model'}` and rewires "
+        f"This checkpoint keeps the weights of `{base or 'its base model'}`"
+        + (f" (revision `{revision}`)" if revision else "")
+        + " and rewires "
         f"{len(farskip['layers'])} of its {num_layers} decoder layers (`{farskip['spec']}`) with FarSkip-Collective "
         "connectivity: attention reads the residual stream without the previous layer's routed experts and the MoE "
         "block reads it without this layer's attention, so expert-parallel communication can overlap computation. "
