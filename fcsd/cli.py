@@ -20,10 +20,9 @@ def _inspect(args) -> int:
 
     source = resolve_model(args.model)
     if "@" in source and not Path(source).exists():  # REPO@REV: the config.json of that hub revision
-        from huggingface_hub import hf_hub_download
+        from fcsd.loading import hub_config_file
 
-        repo, revision = source.rsplit("@", 1)
-        source = str(Path(hf_hub_download(repo, "config.json", revision=revision)).parent)
+        source = str(hub_config_file(*source.rsplit("@", 1)).parent)
     summary = summarize(source, layers=args.layers)
     summary.name = args.model
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.to_text())
@@ -47,8 +46,6 @@ def _perfmodel(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
     config = pm.load_config(args.model, args.preset)
-    if args.model is not None and not any(layer.moe for layer in pm.model_shape(config).layers):
-        raise ValueError(f"--model {args.model}: it has no MoE layer, so FarSkip has nothing to overlap (dense model)")
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
     sparsities = [int(s) for s in args.sparsity.split(",")]
     scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
@@ -69,16 +66,16 @@ def _run_overrides(args) -> list[str]:
     e.g. ``demo`` or ``Qwen/Qwen3-30B-A3B``), then the user's overrides."""
     from fcsd.distill.config import preset_for
 
-    overrides = list(args.overrides)
-    if args.model is not None and "=" in args.model:  # no MODEL given: the first token is already an override
-        overrides.insert(0, args.model)
-        args.model = None
-    if args.model is not None and "@" in args.model and not Path(args.model).exists():  # MODEL@REV: a hub revision
-        args.model, revision = args.model.rsplit("@", 1)
+    overrides, model = list(args.overrides), args.model  # args stay as parsed: this may be called twice
+    if model is not None and "=" in model:  # no MODEL given: the first token is already an override
+        overrides.insert(0, model)
+        model = None
+    if model is not None and "@" in model and not Path(model).exists():  # MODEL@REV: a hub revision
+        model, revision = model.rsplit("@", 1)
         overrides.insert(0, f"model.revision={revision}")
-    if args.model is not None:
-        overrides.insert(0, f"model.name={args.model}")
-        preset = preset_for(args.model)
+    if model is not None:
+        overrides.insert(0, f"model.name={model}")
+        preset = preset_for(model)
         if preset and not any(o.startswith("model=") for o in overrides):
             overrides.insert(0, f"model={preset}")
     if getattr(args, "resume", False):
@@ -312,10 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: 'overlap' times expert-parallel collectives and their overlap")
     p.add_argument("what", choices=["overlap"])
     p.add_argument("--model", default=None, help="a saved MoE causal LM folder (default: --config)")
-    p.add_argument("--config", choices=["tiny", "mid"], default="tiny")
-    p.add_argument("--ranks", type=int, default=2, help="local gloo processes (expert-parallel group size)")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--config", choices=["tiny", "mid"], default="tiny", help="built-in Qwen3-MoE shapes (8 experts)")
+    ranks_help = "local gloo processes (the expert-parallel group size; must divide the expert count)"
+    p.add_argument("--ranks", type=int, default=2, help=ranks_help)
+    p.add_argument("--iters", type=int, default=5, help="timed iterations per measurement (median reported)")
+    p.add_argument("--dispatcher", choices=["plain", "dedup"], default="plain", help="all-to-all dispatcher")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--trace", default=None, help="write torch.profiler traces to this folder")
     p.set_defaults(func=_bench)
 
@@ -328,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args) -> int:
     from fcsd.parallel.bench import format_table, run_overlap_benchmark
 
-    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace)
+    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

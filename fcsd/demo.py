@@ -42,13 +42,15 @@ def run_demo(config) -> dict:
     print(text)
     (out / "demo_report.md").write_text(text + "\n")
     print(f"wrote {out / 'demo_report.md'}")
-    from fcsd.evaluate.report import evaluate_and_report
+    from fcsd.evaluate.report import TABLE, evaluate_and_report
     from fcsd.evaluate.suites import load_suite
+    from fcsd.run_folder import RunFolder
 
     print("demo: lm-eval, teacher (original) vs FCSD (converted), suite `demo`")
     fcsd_run, suite = runs["kl"].output_dir, load_suite("demo")
-    folder, table = evaluate_and_report(str(fcsd_run), suite, str(root / "model"), fcsd_run / "eval", batch_size=64)
-    print((folder / "eval_table.md").read_text())
+    report_dir = RunFolder(fcsd_run).eval_dir
+    folder, table = evaluate_and_report(str(fcsd_run), suite, str(root / "model"), report_dir, batch_size=64)
+    print((folder / TABLE).read_text())
     report["lm-eval"] = table
     (out / "demo_report.json").write_text(json.dumps(report, indent=2))
     return report

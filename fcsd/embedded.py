@@ -55,15 +55,19 @@ def prepare_demo(seed: int = 0) -> Path:
 
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=root.parent))
-    train, heldout = make_dataset(20000, seed=seed), make_dataset(200, seed=seed + 1)
-    write_jsonl(train, staging / "data" / "train.jsonl")
-    write_jsonl(heldout, staging / "data" / "heldout.jsonl")
-    tokenizer = train_tokenizer((m["content"] for row in train for m in row["messages"]), vocab_size=300)
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(demo_config(len(tokenizer)))
-    pretrain_teacher(model, tokenizer, train, steps=PRETRAIN_STEPS, seed=seed)
-    model.save_pretrained(staging / "model")
-    tokenizer.save_pretrained(staging / "model")
+    try:
+        train, heldout = make_dataset(20000, seed=seed), make_dataset(200, seed=seed + 1)
+        write_jsonl(train, staging / "data" / "train.jsonl")
+        write_jsonl(heldout, staging / "data" / "heldout.jsonl")
+        tokenizer = train_tokenizer((m["content"] for row in train for m in row["messages"]), vocab_size=300)
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(demo_config(len(tokenizer)))
+        pretrain_teacher(model, tokenizer, train, steps=PRETRAIN_STEPS, seed=seed)
+        model.save_pretrained(staging / "model")
+        tokenizer.save_pretrained(staging / "model")
+    except BaseException:  # Ctrl-C or a failure during the build: no half-built folder stays in the cache
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         staging.rename(root)  # atomic: a half-built demo is never picked up
     except OSError:

@@ -23,7 +23,9 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **k
         kwargs.setdefault("config", config)
     import transformers
 
-    model_class = transformers.AutoModelForCausalLM if text_only else _model_class(name_or_path, config)
+    model_class = (
+        transformers.AutoModelForCausalLM if text_only else _model_class(name_or_path, config, kwargs.get("revision"))
+    )
     model = model_class.from_pretrained(name_or_path, **kwargs)
     if layers is None:
         record = getattr(model.config, CONFIG_KEY, None) or {}
@@ -64,7 +66,7 @@ def _stock_config(name_or_path: str, revision: str | None = None):
 
     path = Path(name_or_path) / "config.json"
     if not path.exists():
-        path = _hub_config_file(name_or_path, revision)
+        path = hub_config_file(name_or_path, revision)
     if path is None:
         return None
     values = json.loads(path.read_text())
@@ -77,7 +79,7 @@ def _stock_config(name_or_path: str, revision: str | None = None):
     return AutoConfig.for_model(base_type, **values)
 
 
-def _hub_config_file(name: str, revision: str | None):
+def hub_config_file(name: str, revision: str | None = None):
     """``config.json`` of hub repo ``name`` (downloaded once into the hub cache), None for a local path."""
     from pathlib import Path
 
@@ -90,12 +92,12 @@ def _hub_config_file(name: str, revision: str | None):
     return Path(hf_hub_download(name, "config.json", revision=revision))
 
 
-def _model_class(name_or_path: str, config=None):
+def _model_class(name_or_path: str, config=None, revision: str | None = None):
     import transformers
 
     if config is None:
         try:
-            config = transformers.AutoConfig.from_pretrained(name_or_path)
+            config = transformers.AutoConfig.from_pretrained(name_or_path, revision=revision)
         except (OSError, ValueError):  # let AutoModelForCausalLM report the problem
             return transformers.AutoModelForCausalLM
     architectures = getattr(config, "architectures", None) or []

@@ -329,8 +329,9 @@ def load_config(model: str | None = None, preset: str | None = None):
         values = dict(PRESETS[preset])
         return AutoConfig.for_model(values.pop("model_type"), **values)
     from fcsd.loading import load_config as load_checkpoint_config
+    from fcsd.sources import resolve_model
 
-    return load_checkpoint_config(model)  # an unreadable config.json is a one-line error
+    return load_checkpoint_config(resolve_model(model))  # an unreadable config.json is a one-line error
 
 
 def plot_sweep(rows: list[PrefillResult], path, title: str) -> None:

@@ -48,8 +48,8 @@ def test_eval_compares_original_and_converted(assets, exported, tmp_path, capsys
     table = (out / "eval_table.md").read_text().splitlines()
     assert table[2] == "| Model | demo-gen | demo-choice | Avg |"
     assert [line.split(" |")[0] for line in table[4:]] == [
-        f"| original ({assets / 'model'})",
-        f"| converted ({exported})",
+        "| original (model)",  # the base's hub id or folder name, never an absolute path
+        f"| converted ({exported.name})",
         "| delta",
     ]
     assert (out / "eval_table.png").read_bytes()[:4] == b"\x89PNG"

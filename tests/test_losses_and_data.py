@@ -201,3 +201,11 @@ def test_a_mismatched_teacher_cache_is_rebuilt_only_with_overwrite(tmp_path):
         build_cache(teacher, rows, folder, new, progress=False)
     build_cache(teacher, rows, folder, new, progress=False, overwrite=True)
     assert json.loads((folder / "meta.json").read_text())["data"] == "data-b"
+    # a folder that merely holds a meta.json (a user's data folder, say) is never replaced
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "meta.json").write_text(json.dumps(old))
+    (foreign / "train.parquet").write_text("precious")
+    with pytest.raises(TeacherCacheError, match="overwrite will not replace it"):
+        build_cache(teacher, rows, foreign, new, progress=False, overwrite=True)
+    assert (foreign / "train.parquet").read_text() == "precious"

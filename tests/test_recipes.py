@@ -52,7 +52,7 @@ def test_accelerate_configs_load():
     from accelerate.commands.config.config_args import load_config_from_file
 
     files = sorted((RECIPES / "accelerate").glob("*.yaml"))
-    assert len(files) == 4
+    assert len(files) == 5
     for path in files:
         config = load_config_from_file(str(path))
         assert config.distributed_type in ("FSDP", "DEEPSPEED") and config.num_processes == 8 * config.num_machines

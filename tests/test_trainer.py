@@ -74,7 +74,7 @@ def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, t
     model = fcsd.from_pretrained(str(result.final_dir))
     assert fcsd.farskip_layers(model) == [2, 3]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "eval/kl" in r] == [0, 8]
+    assert [r["step"] for r in records if "eval/kl" in r] == list(range(9))  # a short run: every tenth, at least 1
     assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))
     assert all(r["train/tokens"] == 256 * r["step"] for r in records if "train/loss" in r)
     for name in ("curves.png", "fcsd_config.yaml", "run_summary.json", "final/fcsd_config.yaml", "export/config.json"):
@@ -223,7 +223,8 @@ def test_an_export_is_a_training_source(parallel_runs, assets, tmp_path):
     """An exported farskip_* folder trains like any checkpoint: the teacher is the export as it is (FarSkip on its
     recorded layers), so a student converted on the same layers starts at zero held-out KL."""
     export = parallel_runs / "ep" / "export"
-    config = config_for(assets, tmp_path / "again", f"model.name={export}", "train.max_steps=1", "export=false")
+    overrides = [f"model.name={export}", "train.max_steps=1", "train.warmup_steps=1", "export=false"]
+    config = config_for(assets, tmp_path / "again", *overrides)
     result = convert(config)
     assert result.eval_before["eval/kl"] < 1e-6
     assert fcsd.farskip_layers(fcsd.from_pretrained(str(result.final_dir))) == [0, 1, 2, 3]

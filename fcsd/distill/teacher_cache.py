@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -76,15 +73,15 @@ def run_meta(model, rows: Packed, config) -> dict:
 def cache_teacher(config, batch_size: int = 4) -> Path:
     """``fcsd cache-teacher``: run the teacher once over the run's packed rows (training, then held-out) and store
     its top-k log-probabilities in ``teacher.cache_dir``."""
+    from fcsd import safe_io
     from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.run_data import all_rows, load_run_data
+    from fcsd.distill.run_io import run_inputs
 
-    folder = cache_dir(config)
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / "meta.json").exists():  # before loading anything
-        raise TeacherCacheError(
-            f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new or "
-            "empty folder"
-        )
+    folder = cache_dir(config)  # checked before anything is loaded
+    inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
+    safe_io.check_not_an_input(folder, "teacher.cache_dir", inputs)
+    check_cache_folder(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
     train_rows, held_rows, _ = load_run_data(config, tokenizer)
@@ -106,6 +103,17 @@ def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: 
     }
 
 
+def check_cache_folder(folder: Path) -> None:
+    """A ``teacher.cache_dir`` must be new, empty or a teacher cache; anything else is refused before any work."""
+    from fcsd import safe_io
+
+    if not safe_io.is_empty(folder) and not (Path(folder) / "meta.json").exists():
+        raise TeacherCacheError(
+            f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new or "
+            "empty folder"
+        )
+
+
 def build_cache(
     teacher,
     packed: Packed,
@@ -115,17 +123,14 @@ def build_cache(
     progress: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically. A matching cache
-    is reused; a mismatched one is rebuilt only with ``overwrite``; a folder that holds anything else is refused."""
+    """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically (the old cache stays
+    until the new one is complete). A matching cache is reused; a mismatched one is replaced only with
+    ``overwrite`` and only if fcsd wrote it (its marker); a folder that holds anything else is refused."""
     from fcsd import safe_io
 
     folder = Path(folder)
+    check_cache_folder(folder)
     if not safe_io.is_empty(folder):
-        if not (folder / "meta.json").exists():
-            raise TeacherCacheError(
-                f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new "
-                "or empty folder"
-            )
         if not overwrite:
             validate_cache(folder, meta, fix="add overwrite=true to this command to rebuild it")
             return folder
@@ -133,33 +138,33 @@ def build_cache(
             validate_cache(folder, meta)
             return folder
         except TeacherCacheError:
-            shutil.rmtree(folder)  # a teacher cache (meta.json and its shards): written by fcsd cache-teacher
+            if not safe_io.is_marked(folder):
+                raise TeacherCacheError(
+                    f"the teacher cache at {folder} does not match this run and has no {safe_io.MARKER} marker (it "
+                    "predates them or was not written by fcsd), so overwrite will not replace it; remove it by hand "
+                    "or choose another teacher.cache_dir"
+                ) from None
     device = next(teacher.parameters()).device
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     from safetensors.torch import save_file
 
-    bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress)
-    for shard, start in enumerate(range(0, len(packed), SHARD_ROWS)):
-        logps, ids = [], []
-        for begin in range(start, min(start + SHARD_ROWS, len(packed)), batch_size):
-            rows = packed.rows(slice(begin, min(begin + batch_size, start + SHARD_ROWS, len(packed))))
-            rows = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
-            hidden, head, _ = teacher_targets(teacher, rows)
-            with torch.no_grad():
-                logp, top = topk_teacher(head(hidden), meta["top_k"], meta["temperature"])
-            logps.append(logp.view(*rows.input_ids.shape, -1).cpu())
-            ids.append(top.view(*rows.input_ids.shape, -1).to(torch.int32).cpu())
-            bar.update(rows.input_ids.shape[0])
-        tensors = {"logp": torch.cat(logps), "ids": torch.cat(ids)}
-        save_file(tensors, staging / f"shard-{shard:05d}.safetensors")
-    bar.close()
-    (staging / "meta.json").write_text(json.dumps(meta, indent=2))
-    try:
-        os.replace(staging, folder)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with safe_io.atomic_dir(folder) as staging:
+        safe_io.mark(staging, "teacher-cache")
+        bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress)
+        for shard, start in enumerate(range(0, len(packed), SHARD_ROWS)):
+            logps, ids = [], []
+            for begin in range(start, min(start + SHARD_ROWS, len(packed)), batch_size):
+                rows = packed.rows(slice(begin, min(begin + batch_size, start + SHARD_ROWS, len(packed))))
+                rows = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
+                hidden, head, _ = teacher_targets(teacher, rows)
+                with torch.no_grad():
+                    logp, top = topk_teacher(head(hidden), meta["top_k"], meta["temperature"])
+                logps.append(logp.view(*rows.input_ids.shape, -1).cpu())
+                ids.append(top.view(*rows.input_ids.shape, -1).to(torch.int32).cpu())
+                bar.update(rows.input_ids.shape[0])
+            tensors = {"logp": torch.cat(logps), "ids": torch.cat(ids)}
+            save_file(tensors, staging / f"shard-{shard:05d}.safetensors")
+        bar.close()
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2))
     return folder
 
 

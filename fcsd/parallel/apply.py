@@ -3,9 +3,9 @@
 
 Each rank keeps ``E / P`` whole experts (expert ``e`` on rank ``e // (E / P)``, dim 0 of the fused expert weights, as
 transformers' ``MoEParamShard`` lays them out) and runs its own tokens. Routers, attention, norms, embeddings and shared
-experts stay replicated. ``state_dict()`` (hence ``save_pretrained`` and ``fcsd export``) all-gathers the expert shards
-back into the original unsharded layout and ``load_state_dict`` accepts that layout, so checkpoints are unchanged;
-both are collectives: call them on every rank.
+experts stay replicated. ``state_dict()`` all-gathers the expert shards back into the original unsharded layout (a
+collective: call it on every rank, write from one, e.g. ``save_pretrained(out, state_dict=...)``) and
+``load_state_dict`` accepts that layout (each rank keeps its own experts), so checkpoints are unchanged.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _shard_experts(experts: nn.Module, rank: int, size: int, group) -> list[nn.P
             shard = state_dict[key].contiguous()
             parts = [torch.empty_like(shard) for _ in range(size)]
             dist.all_gather(parts, shard, group=group)
-            state_dict[key] = torch.cat(parts, dim=0)
+            state_dict[key] = torch.cat(parts, dim=0).cpu()  # host memory: one layer's full experts at a time on GPU
 
     def scatter(module, state_dict, prefix, *args):
         for name in names:

@@ -234,13 +234,23 @@ def main(argv=None) -> None:
 def run_overlap_benchmark(
     ranks: int, config: str = "tiny", model: str | None = None, iters: int = 5, trace=None, dispatcher: str = "plain"
 ):
-    """Launch the benchmark on ``ranks`` local gloo processes (torchrun); returns the result dict."""
+    """Launch the benchmark on ``ranks`` local gloo processes (torchrun); returns the result dict. Bad input (rank
+    count, model) is refused here, in one line, before any process starts."""
     import os
     import socket
     import subprocess
     import sys
     import tempfile
 
+    num_experts = CONFIGS[config]["experts"]
+    if model:  # a local folder, a hub id or demo; its config alone says how many experts it has
+        from fcsd.connectivity.summary import summarize
+        from fcsd.sources import resolve_model
+
+        model = resolve_model(model)
+        num_experts = summarize(model).num_experts
+    if ranks < 1 or num_experts % ranks:
+        raise ValueError(f"--ranks {ranks}: it must be at least 1 and divide the model's {num_experts} experts")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

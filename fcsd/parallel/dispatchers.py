@@ -92,6 +92,19 @@ class Dispatcher:
 
 
 @dataclass
+class CollectiveDispatcher(Dispatcher):
+    """A dispatcher over a process group (``None``: the whole job) holding ``num_local_experts`` experts per rank;
+    ``blocking`` (or ``FCSD_EP_SYNC=1``) waits every collective as soon as it is launched."""
+
+    group: Any = None
+    num_local_experts: int = 1
+    blocking: bool = False
+
+    def _sync(self) -> bool:
+        return self.blocking or sync_debug()
+
+
+@dataclass
 class LocalDispatcher(Dispatcher):
     """Every expert on this rank (EP=1): the rows are the tokens themselves, nothing moves."""
 
@@ -109,7 +122,7 @@ class _AllToAllState(NamedTuple):
 
 
 @dataclass
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(CollectiveDispatcher):
     """One row per (token, selected expert) to the expert's rank, results back by the reverse all-to-all.
 
     The routing weight travels as one extra column of each row, so each family's experts apply it as they do on one
@@ -118,13 +131,6 @@ class AllToAllDispatcher(Dispatcher):
     token counts are exchanged first (the one host sync of a layer, before the launch), then the rows move
     asynchronously until ``wait()``. Gradients take the reverse paths asynchronously too (:mod:`.collectives`).
     """
-
-    group: Any = None
-    num_local_experts: int = 1
-    blocking: bool = False
-
-    def _sync(self) -> bool:
-        return self.blocking or sync_debug()
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
         num_ranks = dist.get_world_size(self.group)
@@ -184,7 +190,7 @@ class _DedupState(NamedTuple):
 
 
 @dataclass
-class DedupAllToAllDispatcher(Dispatcher):
+class DedupAllToAllDispatcher(CollectiveDispatcher):
     """One row per (token, destination rank) instead of one per (token, expert) (second paper, Sec. V-A).
 
     A token whose ``k`` experts live on ``g`` distinct ranks sends ``g`` rows instead of ``k``; each row carries the
@@ -200,13 +206,6 @@ class DedupAllToAllDispatcher(Dispatcher):
     values and each of its pairs an int32 id plus a weight; a combine row ``D`` values. ``blocking`` as in
     :class:`AllToAllDispatcher`.
     """
-
-    group: Any = None
-    num_local_experts: int = 1
-    blocking: bool = False
-
-    def _sync(self) -> bool:
-        return self.blocking or sync_debug()
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
         num_ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -298,13 +297,10 @@ class DedupAllToAllDispatcher(Dispatcher):
 
 
 @dataclass
-class AllReduceDispatcher(Dispatcher):
+class AllReduceDispatcher(CollectiveDispatcher):
     """Inference layout (paper Sec. 4.2): every rank holds the same tokens; each runs its own experts on them (other
     ranks' experts masked) and an asynchronous all-reduce sums the partial outputs. Forward only (no autograd)."""
 
-    group: Any = None
-    num_local_experts: int = 1
-    blocking: bool = False
     routes_locally = True
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:

@@ -10,7 +10,7 @@ How a trainer calls it, after ``loss.backward()`` and before clipping / ``optimi
     reduce_gradients(model, op="sum")    # each rank's loss is already divided by the *global* token count
 
 Do not wrap the expert-parallel student in DDP/FSDP as well (they would average expert shards across experts).
-For checkpoints: :func:`full_state_dict` (or ``model.state_dict()`` / ``save_pretrained``) on *every* rank gives the
+For checkpoints: :func:`full_state_dict` (or ``model.state_dict()``) on *every* rank gives the
 unsharded layout; write it from rank 0 only.
 """
 

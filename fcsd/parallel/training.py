@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fcsd.parallel.apply import expert_parallel
+from fcsd.parallel.grads import full_state_dict
 
 OPTIMIZER_SHARD = "optimizer_ep_rank{rank}.pt"  # each process's optimizer state (its experts' moments differ)
 MODEL_FILE = "model_unsharded.pt"  # the gathered state dict, written by the main process
@@ -43,12 +44,7 @@ def expert_parallel_group(ep_size: int):
 def make_expert_parallel(model: nn.Module, ep_size: int, mode: str, placement: str | None = None) -> nn.Module:
     """Shard the routed experts of a converted student over groups of ``ep_size`` processes (see
     :func:`fcsd.parallel.expert_parallel`); ``placement`` is a PLACEMENT.json applied before sharding."""
-    permute = None
-    if placement:
-        from fcsd.placement import apply_placement
-
-        permute = lambda m: apply_placement(m, placement)  # noqa: E731
-    return expert_parallel(model, expert_parallel_group(ep_size), mode=mode, placement=permute)
+    return expert_parallel(model, expert_parallel_group(ep_size), mode=mode, placement=placement or None)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
@@ -72,9 +68,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
 
 def save_training_state(model: nn.Module, optimizer, folder: Path, is_main: bool) -> None:
     """The model's unsharded state dict (main process) and every process's optimizer state; collective."""
-    full = {key: value.detach().cpu() for key, value in model.state_dict().items()}
+    full = full_state_dict(model)  # every process takes part in the gathers; the main process writes
     if is_main:
         torch.save(full, folder / MODEL_FILE)
+    del full
     torch.save(optimizer.state_dict(), folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()))
 
 

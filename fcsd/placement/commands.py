@@ -131,7 +131,10 @@ def add_parser(sub) -> None:
 
     s = group.add_parser("stats", help="co-selection, cross-layer predictability and Table I on held-out routes")
     s.add_argument("routes", help="a routes file of `fcsd routes record`")
-    s.add_argument("--ep", help="EP degrees, e.g. 8,16,32 (default: those of 8,16,32 that divide the experts)")
+    s.add_argument(
+        "--ep",
+        help="EP degrees, e.g. 8,16,32 (default: those of 8,16,32 that divide the experts and leave >= 2 a rank)",
+    )
     s.add_argument("--nodes", type=int, default=1, help="nodes the EP group spans (hierarchical placement)")
     s.add_argument("--placement", help="also report this PLACEMENT.json (row 'given')")
     s.add_argument("--holdout", type=float, default=0.2, help="share of sequences held out for reporting")

@@ -122,7 +122,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"routes: {r['model']} ({r['model_type']}), {r['num_experts']} experts, top-{r['top_k']}, {t['layers']} MoE "
         f"layers; fit on {t['fit']} tokens, held out {t['held_out']}",
-        f"within layer: the top {co['top_pairs']:.0f} expert pairs carry {100 * co['top_pairs_share']:.1f}% of "
+        f"within layer: the top 1% of expert pairs ({co['top_pairs']:.0f}) carry {100 * co['top_pairs_share']:.1f}% of "
         f"co-selections (independent routing with the same loads: {100 * co['independent_share']:.1f}%); "
         f"{co['experts_with_partner_30']:.1f} experts (mean over layers) have a partner in >= 30% of their tokens",
     ]
