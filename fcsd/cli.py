@@ -46,6 +46,7 @@ def _perfmodel(args) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
     config = pm.load_config(args.model, args.preset)
+    pm.model_shape(config)  # a dense or unsupported model is refused here, before the sparsity sweep
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
     sparsities = [int(s) for s in args.sparsity.split(",")]
     scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
