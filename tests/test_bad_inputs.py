@@ -428,6 +428,7 @@ def test_expected_library_messages_are_silenced_and_real_ones_kept(caplog, recwa
     with caplog.at_level(logging.WARNING):
         other.warning("Removed shared tensor {'lm_head.weight'} while saving. This should be OK")
         logging.getLogger("lm_eval.models.huggingface").warning("`pretrained` model kwarg is not of type `str`.")
+        logging.getLogger("lm_eval.api.task").warning("demo: Custom kwargs can be passed to `--metadata` in console")
         other.warning("Removed shared tensor {'model.layers.0.mlp.weight'} while saving")
     assert [r.getMessage()[:21] for r in caplog.records] == ["Removed shared tensor"]
     records = [{"step": s, "train/loss": 0.0, "train/lr": 1e-3, **({"eval/kl": 0.0} if s == 2 else {})} for s in (1, 2)]
