@@ -57,6 +57,21 @@ def test_stock_transformers_refuses_the_folder_without_remote_code(tmp_path, tok
     folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
     with pytest.raises(ValueError, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+    # the tokenizer is a stock one: it loads without running the shipped code, and without a prompt when the caller
+    # says either way (a bare call in an interactive session asks; see README, export section)
+    from fcsd.loading import tokenizer_from_pretrained
+
+    expected = tokenizer_from_pretrained(str(folder))("add 1 + 2")["input_ids"]
+    script = (
+        "import sys; from transformers import AutoTokenizer; "
+        "print([AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=t)('add 1 + 2')['input_ids'] "
+        "for t in (False, True)])"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script, str(folder)], env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    assert done.stdout.strip() == str([expected, expected])
+    assert "Do you wish to run the custom code" not in done.stdout + done.stderr
 
 
 def test_a_corrupted_shard_aborts_the_export_and_leaves_nothing(tmp_path, tokenizer, monkeypatch):
