@@ -10,7 +10,8 @@ from pathlib import Path
 
 DESCRIPTION = (
     "FarSkip-Collective conversion of Hugging Face MoE models with FCSD self-distillation: inspect, probe and convert "
-    "a checkpoint, export, evaluate and push the result."
+    "a checkpoint, export, evaluate and push the result; measure expert-parallel overlap (bench) and place experts "
+    "from recorded routes (routes)."
 )
 
 
