@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,12 @@ class RunFolder:
     def prune_checkpoints(self, keep: int) -> None:
         for old in self.checkpoints()[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
+
+    def records(self) -> list[dict]:
+        """Every record of ``metrics.jsonl``, in order (none when the run has not logged yet)."""
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines()]
 
     def model_to_export(self) -> Path | None:
         """What ``fcsd export`` takes from the run: ``best/`` when early stopping kept one, else ``final/``."""

@@ -164,7 +164,7 @@ class MetricsLog:
                     self.writer.add_scalar(key.replace(".", "/"), value, record["step"])
 
     def records(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        return RunFolder(self.path.parent).records()
 
     def close(self) -> None:
         if self.writer is not None:

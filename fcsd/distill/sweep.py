@@ -80,11 +80,8 @@ def launch_stage(overrides: list[str], stage_dir: Path, batch_tokens: list[int],
 
 def read_run(run_dir: Path, select_last: int) -> dict:
     """Status, loss curve and selection loss of one run folder."""
-    curve = []
     run = RunFolder(run_dir)
-    if run.metrics.exists():
-        records = [json.loads(line) for line in run.metrics.read_text().splitlines()]
-        curve = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r and not r.get("train/skipped")]
+    curve = [(r["step"], r["train/loss"]) for r in run.records() if "train/loss" in r and not r.get("train/skipped")]
     status = "finished" if run.summary.exists() else "crashed" if run.sweep_status.exists() else "missing"
     tail = [loss for _, loss in curve[-select_last:]]
     loss = sum(tail) / len(tail) if status == "finished" and tail else None

@@ -28,9 +28,9 @@ def run_facts(checkpoint: Path) -> dict:
         facts["config"] = OmegaConf.to_container(OmegaConf.load(Path(checkpoint) / CONFIG))
     if run.summary.exists():
         facts["summary"] = json.loads(run.summary.read_text())
-    if run.metrics.exists():
-        losses = [json.loads(line).get("train/loss") for line in run.metrics.read_text().splitlines()]
-        facts["final_train_loss"] = next((x for x in reversed(losses) if x is not None), None)
+    losses = [record["train/loss"] for record in run.records() if "train/loss" in record]
+    if losses:
+        facts["final_train_loss"] = losses[-1]
     if run.eval_table.exists():
         facts["eval_table"] = run.eval_table.read_text().strip()
     return facts
