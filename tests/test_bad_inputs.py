@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import transformers
-from tiny_models import build
+from tiny_models import build, save_chat_model
 
 from fcsd.cli import main
 from fcsd.distill.config import compose, to_config
-from fcsd.distill.tokenizer import train_tokenizer
 from fcsd.run_folder import CONFIG
 from fcsd.safe_io import MARKER
 
@@ -39,11 +38,7 @@ def world(tmp_path_factory):
         }
         for i in range(60)
     ]
-    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=120)
-    model = build("qwen3_moe")
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_chat_model(root / "model", rows, vocab_size=120)
     data = root / "data"
     data.mkdir()
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -4,23 +4,18 @@ import csv
 import json
 
 import pytest
-from tiny_models import build
+from tiny_models import save_chat_model
 
 from fcsd.cli import main
 from fcsd.connectivity.summary import summarize
 from fcsd.distill.synthetic import make_dataset, write_jsonl
-from fcsd.distill.tokenizer import train_tokenizer
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     rows = make_dataset(200, seed=3)
-    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=280)
-    model = build("deepseek_v3")
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_chat_model(root / "model", rows, "deepseek_v3")
     write_jsonl(rows, root / "heldout.jsonl")
     return root
 

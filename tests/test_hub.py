@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hub_server import HubServer
-from tiny_models import build
+from tiny_models import save_chat_model
 
 import fcsd
 from fcsd.cli import main
@@ -69,15 +69,10 @@ def hub(tmp_path_factory):
     """The local hub serving the tiny model (tagged ``v1``, then one more commit on main), its chat dataset, an
     MbppPlus-format file, and a gated and a private copy of the model; the hub libraries pointed at it."""
     from fcsd.distill.synthetic import make_dataset
-    from fcsd.distill.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("hub")
     rows = make_dataset(48, seed=3)
-    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=280)
-    model = build("qwen3_moe")
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_chat_model(root / "model", rows)
     (root / "model" / "README.md").write_text(CARD)
     import datasets
 

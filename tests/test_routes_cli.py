@@ -5,11 +5,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from tiny_models import build
+from tiny_models import save_chat_model
 
 from fcsd.cli import main
 from fcsd.distill.synthetic import make_dataset, write_jsonl
-from fcsd.distill.tokenizer import train_tokenizer
 from fcsd.loading import from_pretrained
 from fcsd.placement import apply_placement, load_placement, load_routes
 from fcsd.placement.synthetic import planted_routes
@@ -19,11 +18,7 @@ from fcsd.placement.synthetic import planted_routes
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_routes")
     rows = make_dataset(120, seed=5)
-    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=280)
-    model = build("qwen3_moe")
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_chat_model(root / "model", rows)
     write_jsonl(rows, root / "chat.jsonl")
     return root
 

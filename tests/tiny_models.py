@@ -138,3 +138,16 @@ def build(name: str, seed: int = 0, dtype=torch.float32):
             if "router" in module_name or module_name.endswith("gate.weight") or "shared_expert_gate" in module_name:
                 param.normal_(0.0, 0.5)
     return model
+
+
+def save_chat_model(folder, rows: list[dict], family: str = "qwen3_moe", vocab_size: int = 280):
+    """A tiny random ``family`` model with a tokenizer trained locally on the chat ``rows``, both saved in
+    ``folder``; returns the tokenizer."""
+    from fcsd.distill.tokenizer import train_tokenizer
+
+    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=vocab_size)
+    model = build(family)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
