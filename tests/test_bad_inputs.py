@@ -163,6 +163,13 @@ CASES = [
         "is a different run (model.name",
         None,
     ),
+    # ... or with another expert-parallel size (its checkpoints hold one optimizer state per process)
+    (
+        "resume_other_ep_size",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/x'}", "parallel.ep_size=2"), "--resume"],
+        "parallel.ep_size: run None vs now 2",
+        None,
+    ),
     # 4. an empty layer selection is refused before loading
     (
         "empty_selection_last0",
@@ -266,6 +273,12 @@ CASES = [
         "perfmodel_tp_zero",
         lambda w: ["perfmodel", "--preset", "deepseek-v3", "--tp", "0"],
         "--tp=0: it must be at least 1",
+        None,
+    ),
+    (
+        "bench_ranks_not_dividing_experts",
+        lambda w: ["bench", "overlap", "--ranks", "3"],
+        "--ranks 3: it must be at least 1 and divide the model's 8 experts",
         None,
     ),
 ]
