@@ -13,7 +13,8 @@
       export/               ``fcsd export`` of best/ (or final/)
       eval/, eval_table.md  ``fcsd eval`` of the run
       teacher-cache/        ``fcsd cache-teacher``'s default folder (kept when the run is replaced)
-      .fcsd-output          the marker written first: only a folder that holds it is ever cleared (overwrite)
+      .fcsd-output          the marker written first: kind "run" and the manifest of what fcsd wrote here
+      .fcsd-lock            held by the one command that writes the folder (see :mod:`fcsd.safe_io`)
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pathlib import Path
 CONFIG = "fcsd_config.yaml"
 CHECKPOINT_RECORD = "fcsd_checkpoint.json"  # in final/ and best/: which step the state is
 TRAINER_STATE = "trainer_state.json"  # in checkpoints/step-N/: data position, spike guard, early stopping
+# what accelerate's save_state writes for one process with one registered object (checkpoints that predate the
+# file list in their trainer state)
+LEGACY_CHECKPOINT_FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,35 @@ class RunFolder:
             return []
         found = (p for p in self.checkpoints_dir.iterdir() if p.name.startswith("step-"))
         return sorted(found, key=lambda p: int(p.name[5:]))
+
+    def resume_checkpoint(self, step: int | None = None) -> Path | None:
+        """The checkpoint ``--resume`` continues: ``checkpoints/step-<step>`` (``train.resume_step``), else the
+        newest; None when the run saved none."""
+        if step is None:
+            existing = self.checkpoints()
+            return existing[-1] if existing else None
+        chosen = self.step_checkpoint(step)
+        if not chosen.is_dir():
+            names = ", ".join(p.name for p in self.checkpoints()) or "none"
+            raise ValueError(f"train.resume_step={step}: {self.root} has no {chosen.name} (checkpoints: {names})")
+        return chosen
+
+    def trainer_state(self, checkpoint: Path) -> dict:
+        path = checkpoint / TRAINER_STATE
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def missing_files(self, checkpoint: Path) -> list[str]:
+        """Files ``checkpoint`` needs to resume exactly that are missing or truncated: those its trainer state lists
+        (with their sizes), else accelerate's standard set for one process."""
+        state = self.trainer_state(checkpoint)
+        if not state:
+            return [TRAINER_STATE]
+        expected = state.get("files") or {name: None for name in LEGACY_CHECKPOINT_FILES}
+        return [
+            name
+            for name, size in expected.items()
+            if not (checkpoint / name).is_file() or (size is not None and (checkpoint / name).stat().st_size != size)
+        ]
 
     def prune_checkpoints(self, keep: int) -> None:
         for old in self.checkpoints()[:-keep] if keep > 0 else []:

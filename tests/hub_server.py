@@ -129,6 +129,8 @@ def _handler(server: HubServer):
 
         # -- replies -------------------------------------------------------------------------------------------
         def _send(self, code: int, body: bytes, headers: dict | None = None, head: bool = False):
+            if getattr(self, "recorded", None) is not None:
+                self.recorded["status"] = code
             self.send_response(code)
             for key, value in (headers or {}).items():
                 self.send_header(key, str(value))
@@ -147,9 +149,9 @@ def _handler(server: HubServer):
 
         # -- routing -------------------------------------------------------------------------------------------
         def _record(self, body: bytes = b""):
-            server.requests.append(
-                {"method": self.command, "path": self.path, "auth": self.headers.get("authorization"), "body": body}
-            )
+            self.recorded = {"method": self.command, "path": self.path, "auth": self.headers.get("authorization")}
+            self.recorded["body"] = body
+            server.requests.append(self.recorded)  # its "status" is filled in when the answer is sent
 
         def _repo(self, repo_type: str, repo_id: str, head: bool = False) -> Repo | None:
             """The repo if this request may see it, else None after answering the hub's error."""
@@ -287,8 +289,10 @@ def _handler(server: HubServer):
                     if (repo_type, repo_id) not in server.repos:
                         repo = server.repos[(repo_type, repo_id)] = Repo(private=bool(payload.get("private")))
                         repo.commit({".gitattributes": b""})
-                    else:
-                        return self._error(409, "RepoExists", "You already created this model repo")
+                    else:  # the hub names the existing repo in its 409 answer (huggingface_hub reads its url)
+                        message = "You already created this model repo"
+                        body = {"error": message, "url": f"{server.url}/{repo_id}"}
+                        return self._json(body, 409, {"X-Error-Code": "RepoExists", "X-Error-Message": message})
                 return self._json({"url": f"{server.url}/{repo_id}", "name": repo_id})
             if url.path == "/api/validate-yaml":  # the model card's metadata
                 return self._json({"errors": [], "warnings": []})

@@ -98,14 +98,18 @@ def test_export_refusals(tmp_path, tokenizer):
     model = fcsd.apply_farskip(build("qwen3_moe"), "all")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
-    with pytest.raises(ExportError, match="not empty; pass --overwrite"):
-        export(model, tokenizer, tmp_path / "full")
-    assert (tmp_path / "full" / "keep.txt").exists()
-    with pytest.raises(ExportError, match="not an export fcsd wrote"):  # overwrite replaces only an fcsd export
-        export(model, tokenizer, tmp_path / "full", overwrite=True)
+    for overwrite in (False, True):  # overwrite replaces only an fcsd export
+        with pytest.raises(ExportError, match="full holds files fcsd did not write"):
+            export(model, tokenizer, tmp_path / "full", overwrite=overwrite)
     assert (tmp_path / "full" / "keep.txt").exists()
     export(model, tokenizer, tmp_path / "out")
+    with pytest.raises(ExportError, match="holds an export; pass --overwrite"):
+        export(model, tokenizer, tmp_path / "out")
     export(model, tokenizer, tmp_path / "out", overwrite=True)
+    (tmp_path / "out" / "notes.txt").write_text("mine")  # an export that also holds a file of the user's
+    with pytest.raises(ExportError, match=r"also holds files fcsd did not write \(notes.txt\)"):
+        export(model, tokenizer, tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     with pytest.raises(ExportError, match="lies inside the source"):
         export(model, tokenizer, tmp_path / "src" / "export", source=tmp_path / "src")
     with pytest.raises(ExportError, match="no FarSkip layers"):
@@ -123,7 +127,7 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "out"))) == fcsd.farskip_layers(model)
     assert (tmp_path / "out" / "modeling_farskip.py").exists()
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
-    assert "not empty; pass --overwrite" in capsys.readouterr().err
+    assert "holds an export; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "neither a converted checkpoint nor a run folder" in capsys.readouterr().err
 

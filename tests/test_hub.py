@@ -5,6 +5,7 @@ hub-facing error as one line. One server and one set of repos serve the whole mo
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,24 @@ def test_convert_downloads_model_and_data_converts_and_pushes_one_commit(hub, pu
     metadata = card.split("---")[1]
     assert f"base_model: {MODEL}" in metadata and "license: apache-2.0" in metadata
     assert "README.md" in hub.committed_files() and "config.json" in hub.committed_files()
+
+
+def test_push_to_an_existing_repo_adds_one_commit(hub, pushed, token, tmp_path, capsys):
+    """The hub answers 409 to creating a repo that exists (as the real hub does); fcsd push goes on and adds one
+    commit on top of the existing history, with the new files."""
+    out, _ = pushed
+    repo = hub.repos[("model", PUSHED)]
+    head, commits = repo.refs["main"], len(repo.commits)
+    export = tmp_path / "export"
+    shutil.copytree(out / "export", export)
+    (export / "README.md").write_text((export / "README.md").read_text() + "\nSecond push.\n")
+    first = len(hub.requests)
+    assert main(["push", str(export), PUSHED]) == 0
+    requests = hub.requests[first:]
+    assert [r["status"] for r in requests if r["path"] == "/api/repos/create"] == [409]
+    assert sum("/commit/" in r["path"] for r in requests) == 1 and len(repo.commits) == commits + 1
+    assert repo.refs["main"] != head and repo.commits[repo.refs["main"]]["README.md"].endswith(b"Second push.\n")
+    assert PUSHED in capsys.readouterr().out
 
 
 def test_the_pushed_repo_loads_back_with_remote_code_without_fcsd_and_with_fcsd(hub, pushed, tmp_path):

@@ -206,6 +206,6 @@ def test_a_mismatched_teacher_cache_is_rebuilt_only_with_overwrite(tmp_path):
     foreign.mkdir()
     (foreign / "meta.json").write_text(json.dumps(old))
     (foreign / "train.parquet").write_text("precious")
-    with pytest.raises(TeacherCacheError, match="overwrite will not replace it"):
+    with pytest.raises(ValueError, match="holds files fcsd did not write"):
         build_cache(teacher, rows, foreign, new, progress=False, overwrite=True)
     assert (foreign / "train.parquet").read_text() == "precious"

@@ -55,7 +55,7 @@ def test_record_stats_place_apply(checkpoint, tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "given" in out and "within layer" in out
-    assert sorted(p.name for p in plots.iterdir()) == ["across_layers_2_3.png", "within_layer_2.png"]
+    assert sorted(p.name for p in plots.glob("*.png")) == ["across_layers_2_3.png", "within_layer_2.png"]
 
     model = from_pretrained(model_dir)
     x = torch.randint(3, 200, (2, 16))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from fcsd import safe_io
 from fcsd.distill.config import FCSDConfig
 from fcsd.run_folder import CHECKPOINT_RECORD, CONFIG, TRAINER_STATE, RunFolder
 from fcsd.safe_io import atomic_dir
@@ -31,39 +32,48 @@ def save_checkpoint(
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
+        safe_io.record(run.checkpoints_dir)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
-    if expert_parallel is not None:
-        from fcsd.parallel.training import save_training_state
+    with safe_io.disk_full_reported(run.checkpoints_dir):
+        accelerator.save_state(str(staging))
+        if expert_parallel is not None:
+            from fcsd.parallel.training import save_training_state
 
-        save_training_state(*expert_parallel, staging, accelerator.is_main_process)
-    accelerator.wait_for_everyone()  # every process's RNG file is in the staging folder before it is renamed
-    if accelerator.is_main_process:
-        (staging / TRAINER_STATE).write_text(json.dumps(trainer_state))
-        os.replace(staging, target)
-        run.prune_checkpoints(keep)
+            save_training_state(*expert_parallel, staging, accelerator.is_main_process)
+        accelerator.wait_for_everyone()  # every process's RNG file is in the staging folder before it is renamed
+        if accelerator.is_main_process:
+            # the files a resume needs, with their sizes: --resume refuses a checkpoint that lost one
+            files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+            (staging / TRAINER_STATE).write_text(json.dumps({**trainer_state, "files": files}))
+            if target.exists():  # a checkpoint of a run resumed from an older one (train.resume_step)
+                shutil.rmtree(target)
+            os.replace(staging, target)
+            run.prune_checkpoints(keep)
     accelerator.wait_for_everyone()
     return target
 
 
-def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None) -> dict | None:
-    """Load the newest complete checkpoint into the prepared objects (and ``expert_parallel``'s model and optimizer,
-    see :func:`save_checkpoint`); its trainer state, or None if there is none."""
-    existing = run.checkpoints()
-    if not existing:
+def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: int | None = None) -> dict | None:
+    """Load the newest checkpoint (or ``checkpoints/step-<step>``) into the prepared objects (and
+    ``expert_parallel``'s model and optimizer, see :func:`save_checkpoint`); its trainer state, or None if there is
+    none. :func:`fcsd.distill.run_io.check_resume` checked it is complete."""
+    checkpoint = run.resume_checkpoint(step)
+    if checkpoint is None:
+        accelerator.print(f"--resume: {run.root} holds no checkpoint yet, so the run starts at step 0")
         return None
-    accelerator.load_state(str(existing[-1]))
+    accelerator.load_state(str(checkpoint))
     if expert_parallel is not None:
         from fcsd.parallel.training import load_training_state
 
-        load_training_state(*expert_parallel, existing[-1])
-    accelerator.print(f"resuming from {existing[-1]}")
-    return json.loads((existing[-1] / TRAINER_STATE).read_text())
+        load_training_state(*expert_parallel, checkpoint)
+    accelerator.print(f"resuming from {checkpoint}")
+    return json.loads((checkpoint / TRAINER_STATE).read_text())
 
 
 def save_model(student, state_dict, tokenizer, config: FCSDConfig, folder: Path, record: dict) -> None:
-    """``final/`` (or ``best/``): the converted checkpoint in the source dtype with its ``config.farskip`` record,
-    the tokenizer, the resolved run config and ``record`` (which step this is); atomic."""
+    """``final/`` (or ``best/``): the converted checkpoint in the source dtype (``config.dtype``, which
+    :func:`~fcsd.distill.models.load_models` set to the checkpoint's) with its ``config.farskip`` record, the
+    tokenizer, the resolved run config and ``record`` (which step this is); atomic."""
     from omegaconf import OmegaConf
 
     dtype = student.config.dtype or torch.float32
@@ -71,6 +81,20 @@ def save_model(student, state_dict, tokenizer, config: FCSDConfig, folder: Path,
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     with atomic_dir(folder) as staging:
         student.save_pretrained(staging, state_dict=state_dict)
+        set_saved_dtype(staging, dtype)
         tokenizer.save_pretrained(staging)
         OmegaConf.save(OmegaConf.structured(config), staging / CONFIG)
         (staging / CHECKPOINT_RECORD).write_text(json.dumps(record, indent=2))
+
+
+def set_saved_dtype(folder: Path, dtype: torch.dtype) -> None:
+    """``save_pretrained`` writes the dtype of the parameters in memory (fp32 master weights) into config.json,
+    not that of the tensors it was given: record the dtype the weights were saved in, so that ``dtype="auto"`` (the
+    export, ``fcsd eval``) loads them as they are."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    if isinstance(config.get("text_config"), dict) and "dtype" in config["text_config"]:
+        config["text_config"]["dtype"] = name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

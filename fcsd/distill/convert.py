@@ -12,7 +12,8 @@ from fcsd.run_folder import RunFolder
 
 
 def convert(config: FCSDConfig) -> RunResult:
-    """Check the output folder and the hub token, train, export, push; returns the training result."""
+    """Check the hub token, claim the output folder (:func:`~fcsd.distill.run_io.output_dir_claimed`), train,
+    export, push; returns the training result."""
     from accelerate import PartialState
 
     state = PartialState(cpu=not _cuda())
@@ -21,23 +22,21 @@ def convert(config: FCSDConfig) -> RunResult:
 
         if not get_token():
             raise ValueError(f"push_to_hub={config.push_to_hub} needs a hub token: set HF_TOKEN or `hf auth login`")
-    if state.is_main_process:
-        run_io.check_output_dir(Path(config.output_dir), config.train.resume, config.overwrite, config)
-        run_io.check_export_dir(config)
-    state.wait_for_everyone()
-    result = train(config)
-    if config.export and state.is_main_process:  # after the summary: the export's model card reads it
-        from fcsd.export.save import export_checkpoint
+    with run_io.output_dir_claimed(config, state.is_main_process):  # one run per folder, for the whole run
+        state.wait_for_everyone()
+        result = train(config)
+        if config.export and state.is_main_process:  # after the summary: the export's model card reads it
+            from fcsd.export.save import export_checkpoint
 
-        export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
-        source = result.best_dir or result.final_dir
-        export_checkpoint(source, export_dir, overwrite=True)
-        print(f"exported {source.name}/ to {export_dir} (reload parity checked)")
-        if config.push_to_hub:
-            from fcsd.export.push import push
+            export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
+            source = result.best_dir or result.final_dir
+            export_checkpoint(source, export_dir, overwrite=True)
+            print(f"exported {source.name}/ to {export_dir} (reload parity checked)")
+            if config.push_to_hub:
+                from fcsd.export.push import push
 
-            print(f"pushed to {config.push_to_hub}: {push(export_dir, config.push_to_hub)}")
-    state.wait_for_everyone()
+                print(f"pushed to {config.push_to_hub}: {push(export_dir, config.push_to_hub)}")
+        state.wait_for_everyone()
     return result
 
 

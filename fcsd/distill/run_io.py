@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from fcsd import safe_io
@@ -43,35 +44,72 @@ def run_inputs(config) -> dict:
     return inputs
 
 
-def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, config=None) -> None:
-    """Refuse to write into a non-empty folder unless the run resumes from it or ``overwrite`` is set; never accept
-    an input (or the current / home folder) as the output folder; clear only a run folder fcsd wrote, and restart
-    without ``overwrite`` a run folder that holds no checkpoint yet (a run that failed before its first save)."""
+OUTPUT_FIX = "choose another output_dir"
+
+
+def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, config=None) -> str:
+    """What ``fcsd convert`` may do with ``output_dir``, decided before anything is written (see
+    :mod:`fcsd.safe_io` for the ownership rules): ``"new"`` (empty or absent), ``"resume"`` (``--resume``, after
+    :func:`check_resume`), ``"restart"`` (a run folder that holds no checkpoint yet: a run that failed after it
+    started) or ``"replace"`` (``overwrite=true`` on a run folder). Anything else is refused in one line: an input
+    (or the current / home folder), a folder of another kind (an export, a teacher cache), files fcsd did not
+    write, or a run folder without ``--resume`` / ``overwrite``."""
     if config is not None:
         safe_io.check_not_an_input(output_dir, "output_dir", run_inputs(config))
     run = RunFolder(output_dir)
-    own = {run.teacher_cache.name, safe_io.MARKER}  # cache-teacher's default folder is the run's own
-    if not output_dir.exists() or not {p.name for p in output_dir.iterdir()} - own:
-        return
     if resume:
-        if config is not None:
-            check_resume(run, config)
-        return
-    if safe_io.is_marked(output_dir) and not run.checkpoints() and not run.final.exists() and not run.best.exists():
-        _clear_run(run)  # a failed start: nothing worth keeping
-        return
+        check_resume(run, config)
+        return "resume"
+    if not _run_entries(output_dir):
+        return "new"
+    safe_io.check_replaceable(output_dir, "run", "output_dir", OUTPUT_FIX)
+    if not run.checkpoints() and not run.final.exists() and not run.best.exists():
+        return "restart"  # a failed start: nothing worth keeping
     if overwrite:
-        if not safe_io.is_marked(output_dir):
-            raise ValueError(
-                f"output_dir {output_dir} holds files fcsd did not write (no {safe_io.MARKER} marker), so overwrite "
-                "will not remove them; choose another output_dir"
-            )
-        _clear_run(run)
-        return
-    raise ValueError(
-        f"output_dir {output_dir} is not empty; pass train.resume=true to continue the run it holds, "
-        "overwrite=true to replace it, or another output_dir"
+        return "replace"
+    raise safe_io.FolderError(
+        f"output_dir {output_dir} holds a run; pass --resume (train.resume=true) to continue it, overwrite=true to "
+        "replace it, or choose another output_dir"
     )
+
+
+def _run_entries(output_dir: Path) -> list[str]:
+    """What ``output_dir`` holds besides fcsd's marker and lock, staging leftovers and a kept teacher cache."""
+    if not output_dir.is_dir():
+        return [output_dir.name] if output_dir.exists() else []
+    marker = safe_io.read_marker(output_dir)
+    if marker is not None and marker.kind != "run":
+        return [safe_io.MARKER]  # another kind of fcsd folder: never empty for a run
+    kept = {safe_io.MARKER, safe_io.LOCK}
+    return [
+        p.name
+        for p in output_dir.iterdir()
+        if p.name not in kept
+        and not safe_io.is_staging_leftover(p.name)
+        and not (p.name == RunFolder(output_dir).teacher_cache.name and safe_io.is_marked(p))
+    ]
+
+
+@contextmanager
+def output_dir_claimed(config, is_main: bool = True):
+    """Hold ``output_dir`` for the whole run: check it (:func:`check_output_dir`), take its lock (one run per
+    folder), then, under the lock, remove staging leftovers of a dead run and clear what a restart or
+    ``overwrite=true`` replaces. Only the main process checks and locks."""
+    if not is_main:
+        yield
+        return
+    output_dir = Path(config.output_dir)
+    safe_io.check_not_in_use(output_dir, "output_dir")
+    action = check_output_dir(output_dir, config.train.resume, config.overwrite, config)
+    check_export_dir(config)
+    with safe_io.folder_lock(output_dir, "output_dir"):
+        check_output_dir(output_dir, config.train.resume, config.overwrite, config)  # again, now that it is ours
+        stale = safe_io.remove_stale_staging(output_dir)
+        if stale:
+            print(f"removed staging leftovers of an earlier run that died: {', '.join(stale)}")
+        if action in ("restart", "replace"):
+            safe_io.clear(output_dir, "run", "output_dir", OUTPUT_FIX)
+        yield
 
 
 def check_export_dir(config) -> None:
@@ -86,39 +124,86 @@ def check_export_dir(config) -> None:
     run_root = Path(config.output_dir).resolve()
     if export_dir.resolve() in (run_root, *run_root.parents):
         raise ValueError(f"export_dir {export_dir} is or contains output_dir; choose another export_dir")
-    check_export_target(export_dir, True, [])
-
-
-def _clear_run(run: RunFolder) -> None:
-    """Remove what a run wrote, keeping the teacher cache (an input of the next run, rebuilt only on request)."""
-    for entry in run.root.iterdir():
-        if entry.name == run.teacher_cache.name:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+    check_export_target(export_dir, True, [], "export_dir")
 
 
 def check_resume(run: RunFolder, config) -> None:
-    """A resumed run must continue the same run: the same model, data and the keys that shape the data order."""
+    """``--resume`` continues the same, unfinished run from a complete checkpoint, or is refused before anything
+    is written: a folder that does not exist or is no run, other settings (:data:`RESUME_KEYS`), a finished run,
+    a ``train.max_steps`` at or below the checkpoint's step, a checkpoint with a missing file. The data's content
+    is compared once it is read (:func:`check_resume_data`)."""
     from omegaconf import OmegaConf
 
-    if not safe_io.is_marked(run.root) and not run.config.exists():
-        raise ValueError(f"output_dir {run.root} holds no fcsd run to resume; choose another output_dir")
-    if not run.config.exists():
+    from fcsd.distill.config import end_step
+
+    root = run.root
+    if not root.exists():
+        raise safe_io.FolderError(
+            f"--resume: output_dir {root} does not exist, so there is no run to resume; drop --resume to start one"
+        )
+    marker = safe_io.read_marker(root)
+    if marker is None or marker.kind != "run":
+        what = "no fcsd run" if marker is None else f"an fcsd {safe_io.kind_name(marker.kind)}"
+        raise safe_io.FolderError(f"--resume: output_dir {root} holds {what}, not a run to resume; {OUTPUT_FIX}")
+    if run.config.exists() and config is not None:
+        saved = OmegaConf.load(run.config)
+        current = OmegaConf.structured(config)
+        different = [
+            f"{key}: run {OmegaConf.select(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"
+            for key in RESUME_KEYS
+            if OmegaConf.select(saved, key) != OmegaConf.select(current, key)
+        ]
+        if different:
+            raise safe_io.FolderError(
+                f"--resume: {root} is a different run ({'; '.join(different)}); use the run's settings to continue "
+                "it, or another output_dir for a new run"
+            )
+    if run.summary.exists() or run.final.exists():
+        steps = json.loads(run.summary.read_text()).get("steps") if run.summary.exists() else "its last step"
+        raise safe_io.FolderError(
+            f"--resume: the run in {root} finished (step {steps}; final/ and export/ hold it), and resuming would "
+            "overwrite them; train further from it as a new run (MODEL = its final/) in another output_dir, or "
+            "replace it with overwrite=true and no --resume"
+        )
+    if config is None:
         return
-    saved = OmegaConf.load(run.config)
-    current = OmegaConf.structured(config)
-    different = [
-        f"{key}: run {OmegaConf.select(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"
-        for key in RESUME_KEYS
-        if OmegaConf.select(saved, key) != OmegaConf.select(current, key)
-    ]
-    if different:
-        raise ValueError(
-            f"--resume: {run.root} is a different run ({'; '.join(different)}); use the run's settings to continue "
-            "it, or another output_dir for a new run"
+    checkpoint = run.resume_checkpoint(config.train.resume_step)
+    if checkpoint is None:
+        return
+    step = int(checkpoint.name[5:])
+    end = end_step(config.train)
+    if end <= step:
+        raise safe_io.FolderError(
+            f"--resume: the run would end at step {end} (train.max_steps / max_tokens / stop_after), at or below "
+            f"step {step} of {checkpoint.relative_to(root)}, and resuming would overwrite its final/ with step {step}; "
+            f"set train.max_steps above {step}"
+        )
+    missing = run.missing_files(checkpoint)
+    if missing:
+        older = [c for c in run.checkpoints() if c != checkpoint and not run.missing_files(c)]
+        older = [c for c in older if int(c.name[5:]) < step]
+        way = (
+            f"continue from {older[-1].name}: `{safe_io.command_line(f'train.resume_step={older[-1].name[5:]}')}`"
+            if older
+            else "no complete older checkpoint is left: start the run again with overwrite=true and no --resume"
+        )
+        raise safe_io.FolderError(
+            f"--resume: {checkpoint.relative_to(root)} is incomplete ({', '.join(missing)} missing); {way}"
+        )
+
+
+def check_resume_data(run: RunFolder, config, data_fingerprint: str) -> None:
+    """``--resume`` refuses data whose content changed since the checkpoint it resumes was saved (the path alone
+    says nothing: a file can be rewritten in place)."""
+    checkpoint = run.resume_checkpoint(config.train.resume_step)
+    if checkpoint is None:
+        return
+    saved = run.trainer_state(checkpoint).get("data")
+    if saved is not None and saved != data_fingerprint:
+        raise safe_io.FolderError(
+            f"--resume: the training data changed since {checkpoint.relative_to(run.root)} was saved (content "
+            f"fingerprint {saved} then, {data_fingerprint} now, data.path={config.data.path}); resume with the data "
+            "it was trained on, or start a new run in another output_dir"
         )
 
 
@@ -128,28 +213,36 @@ def write_run_config(run: RunFolder, config) -> None:
 
     safe_io.mark(run.root, "run")
     OmegaConf.save(OmegaConf.structured(config), run.config)
+    safe_io.record(run.config)
 
 
 def write_summary(run: RunFolder, summary: dict) -> None:
     run.summary.write_text(json.dumps(summary, indent=2))
+    safe_io.record(run.summary)
 
 
 class MetricsLog:
-    """Append-only JSONL metrics plus TensorBoard scalars; on resume, records after the checkpoint are dropped."""
+    """Append-only JSONL metrics plus TensorBoard scalars. A run that starts at ``start_step`` (0: from scratch)
+    first drops the records after it, so a restarted or resumed run never logs a step twice."""
 
-    def __init__(self, output_dir: Path, resume_step: int | None = None, enabled: bool = True):
-        self.path = RunFolder(output_dir).metrics
+    def __init__(self, output_dir: Path, start_step: int = 0, enabled: bool = True):
+        run = RunFolder(output_dir)
+        self.path = run.metrics
         self.enabled = enabled
         self.writer = None
         if not enabled:
             return
-        if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+            self.path.write_text("".join(line + "\n" for line in kept) if start_step else "")
+        if not start_step:
+            shutil.rmtree(run.tensorboard, ignore_errors=True)
+        for path in (self.path, run.tensorboard):
+            safe_io.record(path)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(RunFolder(output_dir).tensorboard), purge_step=resume_step)
+            self.writer = SummaryWriter(str(run.tensorboard), purge_step=start_step or None)
         except ImportError:  # tensorboard is a dependency; tolerate its absence rather than lose the run
             self.writer = None
 
@@ -208,3 +301,4 @@ def plot_curves(records: list[dict], path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+    safe_io.record(path)

@@ -14,11 +14,15 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from fcsd.distill.config import FCSDConfig
+from fcsd import safe_io
+from fcsd.distill.config import FCSDConfig, hydra_override
+from fcsd.distill.run_io import run_inputs
 from fcsd.run_folder import RunFolder
 
 
@@ -31,14 +35,17 @@ def run_name(batch_tokens: int, lr: float) -> str:
 
 
 def job_overrides(run_dir: Path, steps: int, schedule: str = "full") -> list[str]:
-    """What makes a run a sweep run: ``steps`` steps into ``run_dir``, resumable, no early stopping, export or push.
+    """What makes a run a sweep run: ``steps`` steps into ``run_dir``, resumed when ``run_dir`` holds a started run
+    (a sweep that was stopped), no early stopping, export or push.
 
     ``schedule="full"`` (the default) keeps the LR schedule of the full run (its warm-up and cosine over the whole
     token budget) and stops after ``steps``, so batch size and LR are chosen under the schedule they will train
     with; ``"truncated"`` squeezes warm-up and cosine into ``steps`` (each sweep run a complete short run)."""
-    settings = ["train.resume=true", "export=false", "early_stop.enabled=false", "push_to_hub=null"]
+    settings = ["export=false", "early_stop.enabled=false", "push_to_hub=null"]
+    if RunFolder(run_dir).config.exists():
+        settings.insert(0, "train.resume=true")
     length = f"train.stop_after={steps}" if schedule == "full" else f"train.max_steps={steps}"
-    return [f"output_dir={run_dir}", length, *settings]
+    return [hydra_override("output_dir", run_dir), length, *settings]
 
 
 def run_job(config: FCSDConfig, run_dir: Path, overrides: list[str]) -> str:
@@ -56,15 +63,16 @@ def run_job(config: FCSDConfig, run_dir: Path, overrides: list[str]) -> str:
     try:
         if config.model.accelerate_config and torch.cuda.device_count() > 1:
             command = ["accelerate", "launch", "--config_file", config.model.accelerate_config, "-m", "fcsd.cli"]
-            subprocess.run([*command, "convert", *overrides], check=True)
+            run_child([*command, "convert", *overrides])
         else:
             from fcsd.distill.convert import convert
 
             convert(config)
         return "finished"
     except Exception as error:  # noqa: BLE001 - any failure of one run is that run's result
-        run_dir.mkdir(parents=True, exist_ok=True)
+        safe_io.mark(run_dir, "run")
         run.sweep_status.write_text(json.dumps({"status": "crashed", "error": f"{type(error).__name__}: {error}"}))
+        safe_io.record(run.sweep_status)
         print(f"sweep: {run_dir.name} crashed: {error}", file=sys.stderr)
         return "crashed"
 
@@ -75,7 +83,30 @@ def launch_stage(overrides: list[str], stage_dir: Path, batch_tokens: list[int],
     command = [sys.executable, "-m", "fcsd.distill.sweep_app", "--multirun", *overrides, *grid]
     command += [f"hydra.sweep.dir={stage_dir}", "hydra.sweep.subdir=.hydra-jobs/${hydra.job.num}"]
     command += [f"hydra/launcher={sweep.launcher}", *sweep.launcher_overrides]
-    subprocess.run(command, check=True)
+    run_child(command)
+
+
+def run_child(command: list[str]) -> None:
+    """Run ``command`` (a stage, an accelerate launch) in its own session and wait for it; SIGINT and SIGTERM sent
+    to the sweep are passed on to it and waited for, so no training process is left writing after the sweep
+    stops. An interrupted child raises ``KeyboardInterrupt`` here once it has ended."""
+    child = subprocess.Popen(command, start_new_session=True)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        raise safe_io.Terminated if signal.SIGTERM in received else KeyboardInterrupt
+    if code:
+        raise subprocess.CalledProcessError(code, command[:4])
 
 
 def read_run(run_dir: Path, select_last: int) -> dict:
@@ -115,15 +146,27 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
     overrides = [o for o in overrides if not o.startswith(("output_dir=", "train.resume="))]
     if sweep.launcher != "basic":
         _check_launcher(sweep.launcher)
+    safe_io.check_not_an_input(root, "sweep.dir", run_inputs(config))
+    safe_io.check_not_in_use(root, "sweep.dir")
+    marker = safe_io.read_marker(root)
+    if not safe_io.is_empty(root) and (marker is None or marker.kind != "sweep"):
+        safe_io.check_replaceable(root, "sweep", "sweep.dir", "choose another output_dir (or sweep.dir)")
+    with safe_io.folder_lock(root, "sweep.dir"):  # one sweep per folder; its runs lock their own folders
+        safe_io.mark(root, "sweep")
+        safe_io.remove_stale_staging(root)
+        return _run_stages(config, overrides, root)
+
+
+def _run_stages(config: FCSDConfig, overrides: list[str], root: Path) -> dict:
+    sweep = config.sweep
     if config.teacher.mode == "cache":
         from fcsd.distill.teacher_cache import cache_teacher
 
         cache = config.teacher.cache_dir or str(root / "teacher-cache")
-        overrides.append(f"teacher.cache_dir={cache}")
+        overrides.append(hydra_override("teacher.cache_dir", cache))
         teacher = dataclasses.replace(config.teacher, cache_dir=cache)
         if not (Path(cache) / "meta.json").exists():
             cache_teacher(dataclasses.replace(config, teacher=teacher))
-    root.mkdir(parents=True, exist_ok=True)
     first = [(b, sweep.stage1_lr) for b in sweep.batch_tokens]
     launch_stage(overrides, root / "stage1", sweep.batch_tokens, [sweep.stage1_lr], sweep)
     rows = stage_results(root / "stage1", 1, first, sweep.select_last)
@@ -149,21 +192,19 @@ def final_command(config: FCSDConfig, overrides: list[str], selection: dict) -> 
     """The full conversion with the chosen settings (accelerate launch when the preset names a config)."""
     chosen = [f"train.batch_tokens={selection['batch_tokens']}", f"train.lr={selection['lr']:g}"]
     kept = [o for o in overrides if not o.startswith(("sweep", "train.batch_tokens=", "train.lr="))]
-    kept.append(f"output_dir={Path(config.output_dir) / 'fcsd'}")  # beside the sweep/ folder
+    kept.append(hydra_override("output_dir", Path(config.output_dir) / "fcsd"))  # beside the sweep/ folder
     launcher = "fcsd"
     if config.model.accelerate_config:
         launcher = f"accelerate launch --config_file {config.model.accelerate_config} -m fcsd.cli"
-    return " ".join([launcher, "convert", *kept, *chosen])
+    return " ".join([launcher, "convert", *(shlex.quote(arg) for arg in [*kept, *chosen])])
 
 
 def launch_final(config: FCSDConfig, overrides: list[str], selection: dict) -> None:
-    import shlex
-
     command = shlex.split(final_command(config, overrides, selection))
     if command[0] == "fcsd":
         command = [sys.executable, "-m", "fcsd.cli", *command[1:]]
     print("sweep: launching the full conversion:", " ".join(command))
-    subprocess.run(command, check=True)
+    run_child(command)
 
 
 def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: int) -> None:
@@ -192,6 +233,8 @@ def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: in
     (root / "sweep_table.md").write_text("\n".join(lines) + "\n")
     (root / "selection.json").write_text(json.dumps(selection, indent=2))
     plot_sweep(rows, root / "sweep_losses.png")
+    for name in ("sweep.csv", "sweep_table.md", "selection.json", "sweep_losses.png", "stage1", "stage2"):
+        safe_io.record(root / name)
 
 
 def plot_sweep(rows: list[dict], path: Path) -> None:

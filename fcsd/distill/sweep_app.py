@@ -26,4 +26,13 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import signal
+    import sys
+
+    from fcsd import safe_io
+
+    signal.signal(signal.SIGTERM, safe_io.raise_terminated)  # stop the run cleanly (its lock released)
+    try:
+        main()
+    except KeyboardInterrupt as stop:  # `fcsd sweep` passed Ctrl-C or SIGTERM on; it reports the stop itself
+        sys.exit(143 if isinstance(stop, safe_io.Terminated) else 130)

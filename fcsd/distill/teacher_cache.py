@@ -107,7 +107,9 @@ def check_cache_folder(folder: Path) -> None:
     """A ``teacher.cache_dir`` must be new, empty or a teacher cache; anything else is refused before any work."""
     from fcsd import safe_io
 
-    if not safe_io.is_empty(folder) and not (Path(folder) / "meta.json").exists():
+    marker = safe_io.read_marker(folder)
+    cache = (Path(folder) / "meta.json").exists() and (marker is None or marker.kind == "teacher-cache")
+    if not safe_io.is_empty(folder) and not cache:
         raise TeacherCacheError(
             f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new or "
             "empty folder"
@@ -125,7 +127,7 @@ def build_cache(
 ) -> Path:
     """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically (the old cache stays
     until the new one is complete). A matching cache is reused; a mismatched one is replaced only with
-    ``overwrite`` and only if fcsd wrote it (its marker); a folder that holds anything else is refused."""
+    ``overwrite`` and only if it is a teacher cache fcsd wrote holding nothing else (:mod:`fcsd.safe_io`)."""
     from fcsd import safe_io
 
     folder = Path(folder)
@@ -138,17 +140,12 @@ def build_cache(
             validate_cache(folder, meta)
             return folder
         except TeacherCacheError:
-            if not safe_io.is_marked(folder):
-                raise TeacherCacheError(
-                    f"the teacher cache at {folder} does not match this run and has no {safe_io.MARKER} marker (it "
-                    "predates them or was not written by fcsd), so overwrite will not replace it; remove it by hand "
-                    "or choose another teacher.cache_dir"
-                ) from None
+            fix = "remove it by hand, or choose another teacher.cache_dir"
+            safe_io.check_replaceable(folder, "teacher-cache", "teacher.cache_dir", fix)
     device = next(teacher.parameters()).device
     from safetensors.torch import save_file
 
-    with safe_io.atomic_dir(folder) as staging:
-        safe_io.mark(staging, "teacher-cache")
+    with safe_io.atomic_dir(folder, kind="teacher-cache") as staging:
         bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress)
         for shard, start in enumerate(range(0, len(packed), SHARD_ROWS)):
             logps, ids = [], []

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
 from fcsd.distill.config import FCSDConfig
-from fcsd.distill.data import Packed
+from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
@@ -113,6 +113,9 @@ class TrainingSession:
         self.tokenizer = load_tokenizer(config)
         with accelerator.main_process_first():
             self.train_rows, self.held_rows, self.data_summary = load_run_data(config, self.tokenizer)
+        self.data_fingerprint = tokens_fingerprint(all_rows(self.train_rows, self.held_rows).input_ids)
+        if train_cfg.resume:  # the content, before anything is loaded or written
+            run_io.check_resume_data(self.run, config, self.data_fingerprint)
         self.early = None
         if config.early_stop.enabled:  # loads MBPP+ now: a missing dataset must not surface hours into the run
             from fcsd.distill.early_stopping import MBPPPlusEarlyStop
@@ -154,13 +157,13 @@ class TrainingSession:
 
         guard = (train_cfg.spike_factor, train_cfg.spike_window, train_cfg.max_bad_steps)
         ep_state = (self.model, self.optimizer) if self.expert_parallel else None
-        saved = restore_checkpoint(accelerator, self.run, ep_state) if train_cfg.resume else None
+        saved = restore_checkpoint(accelerator, self.run, ep_state, train_cfg.resume_step) if train_cfg.resume else None
         saved = saved or {"step": 0, "tokens": 0, "guard": {}, "eval_before": None, "early_stop": None}
         self.start_step, self.tokens_seen = saved["step"], saved["tokens"]
         self.guard = SpikeGuard(*guard, **saved["guard"], can_skip=not deepspeed)
         if self.early is not None and saved.get("early_stop"):
             self.early.load(saved["early_stop"])
-        self.metrics = run_io.MetricsLog(self.run.root, self.start_step or None, accelerator.is_main_process)
+        self.metrics = run_io.MetricsLog(self.run.root, self.start_step, accelerator.is_main_process)
         self.started = time.perf_counter()
         self.show_progress = config.progress and accelerator.is_main_process
         self.eval_before = saved["eval_before"] or self.evaluate(0)
@@ -259,6 +262,7 @@ class TrainingSession:
 
     def save_checkpoint(self, done: int) -> None:
         state = {"step": done, "tokens": self.tokens_seen, "guard": self.guard.state(), "eval_before": self.eval_before}
+        state["data"] = self.data_fingerprint
         state["early_stop"] = self.early.state() if self.early is not None else None
         ep_state = (self.model, self.optimizer) if self.expert_parallel else None
         save_checkpoint(self.accelerator, self.run, done, state, self.config.train.keep_checkpoints, ep_state)

@@ -148,6 +148,9 @@ def probe_checkpoint(
     from fcsd.loading import load_config
 
     load_config(path)  # an unreadable config.json is a one-line error before anything loads
+    from fcsd import safe_io
+
+    out = safe_io.check_output_folder(output_dir, "probe", "--output-dir", {"model": path, "data": data})
     tokenizer = tokenizer_from_pretrained(path)
     model = from_pretrained(path, layers=[], text_only=True, dtype=getattr(torch, dtype)).to(device)
     num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
@@ -156,10 +159,11 @@ def probe_checkpoint(
     sequences = pack_sequences(rows.texts, tokenizer, seq_len, num_sequences)
     print(f"probe: {name} ({num_layers} layers), {sequences.numel()} tokens from {data}, grid {points}")
     results = run_probe(model, sequences, points, batch_size=batch_size)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    safe_io.mark(out, "probe")
     write_csv(results, out / "probe.csv")
     plot(results, out / "probe.png", f"FarSkip without training: {name}")
+    for written in ("probe.csv", "probe.png"):
+        safe_io.record(out / written)
     print(f"{'side':<6}{'N':>4}{'loss':>10}{'KL':>10}")
     for r in results:
         print(f"{r.side:<6}{r.n_converted:>4}{r.loss:>10.4f}{r.kl:>10.4f}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fcsd import safe_io
 from fcsd.evaluate.harness import task_score
 from fcsd.evaluate.suites import SuiteConfig
 from fcsd.sources import display_name
@@ -75,7 +76,8 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
     in ``out``; returns the score table."""
     from lm_eval.utils import handle_non_serializable
 
-    out.mkdir(parents=True, exist_ok=True)
+    safe_io.mark(out, "eval")
+    safe_io.record(out)  # in the run folder that holds it
     for label, result in results.items():
         text = json.dumps(result, indent=2, default=handle_non_serializable)
         (out / f"results_{label}.json").write_text(text)
@@ -84,6 +86,8 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
     plot_table(table, out / "eval_table.png", f"lm-eval suite {suite.name}")
     summary = {"suite": suite.name, "models": {k: display_name(v) for k, v in names.items()}, "scores": table}
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2))
+    for name in [*(f"results_{label}.json" for label in results), TABLE, "eval_table.png", "eval_summary.json"]:
+        safe_io.record(out / name)
     return table
 
 
@@ -131,7 +135,11 @@ def evaluate_and_report(
 
     check_code_execution(suite, options.get("allow_code_execution", False))  # the refusal comes before any warning
     warn_if_not_converted(model)
-    out = Path(output) if output else default_output(model)
+    out = Path(output).expanduser() if output else default_output(model)
+    inputs = {name: ref for name, ref in (("model", model), ("compared model", compare)) if ref}
+    if out.resolve() != default_output(model).resolve():  # a run's own eval/ lies inside the run on purpose
+        safe_io.check_not_an_input(out, "--output", inputs)
+    safe_io.check_replaceable(out, "eval", "--output", "choose another --output")
     results = evaluate_checkpoints(refs, suite, **options)
     table = write_report(out, results, refs, suite)
     from fcsd.run_folder import RunFolder
@@ -141,5 +149,6 @@ def evaluate_and_report(
         from fcsd.export.model_card import refresh_card
 
         shutil.copyfile(out / TABLE, run.eval_table)
+        safe_io.record(run.eval_table)
         refresh_card(run)
     return out, table

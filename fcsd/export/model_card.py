@@ -44,7 +44,7 @@ def refresh_card(run) -> None:
     config = json.loads((run.export / "config.json").read_text())
     text_config = config.get("text_config") or {}
     num_layers = config.get("num_hidden_layers") or text_config.get("num_hidden_layers")
-    card = render_card(config["farskip"], run_facts(run.final), num_layers)
+    card = render_card(config["farskip"], run_facts(run.final), num_layers, config.get("dtype"))
     staging = run.export / ".README.md.partial"
     staging.write_text(card)
     os.replace(staging, run.export / "README.md")
@@ -90,8 +90,8 @@ def base_license(base_model: str | None, revision: str | None = None) -> str | N
         return None
 
 
-def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
-    """The card's markdown with YAML metadata (huggingface_hub's ``ModelCardData``)."""
+def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None = None) -> str:
+    """The card's markdown with YAML metadata (huggingface_hub's ``ModelCardData``); ``dtype``: the weights'."""
     from huggingface_hub import ModelCard, ModelCardData
 
     config = facts.get("config", {})
@@ -119,7 +119,10 @@ def render_card(farskip: dict, facts: dict, num_layers: int) -> str:
         f"{len(farskip['layers'])} of its {num_layers} decoder layers (`{farskip['spec']}`) with FarSkip-Collective "
         "connectivity: attention reads the residual stream without the previous layer's routed experts and the MoE "
         "block reads it without this layer's attention, so expert-parallel communication can overlap computation. "
-        f"Converted with fcsd {farskip.get('fcsd_version', '')}.",
+        f"Converted with fcsd {farskip.get('fcsd_version', '')}."
+        + (
+            f" Its weights are stored in `{dtype}`, the dtype of the checkpoint it was converted from." if dtype else ""
+        ),
         "",
     ]
     train, summary = config.get("train") or {}, facts.get("summary") or {}

@@ -40,8 +40,7 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
     if not farskip_layers(model):
         raise ExportError("the model has no FarSkip layers: convert it (fcsd convert / fcsd.apply_farskip) first")
     check_export_target(out_dir, overwrite, [source] if source is not None else [])
-    with safe_io.atomic_dir(out_dir) as staging:
-        safe_io.mark(staging, "export")
+    with safe_io.atomic_dir(out_dir, kind="export") as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         auto_map = write_remote_code(staging, model.config, type(model))
@@ -54,37 +53,40 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         config.update(model_type=EXPORTED_PREFIX + base_type, architectures=["FarSkipForCausalLM"], auto_map=auto_map)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
-        (staging / "README.md").write_text(render_card(config[CONFIG_KEY], facts, num_layers))
+        dtype = str(model.dtype).removeprefix("torch.")
+        (staging / "README.md").write_text(render_card(config[CONFIG_KEY], facts, num_layers, dtype))
         difference = check_parity(model, staging)
         record = {"parity_max_abs_diff": difference, "dtype": str(model.dtype), "farskip": config[CONFIG_KEY]}
         (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return out_dir
 
 
-def check_export_target(out_dir: str | Path, overwrite: bool, sources: list) -> None:
+def check_export_target(out_dir: str | Path, overwrite: bool, sources: list, what: str = "OUT_DIR") -> None:
     """Refuse an ``out_dir`` that is, contains or lies inside a source (a run folder or its checkpoint), the current
-    or the home folder; a non-empty one unless ``overwrite``, and even then unless it is an export fcsd wrote."""
+    or the home folder; a non-empty one unless ``overwrite``, and even then unless it is an export fcsd wrote that
+    holds nothing else (:mod:`fcsd.safe_io`: never a run folder, a teacher cache or a folder of other files)."""
     out_dir = Path(out_dir).expanduser().resolve()
     for source in sources:
         source = Path(source).expanduser().resolve()
         if out_dir == source or source in out_dir.parents or out_dir in source.parents:
             raise ExportError(
                 f"refusing to export into {out_dir}: it is, contains or lies inside the source {source}; "
-                "choose another OUT_DIR"
+                f"choose another {what}"
             )
     try:
-        safe_io.check_not_an_input(out_dir, "OUT_DIR", {})
+        safe_io.check_not_an_input(out_dir, what, {})
     except ValueError as error:
         raise ExportError(str(error)) from None
     if safe_io.is_empty(out_dir):
         return
-    if not overwrite:
-        raise ExportError(f"{out_dir} is not empty; pass --overwrite (overwrite=True) to replace it")
-    if not safe_io.is_marked(out_dir):
-        raise ExportError(
-            f"{out_dir} is not an export fcsd wrote (no {safe_io.MARKER} marker): --overwrite only replaces an fcsd "
-            "export; choose another OUT_DIR"
+    try:
+        safe_io.check_replaceable(
+            out_dir, "export", "OUT_DIR", "--overwrite only replaces an fcsd export: choose another OUT_DIR"
         )
+    except safe_io.FolderError as error:
+        raise ExportError(str(error)) from None
+    if not overwrite:
+        raise ExportError(f"{out_dir} holds an export; pass --overwrite (overwrite=True) to replace it")
 
 
 def parity_batch(model, length: int = 32) -> torch.Tensor:

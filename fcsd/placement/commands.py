@@ -7,8 +7,22 @@ import json
 import math
 import sys
 
+from fcsd import safe_io
 from fcsd.placement.format import PlacementError, load_placement
-from fcsd.placement.traces import check_same_model, load_routes
+from fcsd.placement.traces import RoutesError, check_same_model, load_routes
+
+
+def _readable_by(loader):
+    """Whether a file is one ``loader`` reads (so that ``--out`` replaces only a routes file or a placement)."""
+
+    def check(path) -> bool:
+        try:
+            loader(path)
+        except (RoutesError, PlacementError, ValueError, OSError):
+            return False
+        return True
+
+    return check
 
 
 def parse_eps(text: str | None) -> list[int] | None:
@@ -35,6 +49,8 @@ def record(args) -> int:
     if args.tokens < 1 or args.seq_len < 1:
         raise ValueError("--tokens and --seq-len must be positive")
     path = resolve_model(args.model)
+    inputs = {"model": path, "data file": data}
+    safe_io.check_output_file(args.out, "--out", "routes file", _readable_by(load_routes), inputs)
     tokenizer = tokenizer_from_pretrained(path)
     model = from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device)
     rows = load_texts(data, tokenizer, split=args.split)
@@ -59,6 +75,8 @@ def stats(args) -> int:
     from fcsd.placement.report import coupling_report, format_report
 
     routes = load_routes(args.routes)
+    if args.plot:
+        safe_io.check_output_folder(args.plot, "plots", "--plot", {"routes": args.routes})
     placement = None
     if args.placement:
         placement = load_placement(args.placement)
@@ -94,6 +112,8 @@ def place(args) -> int:
     from fcsd.placement.stats import within_layer
 
     routes = load_routes(args.routes)
+    inputs = {"routes": args.routes}
+    safe_io.check_output_file(args.out, "--out", "placement file", _readable_by(load_placement), inputs)
     begin = time.perf_counter()
     placement = correlated_placement(routes, args.ep, args.nodes)
     seconds = time.perf_counter() - begin

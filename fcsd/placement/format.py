@@ -82,9 +82,11 @@ class Placement:
         return out
 
     def save(self, path: str | Path) -> Path:
+        from fcsd.safe_io import atomic_file
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        with atomic_file(path) as staging:
+            staging.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
         return path
 
     @classmethod

@@ -102,14 +102,16 @@ class Routes:
     def save(self, path: str | Path) -> Path:
         from safetensors.numpy import save_file
 
+        from fcsd.safe_io import atomic_file
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         dtype = np.int16 if self.num_experts <= np.iinfo(np.int16).max else np.int32
         tensors = {"ids": np.ascontiguousarray(self.ids, dtype=dtype)}
         if self.weights is not None:
             tensors["weights"] = np.ascontiguousarray(self.weights, dtype=np.float16)
         header = {"format": FORMAT, "version": VERSION, **self.header}
-        save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps(header)})
+        with atomic_file(path) as staging:
+            save_file(tensors, str(staging), metadata={METADATA_KEY: json.dumps(header)})
         return path
 
 
