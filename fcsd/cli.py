@@ -49,7 +49,7 @@ def _perfmodel(args) -> int:
     config = pm.load_config(args.model, args.preset)
     pm.model_shape(config)  # a dense or unsupported model is refused here, before the sparsity sweep
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
-    sparsities = [int(s) for s in args.sparsity.split(",")]
+    sparsities = [int(s) for s in args.sparsity.split(",")] if args.sparsity else pm.default_sparsities(config)
     scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
     rows = pm.sweep(config, sparsities, scenarios, args.batch, args.context, args.tp, args.ep, hw)
     training = pm.training_moe_layer(pm.model_shape(config), args.train_batch, args.context, args.ep, hw)
@@ -66,17 +66,22 @@ def _perfmodel(args) -> int:
 def _run_overrides(args) -> list[str]:
     """The Hydra overrides of ``fcsd convert`` / ``cache-teacher`` / ``sweep``: MODEL (and the preset that names it,
     e.g. ``demo`` or ``Qwen/Qwen3-30B-A3B``), then the user's overrides."""
-    from fcsd.distill.config import preset_for
+    from fcsd.distill.config import hydra_override, preset_for
 
     overrides, model = list(args.overrides), args.model  # args stay as parsed: this may be called twice
-    if model is not None and "=" in model:  # no MODEL given: the first token is already an override
+    if model is not None and "=" in model and not Path(model).exists():  # no MODEL: the first token is an override
         overrides.insert(0, model)
         model = None
+    if model is None and not any(o.startswith(("model.name=", "model=")) for o in overrides):
+        raise ValueError(
+            f"MODEL is missing: `fcsd {args.command} MODEL [key=value ...]` takes a hub id, a local folder or 'demo' "
+            f"(e.g. `fcsd {args.command} demo`)"
+        )
     if model is not None and "@" in model and not Path(model).exists():  # MODEL@REV: a hub revision
         model, revision = model.rsplit("@", 1)
-        overrides.insert(0, f"model.revision={revision}")
+        overrides.insert(0, hydra_override("model.revision", revision))
     if model is not None:
-        overrides.insert(0, f"model.name={model}")
+        overrides.insert(0, hydra_override("model.name", model))
         preset = preset_for(model)
         if preset and not any(o.startswith("model=") for o in overrides):
             overrides.insert(0, f"model={preset}")
@@ -138,8 +143,8 @@ def _eval(args) -> int:
             spec.num_fewshot = args.num_fewshot
     options = {
         "include_paths": args.include_path,
-        "limit": args.limit,
-        "batch_size": int(args.batch_size) if args.batch_size.isdigit() else args.batch_size,
+        "limit": _eval_limit(args.limit),
+        "batch_size": _eval_batch_size(args.batch_size),
         "allow_code_execution": args.allow_code_execution,
         "log_samples": args.log_samples,
     }
@@ -149,6 +154,30 @@ def _eval(args) -> int:
     print((out / TABLE).read_text(), end="")
     print(f"wrote {out}: results_*.json (lm-eval layout), {TABLE}, eval_table.png, eval_summary.json")
     return 0
+
+
+def _eval_limit(text: str | None) -> int | float | None:
+    """``--limit``: a positive whole number of examples per task, or a fraction in (0, 1]."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if 0 < value <= 1 and "." in text:
+        return None if value == 1 else value  # lm-eval reads a limit of 1.0 as one example
+    if value >= 1 and value == int(value):
+        return int(value)
+    raise ValueError(f"--limit {text}: give a whole number of examples per task (e.g. 100) or a fraction in (0, 1]")
+
+
+def _eval_batch_size(text: str) -> int | str:
+    """``--batch-size``: a positive whole number, ``auto`` or ``auto:N`` (lm-eval re-detects N times)."""
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if text == "auto" or (text.startswith("auto:") and text[5:].isdigit() and int(text[5:]) > 0):
+        return text
+    raise ValueError(f"--batch-size {text}: give a positive whole number, 'auto' or 'auto:N'")
 
 
 def _push(args) -> int:
@@ -219,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="prefill sequences")
     p.add_argument("--context", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--train-batch", type=int, default=4, help="training sequences per GPU (Sec. 4.1 estimate)")
-    p.add_argument("--sparsity", default="32,64,128,256", help="sparsity factors: routed experts / active routed")
+    sparsity_help = "sparsity factors, routed experts / active routed (default: the model's own and 3 doublings)"
+    p.add_argument("--sparsity", help=sparsity_help)
     p.add_argument(
         "--scenario",
         help="comma list of baseline, 2x_compute, 2x_attention, 2x_comm, 2x_compute_2x_comm (default: all)",
@@ -269,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--tasks", help="comma-separated lm-eval task names instead of a suite")
     p.add_argument("--include-path", action="append", default=[], help="folder of extra lm-eval task YAML")
     p.add_argument("--compare", metavar="BASE", help="also score the original checkpoint BASE (rows + delta)")
-    p.add_argument("--limit", type=float, help="examples per task (a fraction if < 1), for smoke runs")
+    p.add_argument("--limit", help="examples per task: a whole number, or a fraction in (0, 1]; for smoke runs")
     p.add_argument("--output", help="report folder (default: RUN/eval for a run folder, else outputs/eval/NAME)")
-    p.add_argument("--batch-size", default="8", help="lm-eval batch size (a number or 'auto')")
+    p.add_argument("--batch-size", default="8", help="lm-eval batch size: a positive number, 'auto' or 'auto:N'")
     p.add_argument("--num-fewshot", type=int, help="override every task's few-shot count")
     p.add_argument("--chat-template", action="store_true", help="render every prompt with the chat template")
     code_help = "let code tasks (humaneval_plus, mbpp_plus) run model-written code in sandboxed subprocesses"
@@ -327,9 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args) -> int:
+    from fcsd import safe_io
     from fcsd.parallel.bench import format_table, run_overlap_benchmark
 
+    if args.iters < 1:
+        raise ValueError(f"--iters {args.iters}: it must be at least 1 timed iteration")
+    if args.trace:
+        args.trace = str(safe_io.check_output_folder(args.trace, "trace", "--trace", {"model": args.model}))
     result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher)
+    if args.trace:  # every entry there now is a trace this run (or an earlier one) wrote
+        safe_io.mark(args.trace, "trace", [p.name for p in Path(args.trace).iterdir() if p.name != safe_io.MARKER])
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 
@@ -366,7 +403,7 @@ def _one_line(error: BaseException) -> str:
     message with the cause Hydra wraps (which names the key and the expected type)."""
     from fcsd.sources import explain_error
 
-    message = explain_error(error)
+    message = explain_error(error) or _hydra_message(error)
     if message is None:
         message = str(error).strip() or type(error).__name__
         cause = error.__cause__
@@ -376,6 +413,38 @@ def _one_line(error: BaseException) -> str:
             if isinstance(error, HydraException) and str(cause).strip():
                 message += f": {str(cause).strip().splitlines()[0]}"
     return " ".join(message.split("\n")).replace("  ", " ")
+
+
+def _hydra_message(error: BaseException) -> str | None:
+    """Hydra's parse errors in fcsd's words: its advice (``+key``, ``--multirun``, a link) does not apply to fcsd,
+    which refuses new keys and runs sweeps with ``fcsd sweep``."""
+    import re
+
+    text = " ".join(str(error).split())
+    found = re.match(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if found:
+        key, value = found.groups()
+        return (
+            f"{key}={value}: a comma makes the value ambiguous; write a list as {key}=[{value}] or quote a string "
+            f"as '{key}=\"{value}\"' (fcsd convert runs one setting; `fcsd sweep` sweeps batch size and LR)"
+        )
+    found = re.match(r"Could not override '([^']+)'", text)
+    if found:
+        return (
+            f"unknown config key {found.group(1)}: check the spelling; `fcsd convert MODEL --cfg job` prints every key"
+        )
+    found = re.match(r"(?:LexerNoViableAltException|mismatched input.*?): (\S+=?.*?) \^", text)
+    if found or "override_grammar" in text:
+        override = found.group(1).strip() if found else "an override"
+        key, _, value = override.partition("=")
+        return f"{override}: this value cannot be read as it is written; quote it, e.g. '{key}=\"{value}\"'"
+    found = re.match(
+        r"In '[^']+': Could not find '([^/']+)/([^']+)' Available options in '[^']+': (.*?) Config search", text
+    )
+    if found:
+        group, name, options = found.groups()
+        return f"{group}={name}: no such preset; choose one of {', '.join(options.split())} (recipes/{group}/)"
+    return None
 
 
 def _quiet_hub_retries() -> None:
@@ -394,25 +463,41 @@ def _quiet_hub_retries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fcsd import quiet
+    import signal
+
+    from fcsd import quiet, safe_io
 
     quiet.install()
     argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_hub_retries()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides += extra  # key=value after a flag (`fcsd convert M --resume train.lr=1e-5`)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = argv
+    safe_io.set_command(argv)
+    previous = signal.signal(signal.SIGTERM, safe_io.raise_terminated)  # SIGTERM ends a command as Ctrl-C does
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print(f"fcsd {args.command}: interrupted{_resume_hint(args)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, safe_io.Terminated)
+        how = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(f"fcsd {args.command}: {how}{_resume_hint(args)}", file=sys.stderr)
+        return 143 if terminated else 130
     except _input_errors() as error:
         print(f"fcsd {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _resume_hint(args) -> str:
-    """For an interrupted ``convert``: the step of its newest checkpoint and the command that continues it."""
+    """For an interrupted ``convert``: the step of its newest checkpoint and the command that continues it; for a
+    sweep, that the same command continues it."""
+    if args.command == "sweep":
+        return "; run the same command again to continue: finished runs are kept, the stopped one resumes"
     if args.command != "convert" or getattr(args, "cfg", None):
         return ""
     try:

@@ -21,6 +21,7 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **k
     config = _stock_config(name_or_path, kwargs.get("revision"))
     if config is not None:
         kwargs.setdefault("config", config)
+    check_weight_files(name_or_path)
     import transformers
 
     model_class = (
@@ -31,6 +32,31 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **k
         record = getattr(model.config, CONFIG_KEY, None) or {}
         layers = record.get("layers", [])
     return apply_farskip(model, layers)
+
+
+def check_weight_files(folder: str) -> None:
+    """Refuse, naming the file, a local ``.safetensors`` file that is truncated or corrupt (an interrupted copy or
+    download), before transformers reads it and fails without saying which file."""
+    import json
+    import struct
+    from pathlib import Path
+
+    for path in sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            try:
+                header = json.loads(handle.read(length)) if length is not None and length <= size - 8 else None
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                header = end = None
+        if header is None or size < 8 + length + end:
+            raise ValueError(
+                f"{path} is truncated or corrupt ({size:,} bytes, its header "
+                + ("cannot be read" if header is None else f"needs {8 + length + end:,}")
+                + "): download or copy it again"
+            )
 
 
 def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):
@@ -70,7 +96,9 @@ def _stock_config(name_or_path: str, revision: str | None = None):
     if path is None:
         return None
     values = json.loads(path.read_text())
-    if not values.get("model_type", "").startswith(EXPORTED_PREFIX):
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} holds a JSON {type(values).__name__}, not an object")
+    if not str(values.get("model_type", "")).startswith(EXPORTED_PREFIX):
         return None
     for key in ("auto_map", "architectures"):
         values.pop(key, None)

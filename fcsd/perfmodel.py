@@ -162,6 +162,26 @@ def with_sparsity(config, sparsity: int):
     return config
 
 
+def default_sparsities(config) -> list[int]:
+    """The model's own sparsity (routed experts / active routed experts) and three doublings (DeepSeek-V3: 32, 64,
+    128, 256, the paper's Fig. 9 axis), keeping those whose scaled expert width is a whole number."""
+    from fcsd.connectivity.families import text_config
+
+    decoder = text_config(config)
+    experts = next(
+        getattr(decoder, a) for a in ("n_routed_experts", "num_local_experts", "num_experts") if hasattr(decoder, a)
+    )
+    own = max(1, experts // decoder.num_experts_per_tok)
+    found = []
+    for sparsity in (own, 2 * own, 4 * own, 8 * own):
+        try:
+            with_sparsity(config, sparsity)
+        except ValueError:
+            break
+        found.append(sparsity)
+    return found
+
+
 def allreduce_s(nbytes: float, ranks: int, hw: Hardware) -> float:
     return 0.0 if ranks <= 1 else nbytes * 2 * (ranks - 1) / ranks / (hw.allreduce_gbps * 1e9)
 

@@ -9,8 +9,12 @@ import logging
 EXPECTED = {
     # a tied LM head is saved once and tied again on load: nothing is lost
     "accelerate.utils.other": ("Removed shared tensor {'lm_head.weight'}",),
-    # fcsd hands lm-eval a loaded model object on purpose (FarSkip connectivity applied), never a name
-    "lm_eval.models.huggingface": ("`pretrained` model kwarg is not of type `str`",),
+    # fcsd hands lm-eval a loaded model object on purpose (FarSkip connectivity applied), never a name, and runs the
+    # scoring in one process
+    "lm_eval.models.huggingface": (
+        "`pretrained` model kwarg is not of type `str`",
+        "Passed an already-initialized model through `pretrained`",
+    ),
     # fcsd's local demo tasks read their rows through a custom_dataset function: there is no metadata to pass
     "lm_eval.api.task": ("Custom kwargs can be passed to `--metadata`",),
 }

@@ -15,8 +15,13 @@ def cache_root() -> Path:
 
 
 def looks_local(name: str) -> bool:
-    """A name that can only mean a local path (a hub id never starts with ``.``, ``/`` or ``~``)."""
-    return name.startswith((".", "/", "~"))
+    """A name that can only mean a local path, so that a mistyped folder is reported at once rather than looked up
+    on the hub: it starts with ``.``, ``/`` or ``~``, has more than one ``/`` (a hub id is ``org/name``), or its
+    first part is a local folder (``outputs/typo`` when ``outputs/`` exists)."""
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return True
+    first = name.split("/", 1)[0]
+    return "/" in name and Path(first).is_dir()
 
 
 def hub_id(name: str | None) -> str | None:
@@ -94,6 +99,12 @@ def explain_error(error: BaseException) -> str | None:
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e) for e in chain)
     local = "give a local checkpoint folder (e.g. ./models/my-model), a hub id, or 'demo'"
+    from fcsd.safe_io import FolderError, is_disk_full
+
+    if isinstance(error, FolderError):  # already one line naming the folder
+        return None
+    if is_disk_full(error):
+        return f"no space left on the disk ({_first_line(error)}): free space and run the command again"
     access = _hub_access_error(chain)
     if access is not None:
         return access

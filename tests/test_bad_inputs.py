@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,12 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from tiny_models import build, save_chat_model
 
 from fcsd.cli import main
 from fcsd.distill.config import compose, to_config
-from fcsd.run_folder import CONFIG
+from fcsd.run_folder import CONFIG, RunFolder
 from fcsd.safe_io import MARKER
 
 FAST = ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=64", "train.micro_batch_size=2"]
@@ -48,13 +50,25 @@ def world(tmp_path_factory):
     (root / "home").mkdir()
     (root / "work").mkdir()
     (root / "work" / "notes.txt").write_text("mine")
-    # a finished-looking run folder (fake weights: the guards answer before anything loads)
-    run = root / "runs" / "x"
-    (run / "final").mkdir(parents=True)
-    (run / "final" / "config.json").write_text("{}")
-    (run / "checkpoints" / "step-1").mkdir(parents=True)
-    (run / MARKER).write_text("run\n")
-    (run / CONFIG).write_text(f"model:\n  name: {root / 'model'}\n")
+    # run folders as fcsd leaves them (fake weights: the guards answer before anything loads), with the resolved
+    # config of `run_convert` into them, so that a --resume with the same overrides is the same run
+    finished = fake_run(root, "runs/x", steps=[1], final=True)
+    fake_run(root, "runs/y", steps=[1], final=True)
+    (fake_run(root, "runs/notes", steps=[1], final=True) / "notes.txt").write_text("mine")
+    fake_run(root, "runs/unfinished", steps=[2, 4])
+    (fake_run(root, "runs/no_rng", steps=[2, 4]) / "checkpoints/step-4/random_states_0.pkl").unlink()
+    (fake_run(root, "runs/no_optimizer", steps=[4]) / "checkpoints/step-4/optimizer.bin").unlink()
+    assert (finished / "final").is_dir()
+    for kind, name, files in (("export", "an_export", ["config.json"]), ("teacher-cache", "a_cache", ["meta.json"])):
+        (root / name).mkdir()
+        (root / name / MARKER).write_text(json.dumps({"kind": kind, "written": files}))
+        (root / name / files[0]).write_text("{}")
+        (root / name / "notes.txt").write_text("mine")
+    (root / "a_file.txt").write_text("a file")
+    (root / "work" / "models").mkdir()  # makes `models/typo` a local path with a typo, not a hub id
+    (root / "array").mkdir()
+    (root / "array" / "config.json").write_text("[1, 2]")
+    (data / "not_utf8.json").write_bytes(b'[{"text": "fine"},\n {"text": "caf\xe9"}]\n')
     (root / "not_an_export").mkdir()
     (root / "not_an_export" / "keep.txt").write_text("keep")
     (root / "mixed").mkdir()
@@ -75,6 +89,33 @@ def world(tmp_path_factory):
     for path in broken.iterdir():
         (root / "runs" / "broken" / "final" / path.name).write_bytes(path.read_bytes())
     return root
+
+
+def fake_run(root: Path, name: str, steps: list[int], final: bool = False) -> Path:
+    """A run folder as `fcsd convert` writes it (marker with its manifest, resolved config, checkpoints whose
+    trainer state lists their files), with fake weights."""
+    from omegaconf import OmegaConf
+
+    run = root / name
+    for step in steps:
+        checkpoint = run / "checkpoints" / f"step-{step}"
+        checkpoint.mkdir(parents=True)
+        files = {}
+        for file in ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"):
+            (checkpoint / file).write_bytes(b"x" * step)
+            files[file] = step
+        (checkpoint / "trainer_state.json").write_text(json.dumps({"step": step, "files": files}))
+    written = ["checkpoints", CONFIG, "metrics.jsonl"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n" for s in steps))
+    if final:
+        (run / "final").mkdir()
+        (run / "final" / "config.json").write_text("{}")
+        (run / "run_summary.json").write_text(json.dumps({"steps": steps[-1]}))
+        written += ["final", "run_summary.json"]
+    (run / MARKER).write_text(json.dumps({"kind": "run", "written": written}))
+    config = to_config(compose(run_convert(root, f"output_dir={run}")[2:] + [f"model.name={root / 'model'}"]))
+    OmegaConf.save(OmegaConf.structured(config), run / CONFIG)
+    return run
 
 
 @pytest.fixture
@@ -134,7 +175,7 @@ CASES = [
     (
         "export_dir_unmarked",
         lambda w: run_convert(w, f"output_dir={w / 'new'}", f"export_dir={w / 'mixed'}"),
-        "not an export fcsd wrote",
+        "mixed holds files fcsd did not write",
         None,
     ),
     # 2. export never clears its source's folder, nor a folder it did not write
@@ -153,7 +194,7 @@ CASES = [
     (
         "export_over_user_folder",
         lambda w: ["export", str(w / "runs/x"), str(w / "not_an_export"), "--overwrite"],
-        "not an export fcsd wrote",
+        "holds files fcsd did not write",
         None,
     ),
     # 3. a resume with another model is refused before anything is written
@@ -167,8 +208,165 @@ CASES = [
     (
         "resume_other_ep_size",
         lambda w: [*run_convert(w, f"output_dir={w / 'runs/x'}", "parallel.ep_size=2"), "--resume"],
-        "parallel.ep_size: run None vs now 2",
+        "parallel.ep_size: run 1 vs now 2",
         None,
+    ),
+    # 12. each command replaces only a folder of its own kind, and never what fcsd did not write (issue 19)
+    (
+        "output_dir_is_an_export",
+        lambda w: run_convert(w, f"output_dir={w / 'an_export'}"),
+        "an_export is an fcsd export, not a run folder",
+        None,
+    ),
+    (
+        "output_dir_is_an_export_overwrite",
+        lambda w: run_convert(w, f"output_dir={w / 'an_export'}", "overwrite=true"),
+        "an_export is an fcsd export, not a run folder",
+        None,
+    ),
+    (
+        "output_dir_is_a_teacher_cache",
+        lambda w: run_convert(w, f"output_dir={w / 'a_cache'}"),
+        "a_cache is an fcsd teacher cache, not a run folder",
+        None,
+    ),
+    (
+        "export_over_another_run",
+        lambda w: ["export", str(w / "runs/x"), str(w / "runs/y"), "--overwrite"],
+        "runs/y is an fcsd run folder, not an export",
+        None,
+    ),
+    (
+        "overwrite_keeps_the_users_files",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/notes'}", "overwrite=true"),
+        "also holds files fcsd did not write (notes.txt)",
+        None,
+    ),
+    # 13. --resume checks what it resumes
+    (
+        "resume_a_finished_run",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/x'}", "train.max_steps=3"), "--resume"],
+        "finished (step 1; final/ and export/ hold it), and resuming would overwrite them",
+        None,
+    ),
+    (
+        "resume_to_fewer_steps",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/unfinished'}", "train.max_steps=3"), "--resume"],
+        "the run would end at step 3 (train.max_steps / max_tokens / stop_after), at or below step 4",
+        None,
+    ),
+    (
+        "resume_a_folder_that_does_not_exist",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/nothing'}"), "--resume"],
+        "runs/nothing does not exist, so there is no run to resume",
+        None,
+    ),
+    (
+        "resume_missing_rng_state",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/no_rng'}", "train.max_steps=9"), "--resume"],
+        "checkpoints/step-4 is incomplete (random_states_0.pkl missing); continue from step-2: `fcsd convert",
+        None,
+    ),
+    (
+        "resume_missing_optimizer_state",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/no_optimizer'}", "train.max_steps=9"), "--resume"],
+        "(optimizer.bin missing); no complete older checkpoint is left",
+        None,
+    ),
+    (
+        "resume_step_without_resume",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", "train.resume_step=2"),
+        "chooses the checkpoint --resume continues from: add --resume",
+        None,
+    ),
+    # 14. values that would train silently wrong
+    ("lr_infinite", lambda w: run_convert(w, "train.lr=inf", f"output_dir={w / 'new'}"), "must be a finite", None),
+    (
+        "placement_without_expert_parallelism",
+        lambda w: run_convert(w, f"parallel.placement={w / 'a_file.txt'}", f"output_dir={w / 'new'}"),
+        "parallel.ep_size=1 has none, so it would be ignored",
+        None,
+    ),
+    (
+        "eval_limit_above_one",
+        lambda w: ["eval", str(w / "model"), "--tasks", "arc_easy", "--limit", "1.5"],
+        "--limit 1.5: give a whole number",
+        None,
+    ),
+    ("eval_limit_zero", lambda w: ["eval", str(w / "model"), "--limit", "0"], "--limit 0: give", None),
+    ("eval_limit_negative", lambda w: ["eval", str(w / "model"), "--limit", "-3"], "--limit -3: give", None),
+    ("eval_batch_zero", lambda w: ["eval", str(w / "model"), "--batch-size", "0"], "--batch-size 0: give", None),
+    ("eval_batch_negative", lambda w: ["eval", str(w / "model"), "--batch-size", "-2"], "--batch-size -2: give", None),
+    (
+        "eval_batch_word",
+        lambda w: ["eval", str(w / "model"), "--batch-size", "eight"],
+        "--batch-size eight: give a positive whole number, 'auto' or 'auto:N'",
+        None,
+    ),
+    # 15. one line instead of a traceback, naming the file and the next step
+    ("inspect_array_config", lambda w: ["inspect", str(w / "array")], "holds a JSON list, not an object", None),
+    (
+        "perfmodel_array_config",
+        lambda w: ["perfmodel", "--model", str(w / "array")],
+        "holds a JSON list, not an object",
+        None,
+    ),
+    (
+        "probe_array_config",
+        lambda w: ["probe", str(w / "array"), "--data", str(w / "data/train.jsonl"), "--output-dir", str(w / "p")],
+        "holds a JSON list, not an object",
+        None,
+    ),
+    (
+        "probe_output_is_a_file",
+        lambda w: [
+            "probe",
+            str(w / "model"),
+            "--data",
+            str(w / "data/train.jsonl"),
+            "--output-dir",
+            str(w / "a_file.txt"),
+        ],
+        "a_file.txt is a file, not a folder",
+        None,
+    ),
+    ("bench_no_iterations", lambda w: ["bench", "overlap", "--iters", "0"], "--iters 0: it must be at least 1", None),
+    (
+        "bench_trace_is_a_file",
+        lambda w: ["bench", "overlap", "--trace", str(w / "a_file.txt")],
+        "a_file.txt is a file, not a folder",
+        None,
+    ),
+    ("convert_without_arguments", lambda w: ["convert"], "MODEL is missing: `fcsd convert MODEL [key=value", None),
+    (
+        "comma_value_is_not_a_sweep",
+        lambda w: run_convert(w, "train.lr=1,2", f"output_dir={w / 'new'}"),
+        "train.lr=1,2: a comma makes the value ambiguous; write a list as train.lr=[1,2]",
+        None,
+    ),
+    (
+        "unknown_key_without_plus",
+        lambda w: run_convert(w, "train.lrr=1", f"output_dir={w / 'new'}"),
+        "unknown config key train.lrr: check the spelling",
+        None,
+    ),
+    (
+        "unparsable_value",
+        lambda w: run_convert(w, "output_dir=~/x"),
+        "output_dir=~/x: this value cannot be read as it is written; quote it",
+        None,
+    ),
+    (
+        "mistyped_local_model_folder",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", model="models/typo"),
+        "model models/typo: no such folder",
+        None,
+    ),
+    (
+        "json_data_not_utf8",
+        lambda w: run_convert(w, f"data.path={w / 'data/not_utf8.json'}", f"output_dir={w / 'new'}"),
+        "not_utf8.json, line 2: not UTF-8 text",
+        "new",
     ),
     # 4. an empty layer selection is refused before loading
     (
@@ -246,7 +444,7 @@ CASES = [
     (
         "export_truncated_safetensors",
         lambda w: ["export", str(w / "runs/broken"), str(w / "exported")],
-        "a .safetensors file is truncated or corrupt",
+        "final/model.safetensors is truncated or corrupt",
         "exported",
     ),
     ("inspect_garbage_config", lambda w: ["inspect", str(w / "garbage")], "config.json cannot be read", None),
@@ -292,6 +490,7 @@ def test_bad_input_is_one_line_and_touches_nothing(env, capsys, argv, message, o
     err = capsys.readouterr().err.strip()
     assert message in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "--multirun" not in err and "hydra.cc" not in err and "To append" not in err, err  # no foreign advice
     assert snapshot(env, own_dir) == before_world
     assert snapshot(env / "home") == before_home
 
@@ -324,7 +523,8 @@ def test_failed_start_restarts_and_resume_keeps_the_config(env, capsys):
     assert (env / "runs/x" / CONFIG).read_text() == config
 
 
-def test_ctrl_c_stops_cleanly_with_the_resume_command(env, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_stops_cleanly_with_the_resume_command(env, tmp_path, stop):
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "fcsd.cli", *run_convert(env, f"output_dir={out}", "train.max_steps=100000")]
     argv += ["train.save_every=1", "export=false"]
@@ -333,9 +533,9 @@ def test_ctrl_c_stops_cleanly_with_the_resume_command(env, tmp_path):
     deadline = time.time() + 60
     while time.time() < deadline and not list((out / "checkpoints").glob("step-*")):
         time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(stop)
     _, err = process.communicate(timeout=60)
-    assert process.returncode == 130, err
+    assert process.returncode == (130 if stop == signal.SIGINT else 143), err
     assert "Traceback" not in err, err
     assert "--resume`" in err and "the last checkpoint is step-" in err, err
 
@@ -449,3 +649,225 @@ def test_short_runs_evaluate_the_held_out_kl_along_the_way():
     assert to_config(compose([*base, "train.max_steps=50"])).train.eval_every == 5
     assert to_config(compose([*base, "train.max_steps=50", "train.eval_every=0"])).train.eval_every == 0
     assert to_config(compose([*base, "train.max_steps=100000"])).train.eval_every == 0
+
+
+# -- issue 19: one run per folder, resumes that check what they resume, nothing lost ---------------------------------
+
+
+def test_one_command_per_folder(env, capsys):
+    """A second command into a folder another one holds is refused, naming the holder; nothing is written."""
+    from fcsd import safe_io
+
+    run = env / "runs" / "unfinished"
+    before = snapshot(env)
+    with safe_io.folder_lock(run, "output_dir"):
+        assert main([*run_convert(env, f"output_dir={run}", "train.max_steps=9"), "--resume"]) == 2
+        assert main(run_convert(env, f"output_dir={run}", "overwrite=true")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(f"is in use by another fcsd command (pid {os.getpid()} on " in e for e in err), err
+    assert snapshot(env) == before  # the lock file went with the lock
+
+
+def test_the_next_holder_removes_staging_left_by_a_dead_run(env, tmp_path):
+    from fcsd.distill.run_io import output_dir_claimed
+
+    run = tmp_path / "run"
+    shutil.copytree(env / "runs" / "unfinished", run)
+    (run / "checkpoints" / ".step-6.partial").mkdir()
+    (run / "checkpoints" / ".step-6.partial" / "optimizer.bin").write_bytes(b"x" * 1000)
+    (run / ".final.partial-k2j4").mkdir()
+    overrides = [f"model.name={env / 'model'}", *run_convert(env, f"output_dir={run}", "train.max_steps=9")[2:]]
+    config = to_config(compose([*overrides, "train.resume=true"]))
+    with output_dir_claimed(config):
+        assert (run / ".fcsd-lock").exists()
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
+        assert not (run / ".final.partial-k2j4").exists()
+    assert not (run / ".fcsd-lock").exists()
+
+
+def _stop_after_checkpoint(monkeypatch, step: int):
+    """Make the next run in this process stop (as Ctrl-C does) right after it saved checkpoint ``step``."""
+    from fcsd.distill import trainer
+
+    save = trainer.TrainingSession.save_checkpoint
+
+    def save_then_stop(self, done):
+        save(self, done)
+        if done == step:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer.TrainingSession, "save_checkpoint", save_then_stop)
+
+
+def test_resume_checks_the_data_and_the_checkpoint_files_and_says_how_to_go_on(env, tmp_path, monkeypatch, capsys):
+    """A run stopped after step 3: --resume refuses changed data (same path, other content) and a checkpoint that
+    lost a file, naming the newest complete one and the command; that command resumes, and the metrics hold each
+    step once."""
+    import shlex
+
+    data = tmp_path / "train.jsonl"
+    shutil.copyfile(env / "data" / "train.jsonl", data)
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", f"data.path={data}", "train.max_steps=4", "train.save_every=1")
+    argv += ["train.keep_checkpoints=3", "export=false"]
+    with monkeypatch.context() as patch:
+        _stop_after_checkpoint(patch, 3)
+        assert main(argv) == 130
+    assert [p.name for p in (out / "checkpoints").iterdir()] and not (out / "final").exists()
+    capsys.readouterr()
+    original = data.read_text()
+    data.write_text(original.replace("add 7 and 8", "add 70 and 80"))
+    before = snapshot(out)
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: the training data changed since checkpoints/step-3 was saved" in err, err
+    assert snapshot(out) == before
+    data.write_text(original)
+    (out / "checkpoints" / "step-3" / "random_states_0.pkl").unlink()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoints/step-3 is incomplete (random_states_0.pkl missing); continue from step-2: `fcsd" in err, err
+    command = shlex.split(err.split("`")[1])
+    assert command[-2:] == ["--resume", "train.resume_step=2"]
+    assert main(command[1:]) == 0
+    assert "resuming from" in capsys.readouterr().out
+    steps = [r["step"] for r in RunFolder(out).records() if "train/loss" in r]
+    assert steps == [1, 2, 3, 4]
+    assert json.loads((out / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
+
+
+def test_a_restarted_run_logs_each_step_once(env, tmp_path):
+    """A run folder whose run never saved a checkpoint, resumed: it starts at step 0 and its metrics say so once."""
+    out = tmp_path / "run"
+    shutil.copytree(env / "runs" / "unfinished", out)
+    shutil.rmtree(out / "checkpoints")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 9.0}) + "\n" for s in range(1, 6)))
+    argv = run_convert(env, f"output_dir={out}", "train.max_steps=2", "export=false")
+    assert main([*argv, "--resume"]) == 0
+    steps = [r["step"] for r in RunFolder(out).records() if "train/loss" in r]
+    assert steps == [1, 2] and all(r["train/loss"] != 9.0 for r in RunFolder(out).records() if "train/loss" in r)
+
+
+def test_a_bf16_checkpoint_gives_a_bf16_final_and_export(env, tmp_path):
+    from safetensors import safe_open
+
+    import fcsd
+
+    source = tmp_path / "bf16"
+    fcsd.from_pretrained(str(env / "model"), dtype=torch.bfloat16).save_pretrained(source)
+    for path in (env / "model").iterdir():
+        if path.name.startswith(("tokenizer", "chat_template")):
+            shutil.copyfile(path, source / path.name)
+    out = tmp_path / "run"
+    assert main(run_convert(env, f"output_dir={out}", "train.max_steps=1", model=str(source))) == 0
+    for folder in (out / "final", out / "export"):
+        assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16", folder
+        with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+            assert {weights.get_slice(k).get_dtype() for k in weights.keys()} == {"BF16"}, folder
+    assert "stored in `bfloat16`" in (out / "export" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stopped_sweep_leaves_no_process_writing_and_no_traceback(env, tmp_path, stop):
+    """Ctrl-C or SIGTERM to `fcsd sweep` reaches the training run it launched: the run stops (its lock is gone, its
+    process too) before the sweep exits; one line, no traceback."""
+    out = tmp_path / "sweep"
+    argv = [sys.executable, "-m", "fcsd.cli", "sweep", *run_convert(env, f"output_dir={out}")[1:]]
+    argv += ["sweep.steps=100000", "sweep.batch_tokens=[64]", "sweep.lrs=[0.001]", "sweep.stage1_lr=0.001"]
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ)
+    lock = out / "sweep" / "stage1" / "bt64-lr0.001" / ".fcsd-lock"
+    run_config = lock.with_name(CONFIG)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (run_config.exists() and lock.exists()):
+        time.sleep(0.2)
+    holder = json.loads(lock.read_text())["pid"]
+    process.send_signal(stop)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == (130 if stop == signal.SIGINT else 143), err
+    assert "Traceback" not in err and "fcsd sweep: " in err.strip().splitlines()[-1], err
+    assert not lock.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(holder, 0)
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_and_the_last_export_stays(env, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import fcsd
+
+    converted = tmp_path / "converted"
+    fcsd.from_pretrained(str(env / "model"), layers="all").save_pretrained(converted)
+    for path in (env / "model").iterdir():
+        if path.name.startswith(("tokenizer", "chat_template")):
+            shutil.copyfile(path, converted / path.name)
+    out = tmp_path / "export"
+    assert main(["export", str(converted), str(out)]) == 0
+    before = snapshot(tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
+    capsys.readouterr()
+    assert main(["export", str(converted), str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("fcsd export: error: no space left"), err
+    assert f"no space left on the disk of {tmp_path}: free space there" in err, err
+    assert snapshot(tmp_path) == before  # no staging folder left, the export as it was
+
+
+def test_lines_that_are_not_utf8_are_skipped_naming_file_and_line(tmp_path, caplog):
+    from fcsd.distill.data import load_texts
+
+    good = b'{"text": "hello there"}'
+    (tmp_path / "mixed.jsonl").write_bytes(b"\n".join([good, b'{"text": "caf\xe9"}', good, good]) + b"\n")
+    rows = load_texts(str(tmp_path / "mixed.jsonl"))
+    assert rows.skipped == 1 and len(rows.texts) == 3
+    assert "mixed.jsonl: skipped 1 line(s) that are not UTF-8 or not a JSON object: line 2" in caplog.text
+
+
+def test_paths_survive_the_override_parser_and_tilde_is_expanded_once(env, tmp_path, capsys):
+    from fcsd.distill.config import hydra_override
+
+    odd = tmp_path / "modèle, v=2 it's"
+    shutil.copytree(env / "model", odd)
+    assert main(["convert", str(odd), f"data.path={env / 'data/train.jsonl'}", "--cfg", "job"]) == 0
+    import yaml
+
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["name"] == str(odd)
+    config = to_config(compose(["model.name=m", "data.path=d", hydra_override("output_dir", "~/runs/x")]))
+    assert config.output_dir == str(env / "home" / "runs" / "x")  # HOME is the fake home of `env`
+
+
+def test_run_child_passes_sigterm_on_and_waits(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = (
+        "import sys\nfrom fcsd.distill.sweep import run_child\n"
+        f"try:\n    run_child([sys.executable, '-c', {child!r}])\nexcept KeyboardInterrupt:\n    sys.exit(130)\n"
+    )
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    parent = subprocess.Popen([sys.executable, "-c", script], env=environ)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (pid_file.exists() and pid_file.read_text()):
+        time.sleep(0.1)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) == 130
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_perfmodel_default_sparsities_fit_the_model(env, capsys):
+    assert main(["perfmodel", "--model", str(env / "model"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert sorted({r["sparsity"] for r in rows}) == [4, 8, 16, 32]  # 8 experts top-2: its own 4x and 3 doublings
+
+
+def test_a_teacher_cache_rebuild_refuses_a_cache_that_holds_other_files(env):
+    from fcsd.distill.teacher_cache import build_cache
+
+    before = snapshot(env / "a_cache")
+    with pytest.raises(ValueError, match=r"a_cache also holds files fcsd did not write \(notes.txt\)"):
+        build_cache(None, None, env / "a_cache", {"format": 1}, overwrite=True)
+    assert snapshot(env / "a_cache") == before

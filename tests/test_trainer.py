@@ -377,7 +377,10 @@ def test_bad_input_errors(assets, tmp_path, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     cases = [
-        (["convert", model, f"data.path={assets / 'train.jsonl'}", f"output_dir={tmp_path / 'full'}"], "is not empty"),
+        (
+            ["convert", model, f"data.path={assets / 'train.jsonl'}", f"output_dir={tmp_path / 'full'}"],
+            "fcsd did not write",
+        ),
         (["convert", model, "train.objective=dpo", f"data.path={assets / 'train.jsonl'}"], "train.objective='dpo'"),
         (["convert", model, "train.lr=fast"], "train.lr"),
         (["convert", model, "train.not_a_key=1"], "not_a_key"),

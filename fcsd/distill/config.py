@@ -6,6 +6,7 @@ A wrong key or a value of the wrong type fails at composition with Hydra's messa
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ class TrainConfig:
     save_every: int = 1000  # checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many step checkpoints to keep
     resume: bool = False  # continue from the newest checkpoint in output_dir
+    resume_step: int | None = None  # with resume: continue from checkpoints/step-N instead of the newest
     # held-out KL every N steps besides step 0 and the end (0: only those two); None: automatic, about a tenth of
     # the run for runs of at most SHORT_RUN_STEPS steps (so curves.png has points along them), else 0
     eval_every: int | None = None
@@ -198,9 +200,7 @@ def auto_eval_every(train: TrainConfig) -> int:
     ``train.stop_after`` included) and 0 (step 0 and the end only) for longer ones."""
     if train.eval_every is not None:
         return train.eval_every
-    steps = schedule_steps(train)
-    if train.stop_after is not None:
-        steps = min(steps, train.stop_after)
+    steps = end_step(train)
     return max(1, steps // 10) if 1 < steps <= SHORT_RUN_STEPS else 0
 
 
@@ -209,6 +209,49 @@ def schedule_steps(train: TrainConfig) -> int:
     wins); ``train.stop_after`` ends a run early without changing it."""
     total = train.max_tokens // train.batch_tokens
     return min(total, train.max_steps) if train.max_steps is not None else total
+
+
+def end_step(train: TrainConfig) -> int:
+    """The step a run ends at: the schedule's horizon, or ``train.stop_after`` when that comes first."""
+    horizon = schedule_steps(train)
+    return min(horizon, train.stop_after) if train.stop_after is not None else horizon
+
+
+# path settings: ``~`` is expanded in each, once, so that the checks and the writes see the same folder
+PATH_KEYS = (
+    ("model", "name"),
+    ("model", "accelerate_config"),
+    ("parallel", "placement"),
+    ("data", "path"),
+    ("data", "eval_path"),
+    ("data", "cache_dir"),
+    ("teacher", "cache_dir"),
+    ("early_stop", "data"),
+    ("sweep", "dir"),
+    (None, "output_dir"),
+    (None, "export_dir"),
+)
+
+
+def _expand_paths(config: FCSDConfig) -> None:
+    for section, key in PATH_KEYS:
+        holder = getattr(config, section) if section else config
+        value = getattr(holder, key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(holder, key, os.path.expanduser(value))
+
+
+def hydra_override(key: str, value) -> str:
+    """``key=value`` for Hydra's override parser, the value quoted when it needs it, so that any path survives the
+    parser (spaces, non-ASCII letters, ``=``, ``~``, commas, quotes)."""
+    import re
+
+    if re.fullmatch(r"[A-Za-z0-9_./:@+-]+", str(value)) and not str(value)[0].isdigit():
+        return f"{key}={value}"  # plain: as a person would type it
+    # in a quoted Hydra value a backslash escapes only a quote or the backslashes before one (or before the end)
+    text = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", str(value))
+    text = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, text)
+    return f"{key}='{text}'"
 
 
 def register_schemas() -> None:
@@ -264,7 +307,12 @@ def to_config(cfg) -> FCSDConfig:
         )
     config: FCSDConfig = OmegaConf.to_object(cfg)
     config.farskip.layers = _layer_spec(config.farskip.layers)
+    _expand_paths(config)
     train = config.train
+    for name in ("lr", "temperature", "l2_coef", "weight_decay", "grad_clip", "router_aux_coef", "spike_factor"):
+        value = getattr(train, name)
+        if not math.isfinite(value):
+            raise ValueError(f"train.{name}={value}: it must be a finite number")
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
         (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
@@ -293,6 +341,16 @@ def to_config(cfg) -> FCSDConfig:
         (config.sweep.schedule in SWEEP_SCHEDULES, f"sweep.schedule: choose {SWEEP_SCHEDULES}"),
         (config.parallel.ep_size >= 1, f"parallel.ep_size={config.parallel.ep_size}: it must be at least 1"),
         (config.parallel.mode in EP_MODES, f"parallel.mode={config.parallel.mode!r}: choose {EP_MODES}"),
+        (
+            config.parallel.placement is None or config.parallel.ep_size > 1,
+            f"parallel.placement={config.parallel.placement} places experts on expert-parallel processes, but "
+            "parallel.ep_size=1 has none, so it would be ignored: set parallel.ep_size (dividing the expert count), "
+            "or drop parallel.placement",
+        ),
+        (
+            train.resume_step is None or train.resume,
+            f"train.resume_step={train.resume_step} chooses the checkpoint --resume continues from: add --resume",
+        ),
         (
             config.parallel.ep_size == 1 or not train.gradient_checkpointing,
             "train.gradient_checkpointing would recompute expert-parallel collectives out of order across processes: "

@@ -68,6 +68,8 @@ def load_rows(source: str, split: str = "train", count_unparsable: bool = False)
     Unparsable lines of a .jsonl file are skipped (``count_unparsable``: returns ``(dataset, skipped lines)``)."""
     import datasets
 
+    from fcsd.sources import looks_local
+
     path = Path(source)
     bad = 0
     if path.exists():
@@ -76,40 +78,57 @@ def load_rows(source: str, split: str = "train", count_unparsable: bool = False)
             raise DataError(f"{source}: expected a .json, .jsonl, .parquet, .txt or .csv file (or a folder of them)")
         if all(f.stat().st_size == 0 for f in files):
             raise DataError(f"{source}: the data is empty; give a file with one JSON object (or text line) per row")
-        if files[0].suffix == ".jsonl":
-            files, bad = _parsable_jsonl(files)
+        if files[0].suffix in (".jsonl", ".json", ".txt", ".csv"):
+            files, bad = _clean_lines(files)
         dataset = datasets.load_dataset(
             _LOCAL_BUILDERS[files[0].suffix], data_files=[str(f) for f in files], split="train"
         )
-    elif path.suffix in _LOCAL_BUILDERS or source.startswith((".", "/", "~")):
+    elif path.suffix in _LOCAL_BUILDERS or looks_local(source):
         raise DataError(f"{source}: no such file or folder (a local data file, or a datasets hub name like org/name)")
     else:
         dataset = datasets.load_dataset(source, split=split)
     return (dataset, bad) if count_unparsable else dataset
 
 
-def _parsable_jsonl(files: list[Path]) -> tuple[list[Path], int]:
-    """``files`` unchanged when every line parses as a JSON object; else copies without the unparsable lines (in
-    fcsd's cache, named by their content) and how many lines were dropped."""
+def _clean_lines(files: list[Path]) -> tuple[list[Path], int]:
+    """``files`` unchanged when every line is UTF-8 (and, in a ``.jsonl`` file, a JSON object); else copies without
+    the other lines (in fcsd's cache, named by their content), how many lines were dropped, and a warning naming
+    the file and the lines. A ``.json`` file is one document: a line that is not UTF-8 there is an error."""
     from fcsd.sources import cache_root
 
     cleaned, bad = [], 0
     for file in files:
-        lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
-        good = [line for line in lines if line.strip() and _is_json_object(line)]
-        dropped = sum(1 for line in lines if line.strip()) - len(good)
+        good, dropped = [], []
+        for number, raw in enumerate(file.read_bytes().splitlines(), start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                if file.suffix == ".json":
+                    raise DataError(
+                        f"{file}, line {number}: not UTF-8 text ({error.reason} at byte {error.start}); save the file "
+                        "as UTF-8"
+                    ) from None
+                dropped.append(number)
+                continue
+            if file.suffix == ".jsonl" and line.strip() and not _is_json_object(line):
+                dropped.append(number)
+            elif line.strip() or file.suffix != ".jsonl":
+                good.append(line)
         if not dropped:
             cleaned.append(file)
             continue
-        bad += dropped
+        bad += len(dropped)
+        shown = ", ".join(map(str, dropped[:10])) + (" ..." if len(dropped) > 10 else "")
+        why = "not UTF-8 or not a JSON object" if file.suffix == ".jsonl" else "not UTF-8"
+        log.warning("%s: skipped %d line(s) that are %s: line %s", file, len(dropped), why, shown)
         text = "".join(line + "\n" for line in good)
-        copy = cache_root() / "clean" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
+        copy = cache_root() / "clean" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}{file.suffix}"
         if not copy.exists():
             copy.parent.mkdir(parents=True, exist_ok=True)
-            copy.write_text(text)
+            copy.write_text(text, encoding="utf-8")
         cleaned.append(copy)
     if not any(f.stat().st_size for f in cleaned):
-        raise DataError(f"{files[0]}: no line parses as a JSON object; give one JSON object per line")
+        raise DataError(f"{files[0]}: no line is usable (UTF-8 text; in .jsonl one JSON object per line)")
     return cleaned, bad
 
 
