@@ -1,6 +1,10 @@
 """The embedded default assets: a tiny Qwen3-MoE-style checkpoint, a locally trained tokenizer and synthetic chat
 data, built offline in the user cache folder (``$FCSD_CACHE`` or ``~/.cache/fcsd``) and reused by later runs.
 
+The teacher is instruction-tuned on both families of :mod:`fcsd.distill.synthetic`; ``data/train.jsonl`` (the
+conversion data) holds only the general tasks and ``data/heldout.jsonl`` only the scored ones, so that the demo
+measures, as the paper does, what survives of abilities the conversion data does not teach.
+
 :mod:`fcsd.sources` resolves the model name ``demo`` (and the data names ``demo`` / ``demo-heldout``) to these
 files in every ``fcsd`` command; the demo *job* (``fcsd convert demo``) is :mod:`fcsd.demo`.
 """
@@ -14,7 +18,7 @@ from pathlib import Path
 from fcsd.sources import cache_root
 
 PRETRAIN_STEPS = 700
-DEMO_VERSION = 3  # bump when the demo assets change, so stale caches are rebuilt
+DEMO_VERSION = 4  # bump when the demo assets change, so stale caches are rebuilt
 
 
 def demo_dir() -> Path:
@@ -50,19 +54,21 @@ def prepare_demo(seed: int = 0) -> Path:
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, make_dataset, write_jsonl
     from fcsd.distill.tokenizer import train_tokenizer
 
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=root.parent))
     try:
-        train, heldout = make_dataset(20000, seed=seed), make_dataset(200, seed=seed + 1)
-        write_jsonl(train, staging / "data" / "train.jsonl")
+        abilities = make_dataset(20000, seed=seed, tasks=TASKS + GENERAL_TASKS)  # what the teacher learns
+        conversion = make_dataset(8000, seed=seed + 2, tasks=GENERAL_TASKS)  # what FCSD and SFT train on
+        heldout = make_dataset(200, seed=seed + 1)  # scored: tasks the conversion data does not cover
+        write_jsonl(conversion, staging / "data" / "train.jsonl")
         write_jsonl(heldout, staging / "data" / "heldout.jsonl")
-        tokenizer = train_tokenizer((m["content"] for row in train for m in row["messages"]), vocab_size=300)
+        tokenizer = train_tokenizer((m["content"] for row in abilities for m in row["messages"]), vocab_size=300)
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(demo_config(len(tokenizer)))
-        pretrain_teacher(model, tokenizer, train, steps=PRETRAIN_STEPS, seed=seed)
+        pretrain_teacher(model, tokenizer, abilities, steps=PRETRAIN_STEPS, seed=seed)
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
     except BaseException:  # Ctrl-C or a failure during the build: no half-built folder stays in the cache

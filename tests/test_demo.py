@@ -12,7 +12,10 @@ def test_demo_is_built_once_and_resolves(tmp_path, monkeypatch, capsys):
     root = embedded.prepare_demo()
     config = json.loads((root / "model" / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe"
+    # the conversion data covers other tasks than the scored ones (the paper's setting)
     rows = (root / "data" / "train.jsonl").read_text().splitlines()
+    assert {json.loads(r)["task"] for r in rows} == {"copy", "max", "min", "lookup"}
+    rows = (root / "data" / "heldout.jsonl").read_text().splitlines()
     assert {json.loads(r)["task"] for r in rows} == {"add", "sort", "reverse", "recall"}
     stamp = (root / "model" / "config.json").stat().st_mtime_ns
     assert embedded.prepare_demo() == root and (root / "model" / "config.json").stat().st_mtime_ns == stamp
@@ -43,6 +46,7 @@ def test_convert_demo_prints_the_comparison_table(tmp_path, monkeypatch, capsys)
     printed = capsys.readouterr().out
     for row in ("| teacher |", "| converted, before training |", "| after FCSD (KL) |", "| after SFT, same budget |"):
         assert row in printed
+    assert "FCSD and SFT trained on the same conversion data, other tasks the teacher knows" in printed
     report = json.loads((out / "demo_report.json").read_text())
     assert report["teacher"]["kl"] == 0.0 and report["converted, before training"]["kl"] > 0
     assert set(report["teacher"]) == {"kl", "add", "sort", "reverse", "recall", "all"}
