@@ -74,7 +74,7 @@ def _worker(args) -> None:
         elem = torch.empty((), dtype=dtype).element_size()
         for layer in held.layers:
             counts = dispatch_counts(
-                held.layer(layer)[:step], placement.ranks(layer), source, hidden, elem_bytes=elem, weight_bytes=elem
+                held.layer(layer)[:step], placement.ranks(layer), source, hidden, elem_bytes=elem
             )
             offline["rows_plain"] += counts.remote_plain
             offline["rows_dedup"] += counts.remote_dedup
