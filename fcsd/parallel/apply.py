@@ -28,6 +28,7 @@ from fcsd.parallel.dispatchers import (
     Dispatcher,
     LocalDispatcher,
 )
+from fcsd.parallel.generate import install as install_generate
 from fcsd.parallel.schedule import FarSkipEPSchedule, _refuse_checkpointing, ep_moe_forward
 from fcsd.parallel.shards import GatherMode, install_state_dict_hooks, permute_sharded_experts, shard_experts
 
@@ -71,7 +72,8 @@ def expert_parallel(
       overlapped schedule of Sec. 4.1 (both need :func:`fcsd.apply_farskip` first).
     - ``layout="all_to_all"``: each rank runs its own tokens, sent to the experts' ranks and back (training and
       inference); ``"all_reduce"``: every rank holds the *same* tokens, experts sharded, one all-reduce per layer
-      (inference only, Sec. 4.2; use it with ``generate``).
+      (inference only, Sec. 4.2). ``model.generate`` works in both, correct by construction (:mod:`.generate`): ranks
+      step together until all are done, and in ``all_reduce`` every rank takes rank 0's prompt and token choices.
     - ``placement``: an expert placement (a PLACEMENT.json path, its dict, or a :class:`fcsd.placement.Placement`
       computed by ``fcsd routes place --ep P`` for ``P`` = the group size), applied with
       :func:`fcsd.placement.apply_placement` before sharding: experts (weights, router rows, per-expert router
@@ -116,7 +118,7 @@ def expert_parallel(
     if callable(placement):
         placement(model)
     elif placement is not None:
-        _apply_placement(model, placement, size, group if loaded_as_shards else None)
+        _apply_placement(model, placement, size, group, loaded_as_shards)
     num_experts = {_global_count(getattr(moe, family.experts_attr)) for moe in moe_blocks}
     for count in num_experts:
         if count % size:
@@ -148,6 +150,7 @@ def expert_parallel(
     model.fcsd_expert_parallel = ExpertParallelState(
         mode, layout, group, size, rank, dispatcher, expert_params, _replica_group(group, size), gather
     )
+    install_generate(model)
     return model
 
 
@@ -164,8 +167,8 @@ def _bind_device(model: nn.Module, group) -> None:
         torch.cuda.set_device(device)
 
 
-def _apply_placement(model: nn.Module, placement, size: int, sharded_group=None) -> None:
-    """Permute the experts for ``placement``; experts loaded as shards move between the ranks of ``sharded_group``."""
+def _apply_placement(model: nn.Module, placement, size: int, group, sharded: bool) -> None:
+    """Permute the experts for ``placement``; experts loaded as shards move between the ranks of ``group``."""
     from fcsd.placement import apply_placement, load_placement
 
     placement = load_placement(placement)
@@ -174,12 +177,12 @@ def _apply_placement(model: nn.Module, placement, size: int, sharded_group=None)
             f"the placement was computed for EP {placement.ep} but the expert-parallel group has {size} ranks: "
             f"compute one with `fcsd routes place ROUTES --ep {size}`"
         )
-    if sharded_group is None:
+    if not sharded:
         apply_placement(model, placement)
         return
 
     def permute(block, family, order):
-        permute_sharded_experts(block, family, order, sharded_group)
+        permute_sharded_experts(block, family, order, group)
 
     apply_placement(model, placement, permute=permute)
 
