@@ -19,7 +19,8 @@ What every collective dispatcher guarantees (paper Sec. 4; issue-level requireme
 - **Routing weights stay in fp32 on the token's own rank**: the experts run with unit weights, and the combine sums
   each token's expert outputs weighted in fp32, in fixed slots (no atomic ``index_add``), so results are
   deterministic. A family that weights the expert *input* (Llama-4) has its rows scaled in fp32 before they leave.
-  The deduplicating dispatcher, whose receiver sums a row's experts before sending back, ships the weights as fp32.
+  The deduplicating dispatcher, whose receiver sums a row's experts before sending back, ships the weights as fp32;
+  its per-(token, rank) partial sums (fp32) are rounded once to the compute dtype for the way back.
 - **Rows on the wire in the compute dtype**: under autocast the hidden rows travel in the autocast dtype (bf16), not
   in the fp32 of the master weights; the expert outputs likewise.
 

@@ -98,6 +98,24 @@ def precision(family, dispatcher):
     }
 
 
+def combine_precision(name, tokens=40, hidden=16, top_k=8, local=4):
+    """Identity experts under bf16 autocast: the combine must return sum_k w_k * bf16(x) computed in fp32 (weights
+    never rounded to bf16, no bf16 accumulation), whatever the dispatcher."""
+    from fcsd.parallel.dispatchers import AllToAllDispatcher, DedupAllToAllDispatcher
+
+    gen = torch.Generator().manual_seed(20 + RANK)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(local * WORLD, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    dispatcher = {"plain": AllToAllDispatcher, "dedup": DedupAllToAllDispatcher}[name](num_local_experts=local)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pending = dispatcher.dispatch_async(x, ids, weights)
+        rows = pending.wait()
+        out = dispatcher.combine_async(rows.tokens * rows.weights, pending).wait()
+    expected = (x.to(torch.bfloat16).double().unsqueeze(1) * weights.double().unsqueeze(-1)).sum(1)
+    return {"dtype": str(out.dtype), "error": rel(out.double(), expected)}
+
+
 def reverse_order_of(events):
     return [(kind, serial) for what, kind, serial in events if what == "reverse"]
 
@@ -273,6 +291,7 @@ for family in ("deepseek_v3", "llama4_text"):
     results["syncs"][f"{family}/plain/regular"] = host_syncs(family, "plain", "regular")
 for family, dispatcher in (("qwen3_moe", "plain"), ("deepseek_v3", "dedup"), ("llama4_text", "plain")):
     results["precision"][f"{family}/{dispatcher}"] = precision(family, dispatcher)
+results["combine"] = {name: combine_precision(name) for name in ("plain", "dedup")}
 results["two_forwards"] = {family: two_forwards_summed(family) for family in ("qwen3_moe", "deepseek_v3")}
 results["no_rows_eager"] = no_rows_with_eager_experts()
 results["order_check"] = order_check()
