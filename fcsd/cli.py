@@ -102,6 +102,9 @@ def _convert(args) -> int:
     from fcsd.distill.config import to_config
 
     config = to_config(cfg)
+    from fcsd.parallel.processes import is_main_process, quiet_unless_main
+
+    quiet_unless_main(is_main_process())  # under torchrun / accelerate launch, one process shows progress bars
     if config.model.name == "demo":
         from fcsd.demo import run_demo
 
@@ -143,9 +146,11 @@ def _eval(args) -> int:
         "allow_code_execution": args.allow_code_execution,
         "log_samples": args.log_samples,
     }
-    out, _ = evaluate_and_report(
+    out, table = evaluate_and_report(
         args.model, suite, args.compare, args.output, device=args.device, dtype=args.dtype, **options
     )
+    if table is None:  # another process of a multi-process launch: the main one evaluates and prints
+        return 0
     print((out / TABLE).read_text(), end="")
     print(f"wrote {out}: results_*.json (lm-eval layout), {TABLE}, eval_table.png, eval_summary.json")
     return 0
