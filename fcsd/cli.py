@@ -317,12 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["overlap"])
     p.add_argument("--model", default=None, help="a saved MoE causal LM folder (default: --config)")
     p.add_argument("--config", choices=["tiny", "mid"], default="tiny", help="built-in Qwen3-MoE shapes (8 experts)")
-    ranks_help = "local gloo processes (the expert-parallel group size; must divide the expert count)"
+    ranks_help = "local processes, one device each (the expert-parallel group size; must divide the expert count)"
     p.add_argument("--ranks", type=int, default=2, help=ranks_help)
     p.add_argument("--iters", type=int, default=5, help="timed iterations per measurement (median reported)")
     p.add_argument("--dispatcher", choices=["plain", "dedup"], default="plain", help="all-to-all dispatcher")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--trace", default=None, help="write torch.profiler traces to this folder")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: a GPU per rank if any")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: NCCL with a GPU per rank")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
     p.set_defaults(func=_bench)
 
     from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
@@ -334,7 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args) -> int:
     from fcsd.parallel.bench import format_table, run_overlap_benchmark
 
-    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher)
+    options = dict(device=args.device, backend=args.backend, dtype=args.dtype)
+    result = run_overlap_benchmark(
+        args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher, **options
+    )
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 

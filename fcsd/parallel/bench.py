@@ -13,13 +13,13 @@ Step speedup = T_regular / T_ovl, forward + backward. ``--dispatcher dedup`` run
 deduplicating dispatcher (one row per (token, destination rank)); the result also holds the rows and bytes sent.
 
 Where it runs: one device per rank. On GPUs (NCCL when every local rank has its own GPU, else gloo with CUDA tensors,
-e.g. several ranks on one GPU) the times are CUDA-event times (:class:`fcsd.parallel.timeline.StepTimer`), the model
-is in bf16 (``--dtype``), and a profiled run with device activity gives, per step, the communication kernels' time
-and the part of it no compute kernel overlaps (``trace``: ``comm_ms``, ``exposed_comm_ms``; ``--trace DIR`` keeps the
-traces). On CPU (gloo) the times are ``perf_counter`` readings and the wait-only overlap, 1 - (time blocked in waits)
-/ T_comm, is reported too (it overstates: collectives also slow the compute they overlap; on NCCL a wait returns at
-once, so it is not reported there). Run as ``python -m torch.distributed.run --nproc_per_node N -m
-fcsd.parallel.bench ...`` (``fcsd bench overlap`` does that).
+e.g. several ranks on one GPU) the times are CUDA-event times (:class:`fcsd.parallel.timeline.StepTimer`) and the
+model is in bf16 (``--dtype``); under NCCL a profiled run with device activity gives, per step, the communication
+kernels' time and the part of it no compute kernel overlaps (``trace``: ``comm_ms``, ``exposed_comm_ms``; ``--trace
+DIR`` keeps the traces). On CPU the times are ``perf_counter`` readings. Under gloo (whose waits block the host) the
+wait-only overlap, 1 - (time blocked in waits) / T_comm, is reported too (it overstates: collectives also slow the
+compute they overlap; an NCCL wait returns at once, so it is not reported there). Run as
+``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (``fcsd bench overlap`` does that).
 """
 
 from __future__ import annotations
@@ -85,23 +85,33 @@ class BenchEnv:
     dtype: torch.dtype
 
 
-def setup(backend: str = "auto", device: str = "auto", dtype: str = "auto") -> BenchEnv:
-    """One device per rank (CUDA device ``LOCAL_RANK`` modulo the visible GPUs) and the process group: NCCL when every
-    local rank has its own GPU, else gloo (several ranks on one GPU work only with gloo; CPU runs use gloo)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    use_cuda = torch.cuda.is_available() and device != "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+def plan_device(backend: str, device: str, local_rank: int, local_world: int, gpus: int) -> tuple[str, str]:
+    """``(backend, device)`` of a rank: its own GPU (``LOCAL_RANK`` modulo the visible GPUs) when there is one, NCCL
+    when every local rank has its own GPU, else gloo (several ranks on one GPU work only with gloo; CPU uses gloo).
+    Refuses, in one line, a request the machine cannot meet."""
+    if device == "cuda" and gpus == 0:
         raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
-    where = torch.device("cuda", local_rank % torch.cuda.device_count()) if use_cuda else torch.device("cpu")
+    where = f"cuda:{local_rank % gpus}" if gpus and device != "cpu" else "cpu"
     if backend == "auto":
-        backend = "nccl" if use_cuda and torch.cuda.device_count() >= local_world else "gloo"
-    if backend == "nccl" and not use_cuda:
-        raise ValueError("--backend nccl needs one CUDA device per rank; use --backend gloo on CPU")
-    if use_cuda:
+        backend = "nccl" if where != "cpu" and gpus >= local_world else "gloo"
+    if backend == "nccl" and (where == "cpu" or gpus < local_world):
+        raise ValueError(
+            f"--backend nccl needs one CUDA device per rank ({local_world} ranks, {gpus} GPUs visible): use --backend "
+            "gloo (several ranks on one GPU, or CPU)"
+        )
+    return backend, where
+
+
+def setup(backend: str = "auto", device: str = "auto", dtype: str = "auto") -> BenchEnv:
+    """This rank's device and the process group (:func:`plan_device`); bf16 weights on GPUs, fp32 on CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend, where = plan_device(backend, device, local_rank, local_world, gpus)
+    where = torch.device(where)
+    if where.type == "cuda":
         torch.cuda.set_device(where)
     dist.init_process_group(backend, device_id=where if backend == "nccl" else None)
-    chosen = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if use_cuda else torch.float32)
+    chosen = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if where.type == "cuda" else torch.float32)
     return BenchEnv(where, backend, chosen)
 
 
@@ -193,10 +203,11 @@ def _exposed_from_trace(model, input_ids, iters: int, env: BenchEnv, trace_dir: 
     }
 
 
-def _cpu_trace(model, input_ids, iters: int, env: BenchEnv, trace_dir: str, mode: str) -> None:
+def _trace_only(model, input_ids, iters: int, env: BenchEnv, trace_dir: str, mode: str) -> None:
     from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 
-    with profile(activities=[ProfilerActivity.CPU], on_trace_ready=tensorboard_trace_handler(f"{trace_dir}/{mode}")):
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+    with profile(activities=activities, on_trace_ready=tensorboard_trace_handler(f"{trace_dir}/{mode}")):
         _time_steps(model, input_ids, iters, env, warmup=0)
 
 
@@ -218,10 +229,10 @@ def measure(args, env: BenchEnv) -> dict:
             ).to(env.device)
             dist.all_reduce(traffic)
             comm = _comm_only(model, input_ids, args.iters, env, args.dispatcher)
-        if env.device.type == "cuda" and mode != "regular":
+        if env.backend == "nccl" and mode != "regular":  # gloo has no communication kernels to read
             traces[mode] = _exposed_from_trace(model, input_ids, args.iters, env, args.trace, mode)
         elif args.trace:
-            _cpu_trace(model, input_ids, args.iters, env, args.trace, mode)
+            _trace_only(model, input_ids, args.iters, env, args.trace, mode)
     singles = [dist.new_group([r]) for r in range(ranks)]
     model, batch, seq = _model_for("farskip_overlap", args, env, group=singles[rank])
     times["compute_only"] = _time_steps(model, input_ids, args.iters, env)
@@ -230,7 +241,7 @@ def measure(args, env: BenchEnv) -> dict:
     steps = args.iters + 1  # the overlapped model's forwards (warm-up included), summed over ranks
     result.update(dispatcher=args.dispatcher, dispatch_rows_per_step=float(traffic[0]) / steps)
     result.update(dispatch_bytes_per_step=float(traffic[1]) / steps, rows_per_step=float(traffic[2]) / steps)
-    waits_meaningful = env.backend == "gloo" and env.device.type == "cpu"  # a CUDA-side wait returns at once
+    waits_meaningful = env.backend == "gloo"  # gloo waits block the host; an NCCL wait returns at once
     for index, phase in enumerate(("forward", "backward")):
         t_reg, t_ref, t_ovl = (times[m][index] for m in ("regular", "farskip_reference", "farskip_overlap"))
         t_comp, t_comm = times["compute_only"][index], comm[index]
