@@ -53,6 +53,7 @@ def expert_parallel_generate(model, input_ids=None, **kwargs):
     """``model.generate`` of an expert-parallel model (see the module docstring); arguments as transformers'."""
     state = model.fcsd_expert_parallel
     stock = type(model).generate
+    input_ids = kwargs.pop("inputs", input_ids)  # transformers names its first argument `inputs`
     kwargs.setdefault("synced_gpus", True)
     if state.layout != "all_reduce":
         return stock(model, input_ids, **kwargs)
