@@ -73,9 +73,7 @@ def _worker(args) -> None:
         offline = {"rows_plain": 0, "rows_dedup": 0, "bytes_dedup": 0, "assignments": 0}
         elem = torch.empty((), dtype=dtype).element_size()
         for layer in held.layers:
-            counts = dispatch_counts(
-                held.layer(layer)[:step], placement.ranks(layer), source, hidden, elem_bytes=elem, weight_bytes=elem
-            )
+            counts = dispatch_counts(held.layer(layer)[:step], placement.ranks(layer), source, hidden, elem_bytes=elem)
             offline["rows_plain"] += counts.remote_plain
             offline["rows_dedup"] += counts.remote_dedup
             offline["bytes_dedup"] += counts.remote_bytes_dedup

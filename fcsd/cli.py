@@ -107,6 +107,9 @@ def _convert(args) -> int:
     from fcsd.distill.config import to_config
 
     config = to_config(cfg)
+    from fcsd.parallel.processes import is_main_process, quiet_unless_main
+
+    quiet_unless_main(is_main_process())  # under torchrun / accelerate launch, one process shows progress bars
     if config.model.name == "demo":
         from fcsd.demo import run_demo
 
@@ -148,9 +151,11 @@ def _eval(args) -> int:
         "allow_code_execution": args.allow_code_execution,
         "log_samples": args.log_samples,
     }
-    out, _ = evaluate_and_report(
+    out, table = evaluate_and_report(
         args.model, suite, args.compare, args.output, device=args.device, dtype=args.dtype, **options
     )
+    if table is None:  # another process of a multi-process launch: the main one evaluates and prints
+        return 0
     print((out / TABLE).read_text(), end="")
     print(f"wrote {out}: results_*.json (lm-eval layout), {TABLE}, eval_table.png, eval_summary.json")
     return 0
@@ -342,12 +347,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["overlap"])
     p.add_argument("--model", default=None, help="a saved MoE causal LM folder (default: --config)")
     p.add_argument("--config", choices=["tiny", "mid"], default="tiny", help="built-in Qwen3-MoE shapes (8 experts)")
-    ranks_help = "local gloo processes (the expert-parallel group size; must divide the expert count)"
+    ranks_help = "local processes, one device each (the expert-parallel group size; must divide the expert count)"
     p.add_argument("--ranks", type=int, default=2, help=ranks_help)
     p.add_argument("--iters", type=int, default=5, help="timed iterations per measurement (median reported)")
     p.add_argument("--dispatcher", choices=["plain", "dedup"], default="plain", help="all-to-all dispatcher")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--trace", default=None, help="write torch.profiler traces to this folder")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: a GPU per rank if any")
+    p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: NCCL with a GPU per rank")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
     p.set_defaults(func=_bench)
 
     from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
@@ -364,7 +372,10 @@ def _bench(args) -> int:
         raise ValueError(f"--iters {args.iters}: it must be at least 1 timed iteration")
     if args.trace:
         args.trace = str(safe_io.check_output_folder(args.trace, "trace", "--trace", {"model": args.model}))
-    result = run_overlap_benchmark(args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher)
+    options = dict(device=args.device, backend=args.backend, dtype=args.dtype)
+    result = run_overlap_benchmark(
+        args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher, **options
+    )
     if args.trace:  # every entry there now is a trace this run (or an earlier one) wrote
         safe_io.mark(args.trace, "trace", [p.name for p in Path(args.trace).iterdir() if p.name != safe_io.MARKER])
     print(json.dumps(result, indent=2) if args.json else format_table(result))

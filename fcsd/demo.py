@@ -7,7 +7,11 @@ from __future__ import annotations
 def run_demo(config) -> dict:
     """``fcsd convert demo``: FCSD and, with the same budget, the SFT baseline (paper Tab. 2), then a table of
     exact-match accuracy and held-out KL for the teacher, the converted model before training, and both runs; last,
-    lm-eval's score of the teacher vs the FCSD model on the demo suite (``eval/suites/demo.yaml``)."""
+    lm-eval's score of the teacher vs the FCSD model on the demo suite (``eval/suites/demo.yaml``).
+
+    Under ``torchrun`` / ``accelerate launch`` every process trains (the runs are multi-process), and the main
+    process alone builds the demo assets first, prints, scores and reports; the others return ``{}`` when training
+    is done (the launcher waits for the main process)."""
     import dataclasses
     import json
     from pathlib import Path
@@ -17,15 +21,20 @@ def run_demo(config) -> dict:
     from fcsd.embedded import prepare_demo
     from fcsd.evaluate.exact_match import exact_match
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
+    from fcsd.parallel.processes import main_process_first, quiet_unless_main
 
-    root = prepare_demo()
+    with main_process_first() as is_main:
+        root = prepare_demo()
+    say = quiet_unless_main(is_main)
     out = Path(config.output_dir)
     runs = {}
     for objective in ("kl", "sft"):
         train = dataclasses.replace(config.train, objective=objective)
         run_config = dataclasses.replace(config, train=train, output_dir=str(out / f"fcsd-{objective}"))
-        print(f"demo: training the converted model with train.objective={objective}")
+        say(f"demo: training the converted model with train.objective={objective}")
         runs[objective] = convert(run_config)
+    if not is_main:
+        return {}
     rows = [json.loads(line) for line in (root / "data" / "heldout.jsonl").read_text().splitlines()]
     tokenizer = tokenizer_from_pretrained(str(root / "model"))
     teacher = from_pretrained(str(root / "model"))

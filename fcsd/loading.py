@@ -5,7 +5,7 @@ from __future__ import annotations
 from fcsd.connectivity.patch import CONFIG_KEY, apply_farskip
 
 
-def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **kwargs):
+def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, model_class=None, **kwargs):
     """Load a causal LM (hub id or local folder) and apply FarSkip connectivity. Every fcsd command loads models
     through here (training, evaluation, export, the demo), so an exported ``farskip_*`` folder works everywhere.
 
@@ -15,18 +15,15 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, **k
 
     ``layers`` overrides the selection; by default the layers recorded in the checkpoint's ``config.farskip`` are
     converted (none for a stock checkpoint). An exported folder (model type ``farskip_<stock type>``) loads through
-    the stock transformers classes, without its remote code. ``kwargs`` go to ``from_pretrained`` (``dtype``,
-    ``device_map``, ...).
+    the stock transformers classes, without its remote code. ``model_class`` overrides the class (expert
+    parallelism's sharded loader passes one). ``kwargs`` go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
     """
     config = _stock_config(name_or_path, kwargs.get("revision"))
     if config is not None:
         kwargs.setdefault("config", config)
     check_weight_files(name_or_path)
-    import transformers
 
-    model_class = (
-        transformers.AutoModelForCausalLM if text_only else _model_class(name_or_path, config, kwargs.get("revision"))
-    )
+    model_class = model_class or model_class_for(name_or_path, text_only, config, kwargs.get("revision"))
     model = model_class.from_pretrained(name_or_path, **kwargs)
     if layers is None:
         record = getattr(model.config, CONFIG_KEY, None) or {}
@@ -57,6 +54,15 @@ def check_weight_files(folder: str) -> None:
                 + ("cannot be read" if header is None else f"needs {8 + length + end:,}")
                 + "): download or copy it again"
             )
+
+
+def model_class_for(name_or_path: str, text_only: bool = False, config=None, revision: str | None = None):
+    """The class :func:`from_pretrained` loads ``name_or_path`` with (an auto class or a multimodal one)."""
+    import transformers
+
+    if text_only:
+        return transformers.AutoModelForCausalLM
+    return _model_class(name_or_path, config, revision)
 
 
 def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):

@@ -6,11 +6,12 @@ import subprocess
 import sys
 
 
-def torchrun(nproc: int, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python -m torch.distributed.run --nproc_per_node nproc *argv`` (``-m module ...`` or a script)."""
+def torchrun(nproc: int, *argv: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m torch.distributed.run --nproc_per_node nproc *argv`` (``-m module ...`` or a script);
+    ``timeout`` (seconds) turns a hang into a ``subprocess.TimeoutExpired``."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
-    return subprocess.run([*command, *argv], env=env, check=check, capture_output=True, text=True)
+    return subprocess.run([*command, *argv], env=env, check=check, capture_output=True, text=True, timeout=timeout)

@@ -139,21 +139,31 @@ def test_gradient_checkpointing_gives_same_loss_and_gradients(family, use_reentr
         torch.testing.assert_close(grads_ckpt[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("converted", [[1, 2], "all"])
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "llama4_text", "mixtral"])
-def test_hidden_states_are_the_full_stream(family):
+def test_hidden_states_are_the_full_stream(family, converted):
+    """Every entry: after each layer the full stream o_k (the last converted layer too, also the model's last layer
+    when all are converted), and the final entry the final norm of the last o."""
     model = build(family)
     ids = ids_for(model)
-    _, fulls, _ = farskip_reference(model, ids, {1, 2})
-    fcsd.apply_farskip(model, [1, 2])
+    layers = set(range(len(decoder_layers(model)))) if converted == "all" else set(converted)
+    _, fulls, _ = farskip_reference(model, ids, layers)
+    fcsd.apply_farskip(model, converted)
     with torch.no_grad():
         states = model(input_ids=ids, output_hidden_states=True).hidden_states
-    assert len(states) == len(decoder_layers(model)) + 1
-    for k in range(len(fulls) - 1):  # the last entry is after the final norm
+    assert len(states) == len(fulls) + 1
+    for k in range(len(fulls) - 1):
         torch.testing.assert_close(states[k + 1], fulls[k], rtol=1e-5, atol=1e-5)
+    final = causal_lm(model).model.norm(fulls[-1])  # transformers reports the last one after the final norm
+    torch.testing.assert_close(states[-1], final, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", TEXT_FAMILIES)
 def test_router_logits_and_aux_loss(family):
+    """Router logits of every MoE layer as the reference computes them, and the load-balancing loss the family's
+    own function gives on those logits (families that have one)."""
+    import sys
+
     model = build(family)
     ids = ids_for(model)
     _, _, expected = farskip_reference(model, ids, {0, 1, 2})
@@ -164,8 +174,13 @@ def test_router_logits_and_aux_loss(family):
     assert len(out.router_logits) == n_moe == len(expected)
     for got, want in zip(out.router_logits, expected):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5)
-    if getattr(out, "aux_loss", None) is not None:
-        assert torch.isfinite(out.aux_loss)
+    balance = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    if balance is not None and getattr(out, "aux_loss", None) is not None:
+        config = model.config
+        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        want = balance(tuple(expected), num_experts, config.num_experts_per_tok, None)
+        assert float(out.aux_loss) > 0
+        torch.testing.assert_close(out.aux_loss, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "llama4_text"])

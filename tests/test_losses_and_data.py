@@ -209,3 +209,27 @@ def test_a_mismatched_teacher_cache_is_rebuilt_only_with_overwrite(tmp_path):
     with pytest.raises(ValueError, match="holds files fcsd did not write"):
         build_cache(teacher, rows, foreign, new, progress=False, overwrite=True)
     assert (foreign / "train.parquet").read_text() == "precious"
+
+
+def test_teacher_token_loss_is_kl_of_the_teacher_from_the_student():
+    """objectives.teacher_token_loss(divergence, teacher_head)(student_logits, teacher_hidden): the teacher's
+    logits come from its head, and the loss is KL(teacher || student), not the reverse (asymmetric: a swap changes
+    the value and the gradient), by both the autograd and the closed-form path."""
+    from fcsd.distill.objectives import teacher_token_loss
+
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False)
+    teacher_hidden = torch.randn(5, 8, generator=gen)
+    student_logits = (3 * torch.randn(5, 11, generator=gen)).requires_grad_(True)
+    teacher_logp = torch.log_softmax(head(teacher_hidden).detach(), -1)
+    student_logp = torch.log_softmax(student_logits, -1)
+    expected = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)
+    token_loss = teacher_token_loss(losses.divergence("forward_kl"), head)
+    got = token_loss(student_logits, teacher_hidden)
+    torch.testing.assert_close(got, expected)
+    (grad,) = torch.autograd.grad(got.sum(), student_logits)
+    torch.testing.assert_close(grad, student_logp.exp() - teacher_logp.exp())
+    closed_loss, closed_grad = token_loss.loss_and_grad(student_logits.detach(), teacher_hidden)
+    torch.testing.assert_close(closed_loss, expected.detach())
+    torch.testing.assert_close(closed_grad, grad)
+    assert head.weight.grad is None  # no gradient into the teacher

@@ -79,7 +79,9 @@ def test_dispatch_counts_rows_and_bytes():
     counts = dispatch_counts(ids, ranks, source_T=np.array([0, 1, 1, 0]), hidden_size=8, elem_bytes=2)
     assert (counts.rows_plain, counts.rows_dedup) == (8, 6)  # tokens 0 and 3 send one row to one rank
     assert (counts.remote_plain, counts.remote_dedup) == (4, 3)  # token 3's two remote rows become one
-    assert counts.bytes_plain - counts.bytes_dedup == 2 * 8 * 2  # two hidden rows of 8 x 2 bytes saved
+    # plain: 8 rows of 8 x 2 bytes, nothing else; dedup: 6 rows, plus an int32 id and an fp32 weight per pair
+    assert (counts.bytes_plain, counts.bytes_dedup) == (8 * 16, 6 * 16 + 8 * 8)
+    assert (counts.remote_bytes_plain, counts.remote_bytes_dedup) == (4 * 16, 3 * 16 + 4 * 8)
     assert counts.dedup_removed == pytest.approx(2 / 8)
     assert within_layer(ids, ranks) == pytest.approx({"same_gpu": 0.5, "gpus_per_token": 1.5, "dedup_removed": 0.25})
 

@@ -11,6 +11,7 @@ from fcsd.cli import main
 from fcsd.distill.synthetic import make_dataset, write_jsonl
 from fcsd.loading import from_pretrained
 from fcsd.placement import apply_placement, load_placement, load_routes
+from fcsd.placement.stats import distinct_per_row
 from fcsd.placement.synthetic import planted_routes
 
 
@@ -36,11 +37,15 @@ def test_record_stats_place_apply(checkpoint, tmp_path, capsys):
         main(["routes", "stats", str(routes), "--ep", "2,4", "--holdout", "0.2", "--step-tokens", "32", "--json"]) == 0
     )
     report = json.loads(capsys.readouterr().out)
+    _, held = recorded.split(0.2)
     for ep in ("2", "4"):
+        ranks = np.arange(8) // (8 // int(ep))  # contiguous: recomputed here from the held-out routes
+        distinct = np.mean([distinct_per_row(ranks[held.layer(layer)]).mean() for layer in held.layers])
+        assert report["ep"][ep]["contiguous"]["gpus_per_token"] == pytest.approx(distinct)
         for name in ("contiguous", "correlated"):
             row = report["ep"][ep][name]
             assert {"same_gpu", "gpus_per_token", "dedup_removed", "local_stay", "local_moved"} <= set(row)
-            assert 1.0 <= row["gpus_per_token"] <= 2.0
+            assert row["dedup_removed"] == pytest.approx(1 - row["gpus_per_token"] / 2)  # top-2
 
     placement_path = tmp_path / "placement.json"
     assert main(["routes", "place", str(routes), "--ep", "4", "--out", str(placement_path)]) == 0
@@ -98,4 +103,5 @@ def test_bad_input_gets_one_clear_line(checkpoint, tmp_path, capsys):
                  "--tokens", "128", "--seq-len", "64", "--quiet", "--out", str(mine)]) == 0  # fmt: skip
     capsys.readouterr()
     assert "another model" in error(["routes", "stats", str(mine), "--placement", str(foreign)])
-    assert np.isfinite(load_routes(mine).ids).all()
+    ids = load_routes(mine).ids  # (layers, tokens, top-2) expert ids: in range, two distinct experts per token
+    assert ids.shape == (3, 128, 2) and ids.min() >= 0 and ids.max() < 8 and (ids[..., 0] != ids[..., 1]).all()

@@ -211,10 +211,18 @@ def test_expert_parallel_training_matches_one_process_and_resumes_exactly(parall
     ep = parallel_runs / "ep"
     assert_same_training(ep, parallel_runs / "one")
     assert (ep / "export" / "config.json").exists()
-    assert {p.name for p in (ep / "checkpoints" / "step-2").glob("optimizer_ep_rank*.pt")} == {
+    checkpoint = ep / "checkpoints" / "step-2"
+    assert {p.name for p in checkpoint.glob("optimizer_ep_rank*.pt")} == {
         "optimizer_ep_rank0.pt",
         "optimizer_ep_rank1.pt",
     }
+    # no file (and no process) holds every expert: the replicated weights once, each process's experts apart
+    replicated = torch.load(checkpoint / "model_replicated.pt")
+    assert replicated and not any(".experts." in key for key in replicated)
+    shards = [torch.load(checkpoint / f"model_experts_ep{rank}.pt") for rank in (0, 1)]
+    assert shards[0].keys() == shards[1].keys() and shards[0]
+    assert all(value.shape[0] == 4 for value in shards[0].values())  # 4 of the 8 experts each
+    assert not any(torch.equal(shards[0][key], shards[1][key]) for key in shards[0])
     assert records_of(parallel_runs / "ep-resumed", "train/loss") == records_of(ep, "train/loss")
     assert records_of(parallel_runs / "ep-resumed", "train/grad_norm") == records_of(ep, "train/grad_norm")
 

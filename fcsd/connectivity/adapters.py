@@ -22,6 +22,7 @@ on them (router-logit recording) keep working. Shape suffixes: ``T`` tokens, ``R
 
 from __future__ import annotations
 
+import types
 from typing import NamedTuple
 
 import torch
@@ -98,22 +99,30 @@ def weighted_experts(moe: nn.Module, tokens_RD, expert_ids_RK, weights_RK) -> to
 
 def llama4_experts(moe: nn.Module, tokens_RD, expert_ids_RK, weights_RK) -> torch.Tensor:
     """Llama-4's experts take rows pre-scaled by their router score; only the selected (row, expert) pairs are
-    computed (the stock block runs every expert on every row, scaled by 0 where not selected: E/K times the FLOPs;
-    an expert without bias maps 0 to 0, so the sums are the same)."""
+    computed, grouped by expert with transformers' ``grouped_mm`` experts kernel (the stock block runs every expert on
+    every row, scaled by 0 where not selected: E/K times the FLOPs; an expert without bias maps 0 to 0, so the sums
+    are the same). No host synchronisation; each row's pairs are summed in fp32."""
+    from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
+
     experts = moe.experts
-    num_held, num_slots = experts.gate_up_proj.shape[0], expert_ids_RK.shape[-1]
-    out_RD = torch.zeros_like(tokens_RD)
-    flat_ids = expert_ids_RK.reshape(-1)
-    row_of_pair = torch.arange(tokens_RD.shape[0], device=tokens_RD.device).repeat_interleave(num_slots)
-    flat_weights = weights_RK.reshape(-1, 1).to(tokens_RD.dtype)
-    for expert in torch.unique(flat_ids).tolist():
-        if expert >= num_held:  # an expert held elsewhere (expert parallelism)
-            continue
-        pairs = (flat_ids == expert).nonzero().squeeze(1)
-        rows = row_of_pair[pairs]
-        gate, up = (tokens_RD[rows] * flat_weights[pairs]).matmul(experts.gate_up_proj[expert]).chunk(2, dim=-1)
-        out_RD = out_RD.index_add(0, rows, (up * experts.act_fn(gate)).matmul(experts.down_proj[expert]))
-    return out_RD
+    num_rows, num_slots = expert_ids_RK.shape
+    pairs = tokens_RD.repeat_interleave(num_slots, dim=0, output_size=num_rows * num_slots)
+    scaled = (pairs.float() * weights_RK.reshape(-1, 1).float()).to(tokens_RD.dtype)
+    kernel = types.SimpleNamespace(
+        gate_up_proj=experts.gate_up_proj,
+        down_proj=experts.down_proj,
+        num_experts=experts.gate_up_proj.shape[0],  # held here; ids beyond are experts held elsewhere (skipped)
+        _is_expert_parallel=True,
+        has_gate=True,
+        has_bias=False,
+        is_transposed=True,  # Llama-4 stores (E, in, out)
+        has_post_expert_norm=False,
+        act_fn=experts.act_fn,
+    )
+    kernel._apply_gate = lambda out: _default_apply_gate(kernel, out)
+    ones = torch.ones(num_rows * num_slots, 1, dtype=scaled.dtype, device=scaled.device)
+    out = grouped_mm_experts_forward(kernel, scaled, expert_ids_RK.reshape(-1, 1), ones)
+    return out.view(num_rows, num_slots, -1).float().sum(dim=1).to(tokens_RD.dtype)
 
 
 def shared_module(attr: str):

@@ -56,6 +56,7 @@ class MoEFamily:
     router_per_expert: tuple[str, ...] = ("weight",)  # router parameters/buffers with one row per expert (dim 0)
     experts_per_expert: tuple[str, ...] = ("gate_up_proj", "down_proj")  # fused expert tensors, dim 0 = expert
     groups: Callable[[object], int] | None = None  # (text config) -> expert groups of group-limited routing
+    weights_on_input: bool = False  # the routing weight scales the expert input, not its output (Llama-4)
 
     def router(self, mlp: nn.Module) -> nn.Module:
         """The router module of the MoE block ``mlp`` (route recording hooks it)."""
@@ -137,6 +138,7 @@ FAMILIES: tuple[MoEFamily, ...] = (
         router_attr="router",
         read_topk=llama4_topk,
         router_per_expert=("weight", "bias"),
+        weights_on_input=True,
     ),
     MoEFamily(
         name="Mixtral",

@@ -75,7 +75,8 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # max global gradient norm (0: off)
     batch_tokens: int = 65536  # tokens per optimizer step, all processes together (paper: 2^16 .. 2^18)
-    micro_batch_size: int = 1  # sequences per forward pass and process; the rest is gradient accumulation
+    micro_batch_size: int = 1  # at most this many sequences per forward pass and process (the largest size up to
+    # it that divides the process's share of the step is used); the rest is gradient accumulation
     max_steps: int | None = None  # stop after this many optimizer steps (None: from max_tokens)
     stop_after: int | None = None  # stop early after N steps, keeping the LR schedule of the whole run (sweep runs)
     max_tokens: int = 10_000_000_000  # token budget (paper: up to 10B); the smaller of the two limits wins

@@ -40,13 +40,23 @@ def check_seq_len(config: FCSDConfig) -> None:
         )
 
 
-def load_models(config: FCSDConfig, tokenizer, device, need_teacher: bool = True, need_student: bool = True):
+def load_models(
+    config: FCSDConfig, tokenizer, device, need_teacher: bool = True, need_student: bool = True, expert_group=None
+):
     """Frozen teacher and FarSkip student (each ``None`` when not needed) from the same checkpoint.
 
     The student's master weights are fp32 (``model.dtype=auto``; bf16 compute comes from autocast) and its
     ``config.dtype`` is the checkpoint's, which is what ``final/`` is saved in. A multimodal checkpoint contributes
-    its text model (what FCSD trains and exports)."""
+    its text model (what FCSD trains and exports). ``expert_group`` (expert parallelism): both load with only this
+    process's routed experts (:func:`fcsd.parallel.load.from_pretrained_sharded`)."""
     from fcsd.loading import from_pretrained, load_config
+
+    if expert_group is not None:
+        from functools import partial
+
+        from fcsd.parallel.load import from_pretrained_sharded
+
+        from_pretrained = partial(from_pretrained_sharded, group=expert_group, device=device)
 
     path = resolve_model(config.model.name)
     cuda = device.type == "cuda"

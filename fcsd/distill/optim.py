@@ -42,6 +42,9 @@ class StepPlan:
 
 
 def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
+    """How a step is split: ``train.batch_tokens / data.seq_len`` sequences shared evenly by the processes, each
+    share in micro-batches of the largest size up to ``train.micro_batch_size`` that divides it (so a preset runs
+    under any process count that divides its step; the loss does not depend on the micro-batch size)."""
     train, seq_len = config.train, config.data.seq_len
     if train.batch_tokens % seq_len:
         raise ValueError(
@@ -49,15 +52,18 @@ def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
             "a step holds whole packed sequences"
         )
     sequences = train.batch_tokens // seq_len
-    per_pass = train.micro_batch_size * world_size
-    if sequences % per_pass:
+    if sequences % world_size:
+        usable = seq_len * world_size * max(1, round(sequences / world_size))
         raise ValueError(
-            f"a step of {sequences} sequences does not split into micro-batches of {train.micro_batch_size} x "
-            f"{world_size} processes; choose train.micro_batch_size (or the process count) dividing {sequences}"
+            f"a step of {sequences} sequences (train.batch_tokens={train.batch_tokens} / data.seq_len={seq_len}) "
+            f"does not split over {world_size} processes: use train.batch_tokens={usable} (a multiple of "
+            f"{seq_len * world_size}) or a process count dividing {sequences}"
         )
+    per_process = sequences // world_size
+    micro = max(size for size in range(1, min(train.micro_batch_size, per_process) + 1) if per_process % size == 0)
     horizon = schedule_steps(train)
     total = min(horizon, train.stop_after) if train.stop_after is not None else horizon
-    return StepPlan(sequences, train.micro_batch_size, sequences // per_pass, world_size, total, horizon)
+    return StepPlan(sequences, micro, per_process // micro, world_size, total, horizon)
 
 
 def build_optimizer(student, config: FCSDConfig, plan: StepPlan):

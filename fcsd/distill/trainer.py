@@ -109,6 +109,12 @@ class TrainingSession:
                 "train.spike_factor cannot skip steps under DeepSpeed (its optimizer steps inside backward, before "
                 "the loss is known): set train.spike_factor=0 (non-finite steps then stop the run), or use FSDP2"
             )
+        if self.plan.micro_batch_size != train_cfg.micro_batch_size:
+            accelerator.print(
+                f"train.micro_batch_size={train_cfg.micro_batch_size} does not divide this process's "
+                f"{self.plan.sequences // self.plan.world_size} sequences of a step: micro-batches of "
+                f"{self.plan.micro_batch_size}"
+            )
         set_seed(train_cfg.seed)
         self.tokenizer = load_tokenizer(config)
         with accelerator.main_process_first():
@@ -122,7 +128,11 @@ class TrainingSession:
 
             self.early = MBPPPlusEarlyStop(config.early_stop)
         online = config.teacher.mode == "online"
-        self.teacher, student = load_models(config, self.tokenizer, accelerator.device, need_teacher=online)
+        self.expert_parallel = config.parallel.ep_size > 1
+        group = self._expert_group(config) if self.expert_parallel else None  # experts are loaded as shards
+        self.teacher, student = load_models(
+            config, self.tokenizer, accelerator.device, need_teacher=online, expert_group=group
+        )
         self.cache = None
         if not online:
             rows = all_rows(self.train_rows, self.held_rows)
@@ -131,16 +141,13 @@ class TrainingSession:
             run_io.write_run_config(self.run, config)
         if train_cfg.gradient_checkpointing:
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.expert_parallel = config.parallel.ep_size > 1
-        if self.expert_parallel:  # paper Sec. 4.1: the student's experts sharded, its collectives overlapped
+        if self.expert_parallel:  # paper Sec. 4.1: the experts sharded, the student's collectives overlapped
             from fcsd.parallel.training import make_expert_parallel
 
-            if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-                raise ValueError("parallel.ep_size > 1 runs under plain torchrun / accelerate launch, not FSDP/ZeRO-3")
             parallel = config.parallel
-            student = make_expert_parallel(
-                student.to(accelerator.device), parallel.ep_size, parallel.mode, parallel.placement
-            )
+            student = make_expert_parallel(student.to(accelerator.device), group, parallel.mode, parallel.placement)
+            if self.teacher is not None:
+                self.teacher = make_expert_parallel(self.teacher, group, parallel.mode, parallel.placement)
         self.optimizer, self.scheduler = build_optimizer(student, config, self.plan)
         _fill_deepspeed_config(accelerator, self.plan, train_cfg.grad_clip)
         if self.expert_parallel:  # no DDP wrapper: fcsd.parallel reduces each gradient over the right processes
@@ -172,6 +179,16 @@ class TrainingSession:
         if self.early is not None and not self.early.scores:  # the baseline: step 0, or a resume without this state
             self.early_stop_check(self.start_step)
         self.model.train()
+
+    def _expert_group(self, config: FCSDConfig):
+        """This process's expert-parallel group, created before any model loads."""
+        from accelerate.utils import DistributedType
+
+        from fcsd.parallel.training import expert_parallel_group
+
+        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise ValueError("parallel.ep_size > 1 runs under plain torchrun / accelerate launch, not FSDP/ZeRO-3")
+        return expert_parallel_group(config.parallel.ep_size)
 
     def forward_backward(self, step: int) -> tuple[float, float, dict]:
         """Forward/backward of one optimizer step's micro-batches on this process, the loss normalised by the
@@ -254,11 +271,20 @@ class TrainingSession:
             f"{early.config.min_delta} points"
         )
         if decision.new_best:
-            state_dict = accelerator.get_state_dict(self.model)
+            state_dict = self.student_state_dict()
             if accelerator.is_main_process:
                 record = {"step": step, "mbpp_plus": scores["plus"], "mbpp_base": scores["base"]}
                 save_model(self.unwrapped, state_dict, self.tokenizer, self.config, self.run.best, record)
         return decision.stop
+
+    def student_state_dict(self) -> dict:
+        """The student's weights in the stock layout for ``final/`` and ``best/`` (a collective; under expert
+        parallelism the experts are gathered to the main process only, the others get ``{}``)."""
+        if self.expert_parallel:
+            from fcsd.parallel import full_state_dict
+
+            return full_state_dict(self.model, dst=0)
+        return self.accelerator.get_state_dict(self.model)
 
     def save_checkpoint(self, done: int) -> None:
         state = {"step": done, "tokens": self.tokens_seen, "guard": self.guard.state(), "eval_before": self.eval_before}
@@ -277,7 +303,7 @@ class TrainingSession:
             f"final: held-out KL {kl_of(eval_after):.4f} (step 0: {kl_of(self.eval_before):.4f}), "
             f"NLL {eval_after['eval/nll']:.4f}"
         )
-        state_dict = accelerator.get_state_dict(self.model)
+        state_dict = self.student_state_dict()
         early_summary = self.early.summary() if self.early is not None else None
         if accelerator.is_main_process:
             summary = {"steps": done, "eval_before": self.eval_before, "eval_after": eval_after}

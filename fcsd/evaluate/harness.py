@@ -124,6 +124,11 @@ def run_suite(
             confirm_run_unsafe_code=allow_code_execution,
             log_samples=log_samples,
         )
+        if out is None:  # lm-eval keeps results on local rank 0: evaluation belongs to the main process
+            raise RuntimeError(
+                "lm-eval returned no results on this process: in a multi-process job evaluate from the main process "
+                "only (fcsd.evaluate.report.evaluate_and_report does)"
+            )
         for key in MERGED_KEYS:
             merged[key].update(out.get(key) or {})
         merged["config"].append({**out["config"], "tasks": tasks, "apply_chat_template": use_chat})

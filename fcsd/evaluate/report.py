@@ -125,10 +125,12 @@ def evaluate_and_report(
 ) -> tuple[Path, dict]:
     """``fcsd eval``: score ``model`` (and ``compare``, the original, under the same settings), write the report to
     ``output``; for a run folder also ``RUN/eval_table.md`` and a refreshed model card in ``RUN/export``. Returns
-    the report folder and the score table."""
+    the report folder and the score table. Under a multi-process launch only the main process evaluates and
+    reports (once); the others return ``(folder, None)`` at once."""
     import shutil
 
     from fcsd.evaluate.harness import evaluate_checkpoints
+    from fcsd.parallel.processes import is_main_process
 
     refs = {"original": compare, "converted": model} if compare else {"converted": model}
     from fcsd.evaluate.harness import check_code_execution
@@ -136,6 +138,8 @@ def evaluate_and_report(
     check_code_execution(suite, options.get("allow_code_execution", False))  # the refusal comes before any warning
     warn_if_not_converted(model)
     out = Path(output).expanduser() if output else default_output(model)
+    if not is_main_process():
+        return out, None
     inputs = {name: ref for name, ref in (("model", model), ("compared model", compare)) if ref}
     if out.resolve() != default_output(model).resolve():  # a run's own eval/ lies inside the run on purpose
         safe_io.check_not_an_input(out, "--output", inputs)

@@ -1,13 +1,17 @@
 """Everything distributed lives here (design §1): model code stays single-device.
 
 - :func:`expert_parallel` (``apply.py``): shard routed experts, install the schedules of paper Sec. 4.1 / 4.2;
+- ``load.py``: load a checkpoint with only this rank's experts (:func:`~fcsd.parallel.load.from_pretrained_sharded`);
+- ``shards.py``: expert shards, their stock-layout state dicts, placements applied by exchanging experts;
 - ``dispatchers.py``: the dispatcher interface (local, all-to-all blocking / split-phase async, the deduplicating
   all-to-all of the expert-coupling paper, all-reduce);
 - ``collectives.py``: async-safe autograd all-to-all (Appendix C);
 - ``schedule.py``: the overlapped FarSkip layer schedule and the attention split;
 - ``grads.py``: :func:`reduce_gradients`, :func:`full_state_dict` for trainers;
 - ``training.py``: what the FCSD trainer needs under ``parallel.ep_size`` (groups, global gradient norm, checkpoints);
-- ``bench.py``: overlap measurement (``fcsd bench overlap``);
+- ``generate.py``: ``generate`` under expert parallelism, correct by construction;
+- ``bench.py``, ``timeline.py``: overlap measurement (``fcsd bench overlap``) on GPUs and CPUs;
+- ``processes.py``: multi-process runs where the main process alone speaks, evaluates and reports;
 - ``inference_shard.py``: the FCSD teacher sharded for inference.
 """
 

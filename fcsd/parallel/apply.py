@@ -3,9 +3,11 @@
 
 Each rank keeps ``E / P`` whole experts (expert ``e`` on rank ``e // (E / P)``, dim 0 of the fused expert weights, as
 transformers' ``MoEParamShard`` lays them out) and runs its own tokens. Routers, attention, norms, embeddings and shared
-experts stay replicated. ``state_dict()`` all-gathers the expert shards back into the original unsharded layout (a
-collective: call it on every rank, write from one, e.g. ``save_pretrained(out, state_dict=...)``) and
-``load_state_dict`` accepts that layout (each rank keeps its own experts), so checkpoints are unchanged.
+experts stay replicated. A model loaded with only its own experts (:func:`fcsd.parallel.load.from_pretrained_sharded`)
+is adopted as it is, so no rank ever holds every expert. ``state_dict()`` all-gathers the expert shards back into the
+original unsharded layout (a collective: call it on every rank, write from one, e.g. ``save_pretrained(out,
+state_dict=...)``; :func:`fcsd.parallel.full_state_dict` gathers to one rank only) and ``load_state_dict`` accepts
+that layout (each rank keeps its own experts), so checkpoints are unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from fcsd.parallel.dispatchers import (
     Dispatcher,
     LocalDispatcher,
 )
+from fcsd.parallel.generate import install as install_generate
 from fcsd.parallel.schedule import FarSkipEPSchedule, _refuse_checkpointing, ep_moe_forward
+from fcsd.parallel.shards import GatherMode, install_state_dict_hooks, permute_sharded_experts, shard_experts
 
 MODES = ("regular", "farskip_reference", "farskip_overlap")
 LAYOUTS = ("all_to_all", "all_reduce")
@@ -46,6 +50,7 @@ class ExpertParallelState:
     dispatcher: Dispatcher
     expert_params: list  # the sharded parameters (each a Parameter holding E/P experts on dim 0)
     replica_group: Any = None  # ranks holding the same experts (one per EP group); None when there is one EP group
+    gather: GatherMode | None = None  # how state_dict() fills in the unsharded experts
 
 
 def expert_parallel(
@@ -58,14 +63,17 @@ def expert_parallel(
 ):
     """Shard ``model``'s routed experts over ``group`` (default: the whole job) and run it expert-parallel, in place.
 
-    Call it in an initialised ``torch.distributed`` job, on every rank, with the same loaded model on each.
+    Call it in an initialised ``torch.distributed`` job, on every rank, with the same loaded model on each (or the
+    same checkpoint loaded as shards with :func:`fcsd.parallel.load.from_pretrained_sharded` over ``group``). Under
+    NCCL the current CUDA device is set to the model's.
 
     - ``mode="regular"``: stock connectivity, blocking collectives (the model must not be converted);
       ``"farskip_reference"``: FarSkip connectivity, blocking collectives; ``"farskip_overlap"``: FarSkip with the
       overlapped schedule of Sec. 4.1 (both need :func:`fcsd.apply_farskip` first).
     - ``layout="all_to_all"``: each rank runs its own tokens, sent to the experts' ranks and back (training and
       inference); ``"all_reduce"``: every rank holds the *same* tokens, experts sharded, one all-reduce per layer
-      (inference only, Sec. 4.2; use it with ``generate``).
+      (inference only, Sec. 4.2). ``model.generate`` works in both, correct by construction (:mod:`.generate`): ranks
+      step together until all are done, and in ``all_reduce`` every rank takes rank 0's prompt and token choices.
     - ``placement``: an expert placement (a PLACEMENT.json path, its dict, or a :class:`fcsd.placement.Placement`
       computed by ``fcsd routes place --ep P`` for ``P`` = the group size), applied with
       :func:`fcsd.placement.apply_placement` before sharding: experts (weights, router rows, per-expert router
@@ -102,15 +110,16 @@ def expert_parallel(
             "(or load a converted checkpoint with fcsd.from_pretrained), or use mode='regular'"
         )
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if callable(placement):
-        placement(model)
-    elif placement is not None:
-        _apply_placement(model, placement, size)
-
+    _bind_device(model, group)
     family = family_for_config(model.config)
     layers = find_decoder_layers(model, family)
     moe_blocks = [getattr(layer, family.mlp_attr) for layer in layers if family.is_moe(getattr(layer, family.mlp_attr))]
-    num_experts = {expert_count(getattr(moe, family.experts_attr)) for moe in moe_blocks}
+    loaded_as_shards = any(hasattr(getattr(moe, family.experts_attr), "_fcsd_shard") for moe in moe_blocks)
+    if callable(placement):
+        placement(model)
+    elif placement is not None:
+        _apply_placement(model, placement, size, group, loaded_as_shards)
+    num_experts = {_global_count(getattr(moe, family.experts_attr)) for moe in moe_blocks}
     for count in num_experts:
         if count % size:
             raise ValueError(
@@ -126,9 +135,12 @@ def expert_parallel(
     else:
         dispatcher = DISPATCHERS[dispatcher](group=group, num_local_experts=local, blocking=blocking)
 
-    expert_params = []
+    expert_params, gather = [], GatherMode()
     for moe in moe_blocks:
-        expert_params += _shard_experts(getattr(moe, family.experts_attr), rank, size, group)
+        experts = getattr(moe, family.experts_attr)
+        shard = shard_experts(experts, rank, size)
+        install_state_dict_hooks(experts, shard, group, gather)
+        expert_params += [getattr(experts, name) for name in shard.names]
         moe.forward = ep_moe_forward(family, moe, dispatcher)
     schedule = FarSkipEPSchedule(dispatcher, overlap=mode == "farskip_overlap")
     for layer in layers:
@@ -136,12 +148,27 @@ def expert_parallel(
             layer._farskip_schedule = schedule
         layer.register_forward_pre_hook(lambda module, args: _refuse_checkpointing(module))
     model.fcsd_expert_parallel = ExpertParallelState(
-        mode, layout, group, size, rank, dispatcher, expert_params, _replica_group(group, size)
+        mode, layout, group, size, rank, dispatcher, expert_params, _replica_group(group, size), gather
     )
+    install_generate(model)
     return model
 
 
-def _apply_placement(model: nn.Module, placement, size: int) -> None:
+def _global_count(experts: nn.Module) -> int:
+    shard = getattr(experts, "_fcsd_shard", None)
+    return shard.num_experts if shard is not None else expert_count(experts)
+
+
+def _bind_device(model: nn.Module, group) -> None:
+    """NCCL collectives and object collectives use the current CUDA device: make it the model's (a direct caller may
+    not have set it; every rank would otherwise default to GPU 0)."""
+    device = next(model.parameters()).device
+    if device.type == "cuda" and dist.get_backend(group) == "nccl":
+        torch.cuda.set_device(device)
+
+
+def _apply_placement(model: nn.Module, placement, size: int, group, sharded: bool) -> None:
+    """Permute the experts for ``placement``; experts loaded as shards move between the ranks of ``group``."""
     from fcsd.placement import apply_placement, load_placement
 
     placement = load_placement(placement)
@@ -150,42 +177,14 @@ def _apply_placement(model: nn.Module, placement, size: int) -> None:
             f"the placement was computed for EP {placement.ep} but the expert-parallel group has {size} ranks: "
             f"compute one with `fcsd routes place ROUTES --ep {size}`"
         )
-    apply_placement(model, placement)
+    if not sharded:
+        apply_placement(model, placement)
+        return
 
+    def permute(block, family, order):
+        permute_sharded_experts(block, family, order, group)
 
-def _shard_experts(experts: nn.Module, rank: int, size: int, group) -> list[nn.Parameter]:
-    """Keep experts ``[rank * E/P, (rank + 1) * E/P)`` of every fused expert weight; gather them back in state dicts."""
-    if isinstance(experts, nn.ModuleList):
-        raise NotImplementedError("expert parallelism needs fused 3-D expert weights (transformers >= 5)")
-    num_experts = expert_count(experts)
-    local = num_experts // size
-    names = [name for name, param in experts.named_parameters(recurse=False) if param.shape[0] == num_experts]
-    for name in names:
-        param = getattr(experts, name)
-        shard = nn.Parameter(param.data[rank * local : (rank + 1) * local].clone(), requires_grad=param.requires_grad)
-        shard.fcsd_expert_shard = True
-        setattr(experts, name, shard)
-    if hasattr(experts, "num_experts"):
-        experts.num_experts = local
-    experts._is_expert_parallel = True  # transformers' experts forwards skip ids >= num_experts only when set
-
-    def gather(module, state_dict, prefix, local_metadata):
-        for name in names:
-            key = prefix + name
-            shard = state_dict[key].contiguous()
-            parts = [torch.empty_like(shard) for _ in range(size)]
-            dist.all_gather(parts, shard, group=group)
-            state_dict[key] = torch.cat(parts, dim=0).cpu()  # host memory: one layer's full experts at a time on GPU
-
-    def scatter(module, state_dict, prefix, *args):
-        for name in names:
-            key = prefix + name
-            if key in state_dict and state_dict[key].shape[0] == num_experts:
-                state_dict[key] = state_dict[key][rank * local : (rank + 1) * local]
-
-    experts.register_state_dict_post_hook(gather)
-    experts.register_load_state_dict_pre_hook(scatter)
-    return [getattr(experts, name) for name in names]
+    apply_placement(model, placement, permute=permute)
 
 
 def _replica_group(group, size: int):

@@ -9,19 +9,26 @@ For forward and backward separately, the slowest rank's median time of:
 - ``T_comm``: the layers' dispatch and combine all-to-alls alone, same sizes.
 
 Effective overlap = (T_ref - T_ovl) / (T_ref - T_comp): the share of the exposed communication the schedule hides.
-Wait-only overlap = 1 - (time spent inside waits in the overlapped run) / T_comm: what a profiler of waits would
-claim; it overstates (collectives also slow the compute they overlap). Step speedup = (T_regular) / (T_ovl), forward +
-backward. Run as ``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (the
-``fcsd bench overlap`` command does that). ``--dispatcher dedup`` runs every all-to-all mode with the deduplicating
-dispatcher (one row per (token, destination rank)); the result then also holds the rows and bytes each sent.
+Step speedup = T_regular / T_ovl, forward + backward. ``--dispatcher dedup`` runs every all-to-all mode with the
+deduplicating dispatcher (one row per (token, destination rank)); the result also holds the rows and bytes sent.
+
+Where it runs: one device per rank. On GPUs (NCCL when every local rank has its own GPU, else gloo with CUDA tensors,
+e.g. several ranks on one GPU) the times are CUDA-event times (:class:`fcsd.parallel.timeline.StepTimer`) and the
+model is in bf16 (``--dtype``); under NCCL a profiled run with device activity gives, per step, the communication
+kernels' time and the part of it no compute kernel overlaps (``trace``: ``comm_ms``, ``exposed_comm_ms``; ``--trace
+DIR`` keeps the traces). On CPU the times are ``perf_counter`` readings. Under gloo (whose waits block the host) the
+wait-only overlap, 1 - (time blocked in waits) / T_comm, is reported too (it overstates: collectives also slow the
+compute they overlap; an NCCL wait returns at once, so it is not reported there). Run as
+``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (``fcsd bench overlap`` does that).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,6 +37,7 @@ import fcsd
 from fcsd.connectivity.families import family_for_config, moe_blocks
 from fcsd.parallel import collectives
 from fcsd.parallel.apply import DISPATCHERS, expert_parallel
+from fcsd.parallel.timeline import StepTimer, Timeline
 
 CONFIGS = {  # Qwen3-MoE shapes; "mid" is sized so that a layer's compute is not negligible next to its all-to-all
     "tiny": dict(hidden=64, layers=2, experts=8, top_k=2, inter=64, heads=4, batch=2, seq=64),
@@ -68,38 +76,81 @@ def build_model(config_name: str | None, model_path: str | None, seed: int = 0):
     return model, c["batch"], c["seq"]
 
 
-def _slowest(seconds: float) -> float:
-    value = torch.tensor([seconds], dtype=torch.float64)
+@dataclass
+class BenchEnv:
+    """Where the benchmark runs: this rank's device, the process-group backend, the weights' dtype."""
+
+    device: torch.device
+    backend: str
+    dtype: torch.dtype
+
+
+def plan_device(backend: str, device: str, local_rank: int, local_world: int, gpus: int) -> tuple[str, str]:
+    """``(backend, device)`` of a rank: its own GPU (``LOCAL_RANK`` modulo the visible GPUs) when there is one, NCCL
+    when every local rank has its own GPU, else gloo (several ranks on one GPU work only with gloo; CPU uses gloo).
+    Refuses, in one line, a request the machine cannot meet."""
+    if device == "cuda" and gpus == 0:
+        raise ValueError("--device cuda: no CUDA device is visible; use --device cpu")
+    where = f"cuda:{local_rank % gpus}" if gpus and device != "cpu" else "cpu"
+    if backend == "auto":
+        backend = "nccl" if where != "cpu" and gpus >= local_world else "gloo"
+    if backend == "nccl" and (where == "cpu" or gpus < local_world):
+        raise ValueError(
+            f"--backend nccl needs one CUDA device per rank ({local_world} ranks, {gpus} GPUs visible): use --backend "
+            "gloo (several ranks on one GPU, or CPU)"
+        )
+    return backend, where
+
+
+def setup(backend: str = "auto", device: str = "auto", dtype: str = "auto") -> BenchEnv:
+    """This rank's device and the process group (:func:`plan_device`); bf16 weights on GPUs, fp32 on CPU."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend, where = plan_device(backend, device, local_rank, local_world, gpus)
+    where = torch.device(where)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    dist.init_process_group(backend, device_id=where if backend == "nccl" else None)
+    chosen = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if where.type == "cuda" else torch.float32)
+    return BenchEnv(where, backend, chosen)
+
+
+def _slowest(seconds: float, env: BenchEnv) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64, device=env.device)  # NCCL reduces device tensors only
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value)
 
 
-def _time_steps(model, input_ids, iters: int, warmup: int = 1, trace=None):
+def _time_steps(model, input_ids, iters: int, env: BenchEnv, warmup: int = 1, profiler=None):
+    """Slowest rank's median forward and backward seconds (CUDA events on GPU, so GPU time, not queueing time)."""
     forward, backward = [], []
+    timer = StepTimer(env.device)
     for step in range(warmup + iters):
         dist.barrier()
-        start = time.perf_counter()
+        timer.mark("forward")
         loss = model(input_ids=input_ids, use_cache=False).logits.float().square().mean()
-        middle = time.perf_counter()
+        timer.mark("backward")
         loss.backward()
-        end = time.perf_counter()
+        timer.mark("end")
+        phases = timer.seconds()
         model.zero_grad(set_to_none=True)
-        if trace is not None:
-            trace.step()
+        if profiler is not None:
+            profiler.step()
         if step >= warmup:
-            forward.append(middle - start)
-            backward.append(end - middle)
-    return _slowest(statistics.median(forward)), _slowest(statistics.median(backward))
+            forward.append(phases["forward"])
+            backward.append(phases["backward"])
+    return _slowest(statistics.median(forward), env), _slowest(statistics.median(backward), env)
 
 
-def _model_for(mode, args, group=None):
+def _model_for(mode, args, env: BenchEnv, group=None):
     model, batch, seq = build_model(args.config, args.model)
+    model.to(env.device, env.dtype)
     if mode != "regular":
         fcsd.apply_farskip(model, "all")
     return expert_parallel(model, group=group, mode=mode, dispatcher=args.dispatcher), batch, seq
 
 
-def _comm_only(model, input_ids, iters: int, kind: str = "plain"):
+def _comm_only(model, input_ids, iters: int, env: BenchEnv, kind: str = "plain"):
     """Dispatch + combine of every MoE layer alone, with the routing the model produces, forward then backward."""
     state = model.fcsd_expert_parallel
     family = family_for_config(model.config)
@@ -118,53 +169,79 @@ def _comm_only(model, input_ids, iters: int, kind: str = "plain"):
         group=state.group, num_local_experts=state.dispatcher.num_local_experts, blocking=True
     )
     forward, backward = [], []
+    timer = StepTimer(env.device)
     for _ in range(iters + 1):
         xs = [x.clone().requires_grad_(True) for x, _, _ in captured]
         dist.barrier()
-        start = time.perf_counter()
+        timer.mark("forward")
         outs = []
         for x, (_, ids, weights) in zip(xs, captured):
-            pending = dispatcher.dispatch_async(x, ids, weights)
+            pending = dispatcher.dispatch_async(x, ids, weights, needs_backward=True)
             outs.append(dispatcher.combine_async(pending.wait().tokens, pending).wait())
-        middle = time.perf_counter()
+        timer.mark("backward")
         torch.stack([o.sum() for o in outs]).sum().backward()
-        end = time.perf_counter()
-        forward.append(middle - start)
-        backward.append(end - middle)
-    return _slowest(statistics.median(forward[1:])), _slowest(statistics.median(backward[1:]))
+        timer.mark("end")
+        phases = timer.seconds()
+        forward.append(phases["forward"])
+        backward.append(phases["backward"])
+    return _slowest(statistics.median(forward[1:]), env), _slowest(statistics.median(backward[1:]), env)
 
 
-def measure(args) -> dict:
+def _exposed_from_trace(model, input_ids, iters: int, env: BenchEnv, trace_dir: str | None, mode: str) -> dict:
+    """On CUDA: profile ``iters`` steps with device activity and read, from the kernels, the communication time per
+    step that no compute kernel overlaps (:meth:`Timeline.exposed`), and the communication time itself."""
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    handler = tensorboard_trace_handler(f"{trace_dir}/{mode}") if trace_dir else None
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], on_trace_ready=handler) as prof:
+        _time_steps(model, input_ids, iters, env, warmup=0)
+    timeline = Timeline.from_profiler(prof)
+    per_step_ms = 1e-3 / iters  # profiler times are microseconds
+    return {
+        "comm_ms": _slowest(timeline.busy("comm") * per_step_ms, env),
+        "exposed_comm_ms": _slowest(timeline.exposed() * per_step_ms, env),
+    }
+
+
+def _trace_only(model, input_ids, iters: int, env: BenchEnv, trace_dir: str, mode: str) -> None:
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+    with profile(activities=activities, on_trace_ready=tensorboard_trace_handler(f"{trace_dir}/{mode}")):
+        _time_steps(model, input_ids, iters, env, warmup=0)
+
+
+def measure(args, env: BenchEnv) -> dict:
     """All figures of the module docstring, as a dict (the same on every rank)."""
-    ranks = dist.get_world_size()
-    rank = dist.get_rank()
-    times = {}
-    traces = {}
+    ranks, rank = dist.get_world_size(), dist.get_rank()
+    times, traces = {}, {}
     for mode in ("regular", "farskip_reference", "farskip_overlap"):
-        model, batch, seq = _model_for(mode, args)
+        model, batch, seq = _model_for(mode, args, env)
         gen = torch.Generator().manual_seed(100 + rank)
-        input_ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=gen)
+        input_ids = torch.randint(3, model.config.vocab_size, (batch, seq), generator=gen).to(env.device)
         collectives.WAIT_SECONDS.update(forward=0.0, backward=0.0)
-        trace = _profiler(args, mode) if args.trace else None
-        times[mode] = _time_steps(model, input_ids, args.iters, trace=trace)
-        if trace is not None:
-            trace.stop()
-            traces[mode] = args.trace
+        times[mode] = _time_steps(model, input_ids, args.iters, env)
         if mode == "farskip_overlap":
-            waits = {k: _slowest(v / (args.iters + 1)) for k, v in collectives.WAIT_SECONDS.items()}
+            waits = {k: _slowest(v / (args.iters + 1), env) for k, v in collectives.WAIT_SECONDS.items()}
             sent = model.fcsd_expert_parallel.dispatcher
             traffic = torch.tensor(
                 [sent.dispatch_rows_sent, sent.dispatch_bytes_sent, sent.rows_sent], dtype=torch.float64
-            )
+            ).to(env.device)
             dist.all_reduce(traffic)
-            comm = _comm_only(model, input_ids, args.iters, args.dispatcher)
+            comm = _comm_only(model, input_ids, args.iters, env, args.dispatcher)
+        if env.backend == "nccl" and mode != "regular":  # gloo has no communication kernels to read
+            traces[mode] = _exposed_from_trace(model, input_ids, args.iters, env, args.trace, mode)
+        elif args.trace:
+            _trace_only(model, input_ids, args.iters, env, args.trace, mode)
     singles = [dist.new_group([r]) for r in range(ranks)]
-    model, batch, seq = _model_for("farskip_overlap", args, group=singles[rank])
-    times["compute_only"] = _time_steps(model, input_ids, args.iters)
+    model, batch, seq = _model_for("farskip_overlap", args, env, group=singles[rank])
+    times["compute_only"] = _time_steps(model, input_ids, args.iters, env)
     result = {"ranks": ranks, "config": args.model or args.config, "tokens_per_rank": batch * seq}
+    result.update(device=env.device.type, backend=env.backend, dtype=str(env.dtype).removeprefix("torch."))
     steps = args.iters + 1  # the overlapped model's forwards (warm-up included), summed over ranks
     result.update(dispatcher=args.dispatcher, dispatch_rows_per_step=float(traffic[0]) / steps)
     result.update(dispatch_bytes_per_step=float(traffic[1]) / steps, rows_per_step=float(traffic[2]) / steps)
+    waits_meaningful = env.backend == "gloo"  # gloo waits block the host; an NCCL wait returns at once
     for index, phase in enumerate(("forward", "backward")):
         t_reg, t_ref, t_ovl = (times[m][index] for m in ("regular", "farskip_reference", "farskip_overlap"))
         t_comp, t_comm = times["compute_only"][index], comm[index]
@@ -176,25 +253,20 @@ def measure(args) -> dict:
             "T_comp_ms": 1e3 * t_comp,
             "T_comm_ms": 1e3 * t_comm,
             "effective_overlap": (t_ref - t_ovl) / exposed if exposed > 0 else float("nan"),
-            "wait_only_overlap": 1.0 - waits[phase] / t_comm if t_comm > 0 else float("nan"),
+            "wait_only_overlap": 1.0 - waits[phase] / t_comm if t_comm > 0 and waits_meaningful else float("nan"),
         }
     total = {m: sum(times[m]) for m in times}
     result["step_speedup_over_regular"] = total["regular"] / total["farskip_overlap"]
     result["step_speedup_over_farskip_reference"] = total["farskip_reference"] / total["farskip_overlap"]
+    if traces:  # per step, forward + backward, slowest rank: read from the device kernels of the trace
+        result["trace"] = traces
     return result
-
-
-def _profiler(args, mode):
-    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
-    prof = profile(activities=[ProfilerActivity.CPU], on_trace_ready=tensorboard_trace_handler(f"{args.trace}/{mode}"))
-    prof.start()
-    return prof
 
 
 def format_table(result: dict) -> str:
     """The figures as a small text table."""
-    lines = [f"ranks={result['ranks']} model={result['config']} tokens/rank={result['tokens_per_rank']}"]
+    where = f" on {result['device']} ({result['backend']}, {result['dtype']})" if "device" in result else ""
+    lines = [f"ranks={result['ranks']} model={result['config']} tokens/rank={result['tokens_per_rank']}{where}"]
     if "dispatcher" in result:
         lines.append(
             f"dispatcher={result['dispatcher']}: per step, all ranks, remote rows dispatched "
@@ -207,6 +279,11 @@ def format_table(result: dict) -> str:
         lines.append(f"{phase:10}" + "".join(f"{result[phase][k]:>19.3f}" for k in keys))
     lines.append(f"step speedup of farskip_overlap over regular: {result['step_speedup_over_regular']:.3f}")
     lines.append(f"step speedup over farskip_reference: {result['step_speedup_over_farskip_reference']:.3f}")
+    for mode, figures in result.get("trace", {}).items():
+        lines.append(
+            f"trace, {mode}: communication kernels {figures['comm_ms']:.3f} ms per step, "
+            f"{figures['exposed_comm_ms']:.3f} ms of it with no compute kernel alongside"
+        )
     return "\n".join(lines)
 
 
@@ -218,10 +295,14 @@ def main(argv=None) -> None:
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--trace", default=None, help="folder for torch.profiler traces")
     parser.add_argument("--dispatcher", choices=sorted(DISPATCHERS), default="plain")
+    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     args = parser.parse_args(argv)
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    result = measure(args)
+    env = setup(args.backend, args.device, args.dtype)
+    if env.device.type == "cpu":
+        torch.set_num_threads(1)
+    result = measure(args, env)
     if dist.get_rank() == 0:
         if args.json_out:
             with open(args.json_out, "w") as handle:
@@ -232,11 +313,19 @@ def main(argv=None) -> None:
 
 
 def run_overlap_benchmark(
-    ranks: int, config: str = "tiny", model: str | None = None, iters: int = 5, trace=None, dispatcher: str = "plain"
+    ranks: int,
+    config: str = "tiny",
+    model: str | None = None,
+    iters: int = 5,
+    trace=None,
+    dispatcher: str = "plain",
+    device: str = "auto",
+    backend: str = "auto",
+    dtype: str = "auto",
 ):
-    """Launch the benchmark on ``ranks`` local gloo processes (torchrun); returns the result dict. Bad input (rank
-    count, model) is refused here, in one line, before any process starts."""
-    import os
+    """Launch the benchmark on ``ranks`` local processes (torchrun): one GPU each when there are enough (NCCL), else
+    gloo (CPU, or several ranks sharing a GPU); returns the result dict. Bad input (rank count, model) is refused
+    here, in one line, before any process starts."""
     import socket
     import subprocess
     import sys
@@ -260,7 +349,7 @@ def run_overlap_benchmark(
         command += ["-m", "fcsd.parallel.bench", "--config", config, "--iters", str(iters), "--json-out", out]
         command += ["--model", model] if model else []
         command += ["--trace", trace] if trace else []
-        command += ["--dispatcher", dispatcher]
+        command += ["--dispatcher", dispatcher, "--device", device, "--backend", backend, "--dtype", dtype]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
         subprocess.run(command, check=True, env=env)
         with open(out) as handle:

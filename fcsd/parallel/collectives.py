@@ -7,19 +7,30 @@ forward **and** in the backward:
 - backward, in reverse: ``wait``'s backward *launches* the reverse all-to-all of the incoming gradient; ``launch``'s
   backward *waits* for it right before the gradient is consumed by the node that produced the send buffer.
 
+**Collective order in backward is structural.** NCCL needs every rank to issue its collectives in the same order.
+Data dependencies alone do not guarantee it (two forwards summed into one loss give autograd two independent chains
+it may interleave differently per rank; a rank whose rows need no gradient would skip a reverse exchange the others
+issue). So when a forward needs a backward (:func:`needs_backward`), every launch and wait node also takes and returns
+a scalar *order token* (:class:`OrderChain`): each node depends on the one created before it, and autograd must run
+their backwards, hence issue the reverse all-to-alls, in exactly the reverse of the forward order, on every rank,
+whatever the data needs. Launch and wait nodes are recorded even where no input requires a gradient.
+
 Autograd node priorities: the engine runs ready nodes by decreasing sequence number. Where the installed torch lets a
 node's number be re-assigned (``grad_fn._set_sequence_nr``, torch >= 2.1), the reverse launch gets the highest number
 (issued as soon as its gradient is ready) and the reverse wait the lowest (run only when nothing else is ready).
-Fallback where it is missing: the forward creation order, which already places every node created between launch and
-wait between the reverse launch and the reverse wait (:data:`REPRIORITISES` says which one is in use).
+Fallback where it is missing: the forward creation order (:data:`REPRIORITISES` says which one is in use).
 
-``FCSD_EP_SYNC=1`` makes every wait immediate (forward and backward), for debugging: results must not change.
+Debugging switches (environment): ``FCSD_EP_SYNC=1`` makes every wait immediate (forward and backward; results must
+not change); ``FCSD_EP_CHECK_ORDER=1`` makes every rank compare, before each collective, what it is about to issue
+with the other ranks of the group (phase, exchange number, kind) and raise a ``RuntimeError`` naming both sides on a
+mismatch, instead of hanging or exchanging the wrong buffers.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -34,8 +45,11 @@ def _probe_set_sequence_nr() -> bool:
 
 REPRIORITISES = _probe_set_sequence_nr()
 
-#: seconds this process spent blocked in all-to-all waits, per phase (read by the overlap benchmark)
+#: seconds this process spent blocked in all-to-all waits, per phase (read by the overlap benchmark on gloo; on NCCL
+#: a wait only orders the GPU streams and returns at once, so the benchmark reads exposure from a profiler trace)
 WAIT_SECONDS = {"forward": 0.0, "backward": 0.0}
+PHASES = ("forward", "backward")
+KINDS = ("counts", "dispatch", "combine", "all_reduce", "ids")
 
 
 def _timed_wait(work, phase: str) -> None:
@@ -49,75 +63,184 @@ def sync_debug() -> bool:
     return os.environ.get("FCSD_EP_SYNC", "0") not in ("", "0")
 
 
+def order_debug() -> bool:
+    """Whether ``FCSD_EP_CHECK_ORDER=1`` asks every rank to check the collective order against the others."""
+    return os.environ.get("FCSD_EP_CHECK_ORDER", "0") not in ("", "0")
+
+
+class _Events:
+    log: list | None = None
+
+
+_EVENTS = _Events()
+
+
+@contextmanager
+def record_events():
+    """Collect ``(what, kind, serial)`` events of this process while the block runs (tests, schedule inspection):
+    ``launch`` / ``done`` of every forward exchange (``done``: its result is complete, at launch when it blocks),
+    ``reverse`` / ``reverse_done`` in backward, and the schedule's ``layer``, ``attention`` and ``shared`` markers."""
+    saved, _EVENTS.log = _EVENTS.log, []
+    try:
+        yield _EVENTS.log
+    finally:
+        _EVENTS.log = saved
+
+
+def record(what: str, kind: str, serial: int) -> None:
+    """Append one event when :func:`record_events` is active (no cost otherwise)."""
+    if _EVENTS.log is not None:
+        _EVENTS.log.append((what, kind, serial))
+
+
+def check_order(group, phase: str, kind: str, serial: int, device) -> None:
+    """Under ``FCSD_EP_CHECK_ORDER=1``: all ranks of ``group`` compare the collective they are about to issue."""
+    if not order_debug():
+        return
+    mine = torch.tensor([PHASES.index(phase), KINDS.index(kind), serial], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(other, mine) for other in every):
+
+        def name(t):
+            p, k, s = t.tolist()
+            return f"{PHASES[p]} {KINDS[k]} #{s}"
+
+        ranks = ", ".join(f"rank {r}: {name(t)}" for r, t in enumerate(every))
+        raise RuntimeError(
+            f"expert-parallel collectives out of order across ranks ({ranks}): every rank must run the same "
+            "forwards and backwards in the same order (backpropagate every training forward, all ranks alike)"
+        )
+
+
+def needs_backward(module: torch.nn.Module) -> bool:
+    """Whether a forward through ``module`` must prepare the backward's collectives: grad mode is on and the module
+    trains or has trainable parameters. Both are the same on every rank (unlike whether some rank's rows require a
+    gradient), so every rank records the same launch/wait nodes."""
+    if not torch.is_grad_enabled():
+        return False
+    return module.training or any(p.requires_grad for p in module.parameters())
+
+
+class OrderChain:
+    """The order token threaded through every exchange of one dispatcher (see the module docstring).
+
+    A chain lasts until a backward runs through it; the next exchange then starts a new one. Forwards made before
+    that backward join the same chain and must be backpropagated together (sum their losses), as under DDP."""
+
+    def __init__(self):
+        self.token = None
+        self.consumed = True
+
+    def take(self, device) -> torch.Tensor:
+        if self.consumed or self.token is None:
+            self.token, self.consumed = torch.zeros((), device=device, requires_grad=True), False
+        return self.token
+
+    def put(self, token: torch.Tensor) -> None:
+        self.token = token
+
+
 class Exchange:
     """One all-to-all between the ranks of ``group`` and its reverse: split sizes and the pending work handles.
 
     ``send_sizes[r]`` rows go to rank ``r``; ``recv_sizes[r]`` rows come from it (host lists, known before launch).
+    ``kind`` and ``serial`` name it in the order check and the event log.
     """
 
-    def __init__(self, send_sizes: list[int], recv_sizes: list[int], group, sync: bool | None = None):
+    def __init__(
+        self,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        group,
+        sync: bool | None = None,
+        kind: str = "dispatch",
+        serial: int = 0,
+    ):
         self.send_sizes, self.recv_sizes, self.group = send_sizes, recv_sizes, group
         self.sync = sync_debug() if sync is None else sync
+        self.kind, self.serial = kind, serial
         self.work = self.reverse_work = None
         self.keep_alive = ()  # send buffers must outlive the asynchronous collective
         self.reverse_grad = None
 
-    def start(self, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int]):
+    def start(self, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], phase: str):
+        check_order(self.group, phase, self.kind, self.serial, send.device)
         send = send.contiguous()
         recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group, async_op=True)
+        record("launch" if phase == "forward" else "reverse", self.kind, self.serial)
         if self.sync:
             work.wait()
             work = None
+            record("done" if phase == "forward" else "reverse_done", self.kind, self.serial)
         return recv, work, send
+
+
+def _next_token(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), device=like.device)
+
+
+def _token_grad(ctx):
+    return torch.zeros((), device=ctx.device) if ctx.chained else None
 
 
 class _Launch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, send: torch.Tensor, exchange: Exchange):
-        recv, exchange.work, kept = exchange.start(send, exchange.recv_sizes, exchange.send_sizes)
+    def forward(ctx, send: torch.Tensor, exchange: Exchange, token):
+        recv, exchange.work, kept = exchange.start(send, exchange.recv_sizes, exchange.send_sizes, "forward")
         exchange.keep_alive = (kept,)
-        ctx.exchange = exchange
-        return recv
+        ctx.exchange, ctx.chained, ctx.device = exchange, token is not None, send.device
+        return recv, _next_token(send)
 
     @staticmethod
-    def backward(ctx, _grad_recv):
+    def backward(ctx, _grad_recv, _grad_token):
         exchange = ctx.exchange
         if exchange.reverse_work is not None:  # wait for the reverse all-to-all launched by _Wait.backward
             _timed_wait(exchange.reverse_work, "backward")
+            record("reverse_done", exchange.kind, exchange.serial)
         grad_send, exchange.reverse_grad, exchange.reverse_work, exchange.keep_alive = (
             exchange.reverse_grad,
             None,
             None,
             (),
         )
-        return grad_send, None
+        return grad_send, None, _token_grad(ctx)
 
 
 class _Wait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, recv: torch.Tensor, exchange: Exchange):
+    def forward(ctx, recv: torch.Tensor, exchange: Exchange, token):
         if exchange.work is not None:
             _timed_wait(exchange.work, "forward")
             exchange.work = None
+            record("done", exchange.kind, exchange.serial)
         exchange.keep_alive = ()
-        ctx.exchange = exchange
-        return recv.view_as(recv)
+        ctx.exchange, ctx.chained, ctx.device = exchange, token is not None, recv.device
+        return recv.view_as(recv), _next_token(recv)
 
     @staticmethod
-    def backward(ctx, grad_recv):
+    def backward(ctx, grad_recv, _grad_token):
         exchange = ctx.exchange
+        chain = getattr(exchange, "chain", None)
+        if chain is not None:
+            chain.consumed = True  # a backward runs through this chain: later exchanges start a new one
         exchange.reverse_grad, exchange.reverse_work, kept = exchange.start(
-            grad_recv, exchange.send_sizes, exchange.recv_sizes
+            grad_recv, exchange.send_sizes, exchange.recv_sizes, "backward"
         )
         exchange.keep_alive = (kept,)
-        return grad_recv, None
+        return grad_recv, None, _token_grad(ctx)
 
 
-def launch_all_to_all(send: torch.Tensor, exchange: Exchange) -> torch.Tensor:
+def launch_all_to_all(send: torch.Tensor, exchange: Exchange, chain: OrderChain | None = None) -> torch.Tensor:
     """Start the all-to-all of ``send`` (rows grouped by destination rank); returns the receive buffer, which must go
-    through :func:`wait_all_to_all` before it is read."""
-    recv = _Launch.apply(send, exchange)
+    through :func:`wait_all_to_all` before it is read. With ``chain`` (a forward that needs a backward) the node
+    joins the order chain."""
+    exchange.chain = chain
+    token = chain.take(send.device) if chain is not None else None
+    recv, token = _Launch.apply(send, exchange, token)
+    if chain is not None:
+        chain.put(token)
     if REPRIORITISES and recv.grad_fn is not None:
         recv.grad_fn._set_sequence_nr(0)  # its backward waits: as late as possible
     return recv
@@ -125,18 +248,33 @@ def launch_all_to_all(send: torch.Tensor, exchange: Exchange) -> torch.Tensor:
 
 def wait_all_to_all(recv: torch.Tensor, exchange: Exchange) -> torch.Tensor:
     """Wait for the all-to-all started by :func:`launch_all_to_all`; returns the filled receive buffer."""
-    ready = _Wait.apply(recv, exchange)
+    chain = exchange.chain
+    token = chain.take(recv.device) if chain is not None else None
+    ready, token = _Wait.apply(recv, exchange, token)
+    if chain is not None:
+        chain.put(token)
     if REPRIORITISES and ready.grad_fn is not None:
         ready.grad_fn._set_sequence_nr(_SEQUENCE_NR_MAX)  # its backward launches: as early as possible
     return ready
 
 
-class AllReduceHandle:
-    """A sum over ``group`` of a tensor started asynchronously (inference layout, paper Sec. 4.2; no autograd)."""
+def exchange_counts(send_counts: torch.Tensor, group, serial: int) -> torch.Tensor:
+    """The per-destination counts of an exchange, swapped between ranks (no autograd; no host sync by itself)."""
+    check_order(group, "forward", "counts", serial, send_counts.device)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    return recv_counts
 
-    def __init__(self, tensor: torch.Tensor, group, sync: bool | None = None):
-        self.tensor = tensor.contiguous().clone()
+
+class AllReduceHandle:
+    """A sum over ``group`` of a tensor started asynchronously (inference layout, paper Sec. 4.2; no autograd). The
+    tensor is summed in place: pass one nothing else reads (a layer's fresh expert output)."""
+
+    def __init__(self, tensor: torch.Tensor, group, sync: bool | None = None, serial: int = 0):
+        check_order(group, "forward", "all_reduce", serial, tensor.device)
+        self.tensor, self.serial = tensor.contiguous(), serial
         self.work = dist.all_reduce(self.tensor, group=group, async_op=True)
+        record("launch", "all_reduce", serial)
         if sync_debug() if sync is None else sync:
             self.wait()
 
@@ -144,4 +282,5 @@ class AllReduceHandle:
         if self.work is not None:
             self.work.wait()
             self.work = None
+            record("done", "all_reduce", self.serial)
         return self.tensor

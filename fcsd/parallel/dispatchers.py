@@ -1,12 +1,28 @@
 """Token dispatchers: one interface, several ways to bring routed tokens to their experts and back (design §4).
 
-Interface (what a schedule uses; a new dispatcher, e.g. the deduplicating one, implements the same three calls)::
+Interface (what a schedule uses; a new dispatcher implements the same three calls)::
 
     pending = dispatcher.dispatch_async(x_TD, topk_ids_TK, topk_weights_TK)   # launch Dispatch(k)
     rows = pending.wait()            # DispatchedRows: this rank's rows, local expert ids, weights
-    y_RK = routed experts on rows    # (family adapter: experts(moe, rows.tokens, rows.expert_ids, rows.weights))
+    y_RD = routed experts on rows    # (family adapter: experts(moe, rows.tokens, rows.expert_ids, rows.weights))
     done = dispatcher.combine_async(y_RD, pending)                              # launch Combine(k)
     routed_TD = done.wait()          # each token's weighted sum of its experts' outputs, in the token order
+
+``dispatch_async`` also takes ``scale_inputs`` (the family weights the expert *input*, Llama-4) and
+``needs_backward`` (default: grad mode; schedules pass :func:`fcsd.parallel.collectives.needs_backward`).
+
+What every collective dispatcher guarantees (paper Sec. 4; issue-level requirements of a GPU run):
+
+- **One host synchronisation per layer**: the per-expert counts are exchanged on the device and read back once
+  (send and receive sizes in one ``tolist``); everything else (grouping by expert, local ids, un-permuting) uses
+  sizes known on the host or static bounds, no ``bincount``/``nonzero``/``unique``/masked indexing.
+- **Routing weights stay in fp32 on the token's own rank**: the experts run with unit weights, and the combine sums
+  each token's expert outputs weighted in fp32, in fixed slots (no atomic ``index_add``), so results are
+  deterministic. A family that weights the expert *input* (Llama-4) has its rows scaled in fp32 before they leave.
+  The deduplicating dispatcher, whose receiver sums a row's experts before sending back, ships the weights as fp32;
+  its per-(token, rank) partial sums (fp32) are rounded once to the compute dtype for the way back.
+- **Rows on the wire in the compute dtype**: under autocast the hidden rows travel in the autocast dtype (bf16), not
+  in the fp32 of the master weights; the expert outputs likewise.
 
 Implementations: :class:`LocalDispatcher` (EP=1, no communication), :class:`AllToAllDispatcher` (blocking, or
 split-phase asynchronous: the token counts are exchanged first, then the rows go asynchronously; no host sync between
@@ -16,9 +32,9 @@ experts sharded, one asynchronous all-reduce). Each counts the rows and bytes it
 ``bytes_sent``: dispatch and combine together; ``dispatch_rows_sent``, ``dispatch_bytes_sent``: the dispatch alone),
 for the benchmarks.
 
-Shape suffixes: ``T`` tokens of this rank, ``K`` experts per token, ``R`` rows this rank's experts receive, ``D``
-hidden size, ``P`` ranks of the expert-parallel group. Expert ``e`` lives on rank ``e // (E / P)`` as local expert
-``e % (E / P)``.
+Shape suffixes: ``T`` tokens of this rank, ``K`` experts per token, ``R`` rows this rank's experts receive, ``A``
+(token, expert) pairs, ``D`` hidden size, ``P`` ranks of the expert-parallel group. Expert ``e`` lives on rank
+``e // (E / P)`` as local expert ``e % (E / P)``.
 """
 
 from __future__ import annotations
@@ -29,8 +45,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fcsd.parallel.collectives import AllReduceHandle, Exchange, launch_all_to_all, sync_debug, wait_all_to_all
-from fcsd.placement.stats import ID_BYTES
+from fcsd.parallel.collectives import (
+    AllReduceHandle,
+    Exchange,
+    OrderChain,
+    exchange_counts,
+    launch_all_to_all,
+    sync_debug,
+    wait_all_to_all,
+)
+from fcsd.placement.stats import ID_BYTES, WEIGHT_BYTES
 
 
 class DispatchedRows(NamedTuple):
@@ -60,6 +84,31 @@ class Pending:
         return pending
 
 
+def wire_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype rows travel in: the autocast dtype where autocast is on for ``x``'s device, else ``x``'s own."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def slot_sum(values_ND: torch.Tensor, segment_N: torch.Tensor, num_segments: int, width: int, ordered=False):
+    """Deterministic fp32 sum of ``values_ND`` rows per segment id (at most ``width`` rows per segment): each row is
+    put in its own slot of a dense ``(num_segments, width, D)`` fp32 buffer (unique slots: no atomics), then the slots
+    are summed. ``ordered``: the segment ids are already non-decreasing. No host synchronisation."""
+    count, hidden = values_ND.shape
+    if not ordered:
+        order = torch.argsort(segment_N, stable=True)
+        segment_N, values_ND = segment_N[order], values_ND[order]
+    position = torch.arange(count, device=values_ND.device)
+    starts = torch.ones_like(segment_N, dtype=torch.bool)
+    starts[1:] = segment_N[1:] != segment_N[:-1]
+    slot = position - torch.cummax(torch.where(starts, position, 0), dim=0).values
+    dense = values_ND.new_zeros((num_segments, width, hidden), dtype=torch.float32)
+    dense = dense.index_put((segment_N, slot), values_ND.float())
+    return dense.sum(dim=1)
+
+
 @dataclass
 class Dispatcher:
     """Base class: traffic counters shared by every implementation."""
@@ -84,7 +133,7 @@ class Dispatcher:
         self.rows_sent = self.bytes_sent = self.rows_received = 0
         self.dispatch_rows_sent = self.dispatch_bytes_sent = 0
 
-    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
         raise NotImplementedError
 
     def combine_async(self, y_RD, pending: Pending) -> Pending:
@@ -99,25 +148,50 @@ class CollectiveDispatcher(Dispatcher):
     group: Any = None
     num_local_experts: int = 1
     blocking: bool = False
+    serial: int = field(default=0, init=False)  # exchanges issued so far: the same on every rank
+    chain: OrderChain = field(default_factory=OrderChain, init=False)
 
     def _sync(self) -> bool:
         return self.blocking or sync_debug()
+
+    def _next(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    def _exchange(self, send_sizes, recv_sizes, kind: str) -> Exchange:
+        return Exchange(send_sizes, recv_sizes, self.group, sync=self._sync(), kind=kind, serial=self._next())
+
+    def _chain(self, needs_backward) -> OrderChain | None:
+        return self.chain if (torch.is_grad_enabled() if needs_backward is None else needs_backward) else None
 
 
 @dataclass
 class LocalDispatcher(Dispatcher):
     """Every expert on this rank (EP=1): the rows are the tokens themselves, nothing moves."""
 
-    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
         return Pending.done(DispatchedRows(x_TD, topk_ids_TK, topk_weights_TK))
 
     def combine_async(self, y_RD, pending: Pending) -> Pending:
         return Pending.done(y_RD)
 
 
+def _split_sizes(send_counts: torch.Tensor, recv_counts: torch.Tensor, num_ranks: int) -> tuple[list, list]:
+    """Per-rank send and receive sizes from per-(rank, j) device counts: the layer's one device-to-host copy."""
+    sizes = torch.stack([send_counts.view(num_ranks, -1).sum(dim=1), recv_counts.view(num_ranks, -1).sum(dim=1)])
+    send_sizes, recv_sizes = sizes.tolist()
+    return send_sizes, recv_sizes
+
+
+def _remote(sizes: list[int], rank: int) -> int:
+    return sum(size for r, size in enumerate(sizes) if r != rank)
+
+
 class _AllToAllState(NamedTuple):
-    token_of_row: torch.Tensor  # (T*K,) the token each sent row came from, in send order
-    num_tokens: int
+    order: torch.Tensor  # (T*K,) the (token, slot) pair each sent row came from, in send order
+    shape: tuple[int, int]  # (T, K)
+    weights_TK: torch.Tensor | None  # fp32 routing weights applied at the combine (None: applied to the inputs)
+    out_dtype: torch.dtype
     exchange: Exchange  # split sizes of the dispatch (the combine runs it in reverse)
 
 
@@ -125,57 +199,60 @@ class _AllToAllState(NamedTuple):
 class AllToAllDispatcher(CollectiveDispatcher):
     """One row per (token, selected expert) to the expert's rank, results back by the reverse all-to-all.
 
-    The routing weight travels as one extra column of each row, so each family's experts apply it as they do on one
-    device (Llama-4 scales the expert *input* by it). ``blocking=True`` waits every collective at once (the
-    ``regular`` and ``farskip_reference`` modes); otherwise dispatch and combine are split-phase: the per-expert
-    token counts are exchanged first (the one host sync of a layer, before the launch), then the rows move
-    asynchronously until ``wait()``. Gradients take the reverse paths asynchronously too (:mod:`.collectives`).
+    ``blocking=True`` waits every collective at once (the ``regular`` and ``farskip_reference`` modes); otherwise
+    dispatch and combine are split-phase: the per-expert token counts are exchanged first (the one host sync of a
+    layer, before the launch), then the rows move asynchronously until ``wait()``. Gradients take the reverse paths
+    asynchronously too (:mod:`.collectives`).
     """
 
-    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
-        num_ranks = dist.get_world_size(self.group)
-        num_tokens, top_k = topk_ids_TK.shape
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
+        num_ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        top_k = topk_ids_TK.shape[1]
         flat_ids = topk_ids_TK.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, hence by destination rank
         token_of_row = order // top_k
-        send_counts = torch.bincount(flat_ids, minlength=self.num_local_experts * num_ranks)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # counts first: sizes known on the host
-        send_sizes = send_counts.view(num_ranks, -1).sum(dim=1).tolist()
-        recv_counts_PE = recv_counts.view(num_ranks, -1)
-        recv_sizes = recv_counts_PE.sum(dim=1).tolist()
+        send_counts = torch.zeros(self.num_local_experts * num_ranks, dtype=torch.int64, device=flat_ids.device)
+        send_counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        recv_counts = exchange_counts(send_counts, self.group, self._next())
+        send_sizes, recv_sizes = _split_sizes(send_counts, recv_counts, num_ranks)
         self.rows_received += sum(recv_sizes)
-        weights = topk_weights_TK.reshape(-1, 1)[order].to(x_TD.dtype)
-        send_RD = torch.cat([x_TD[token_of_row], weights], dim=1)
-        exchange = Exchange(send_sizes, recv_sizes, self.group, sync=self._sync())
-        recv = launch_all_to_all(send_RD, exchange)
-        remote = sum(s for r, s in enumerate(send_sizes) if r != dist.get_rank(self.group))
-        self._count(remote, send_RD[:1].nbytes, dispatch=True)
+        wire = wire_dtype(x_TD)
+        weights_TK = topk_weights_TK.float()
+        if scale_inputs:  # Llama-4: the expert input is the token scaled by its routing weight, in fp32
+            send_RD = (x_TD[token_of_row].float() * weights_TK.reshape(-1, 1)[order]).to(wire)
+        else:
+            send_RD = x_TD.to(wire)[token_of_row]
+        exchange = self._exchange(send_sizes, recv_sizes, "dispatch")
+        recv = launch_all_to_all(send_RD, exchange, self._chain(needs_backward))
+        self._count(_remote(send_sizes, rank), send_RD[:1].nbytes, dispatch=True)
         local_ids = torch.arange(self.num_local_experts, device=x_TD.device).repeat(num_ranks)
-        local_ids = local_ids.repeat_interleave(recv_counts_PE.reshape(-1), output_size=sum(recv_sizes))
+        local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_sizes)).unsqueeze(1)
 
         def wait() -> DispatchedRows:
             ready = wait_all_to_all(recv, exchange)
-            tokens, weights = ready[:, :-1], ready[:, -1:]
-            return DispatchedRows(tokens, local_ids.unsqueeze(1), weights)
+            return DispatchedRows(ready, local_ids, torch.ones_like(local_ids, dtype=ready.dtype))
 
-        return Pending(wait, _AllToAllState(token_of_row, num_tokens, exchange))
+        state = _AllToAllState(
+            order, tuple(topk_ids_TK.shape), None if scale_inputs else weights_TK, x_TD.dtype, exchange
+        )
+        return Pending(wait, state)
 
     def combine_async(self, y_RD, pending: Pending) -> Pending:
         state: _AllToAllState = pending.state
-        dispatched = pending.wait()
-        # keep the received rows in the graph even where no expert used them, so that every rank runs the reverse
-        # all-to-all in backward (an empty product adds nothing)
-        y_RD = y_RD + dispatched.tokens[:, :0].sum()
+        pending.wait()
         forward = state.exchange
-        back = Exchange(forward.recv_sizes, forward.send_sizes, self.group, sync=self._sync())
-        recv = launch_all_to_all(y_RD, back)
-        self._count(sum(s for r, s in enumerate(back.send_sizes) if r != dist.get_rank(self.group)), y_RD[:1].nbytes)
+        back = self._exchange(forward.recv_sizes, forward.send_sizes, "combine")
+        y_RD = y_RD.to(wire_dtype(y_RD))
+        recv = launch_all_to_all(y_RD, back, forward.chain)
+        self._count(_remote(back.send_sizes, dist.get_rank(self.group)), y_RD[:1].nbytes)
 
         def wait() -> torch.Tensor:
             rows = wait_all_to_all(recv, back)
-            out_TD = rows.new_zeros((state.num_tokens, rows.shape[1]))
-            return out_TD.index_add(0, state.token_of_row, rows)
+            pairs = rows.new_empty(rows.shape).index_put((state.order,), rows)  # back to (token, slot) order
+            pairs_TKD = pairs.view(*state.shape, rows.shape[1]).float()
+            if state.weights_TK is not None:
+                pairs_TKD = pairs_TKD * state.weights_TK.unsqueeze(-1)
+            return pairs_TKD.sum(dim=1).to(state.out_dtype)
 
         return Pending(wait)
 
@@ -183,115 +260,106 @@ class AllToAllDispatcher(CollectiveDispatcher):
 class _DedupState(NamedTuple):
     token_of_row: torch.Tensor  # (S,) the token each sent row came from, in send order
     num_tokens: int
-    exchange: Exchange  # the payload's exchange (element counts per rank)
-    send_rows: list[int]  # rows sent to each rank
-    recv_rows: list[int]  # rows received from each rank
-    received: dict  # filled by wait(): "rows" (R, D) received rows, "row_of_pair" (A,) row of each expanded pair
+    top_k: int
+    out_dtype: torch.dtype
+    exchanges: tuple  # (rows exchange, pairs exchange)
+    received: dict  # filled by wait(): the receiver's rows, pairs and how to sum them
 
 
 @dataclass
 class DedupAllToAllDispatcher(CollectiveDispatcher):
     """One row per (token, destination rank) instead of one per (token, expert) (second paper, Sec. V-A).
 
-    A token whose ``k`` experts live on ``g`` distinct ranks sends ``g`` rows instead of ``k``; each row carries the
-    ids and weights of the token's experts on that rank. On the wire, per destination rank: its rows' hidden states,
-    then one routing weight per (token, expert) pair (same dtype, autograd flows through it as in the plain
-    dispatcher), in one all-to-all; the pairs' local expert ids (int32, the first pair of each row marked by a
-    negative id) in a second one without autograd. The receiver expands its rows locally into the expert-major
-    ``(pair, 1)`` rows the plain dispatcher delivers (same expert inputs, so the same outputs); the combine first sums
-    each row's pairs into one weighted partial sum per (token, rank), then sends those back (again one row per
-    (token, rank)), where each token adds its partial sums.
+    A token whose ``k`` experts live on ``g`` distinct ranks sends ``g`` rows instead of ``k``. Per destination rank,
+    two all-to-alls: the rows' hidden states (compute dtype), and one fp32 ``(weight, local expert id)`` pair per
+    (token, expert) (the first pair of each row marked by a negative id; autograd flows through the weights). The
+    receiver expands its rows locally into the expert-major rows the plain dispatcher delivers (same expert inputs,
+    so the same outputs), sums each row's weighted expert outputs in fp32 into one partial sum per (token, rank) and
+    sends those back (again one row per (token, rank)), where each token adds its partial sums in fp32. Llama-4's
+    input scaling is applied by the receiver after expansion. Deterministic: every sum fills unique slots.
 
     Counters follow :func:`fcsd.placement.stats.dispatch_counts` (remote rows/bytes): a dispatch row costs ``D`` hidden
-    values and each of its pairs an int32 id plus a weight; a combine row ``D`` values. ``blocking`` as in
+    values and each of its pairs an id plus an fp32 weight; a combine row ``D`` values. ``blocking`` as in
     :class:`AllToAllDispatcher`.
     """
 
-    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
         num_ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         num_tokens, top_k = topk_ids_TK.shape
-        hidden = x_TD.shape[1]
+        hidden, device, local = x_TD.shape[1], x_TD.device, self.num_local_experts
         flat_ids = topk_ids_TK.reshape(-1)
-        dest = flat_ids // self.num_local_experts
-        token = torch.arange(num_tokens, device=x_TD.device).repeat_interleave(top_k)
-        key = dest * num_tokens + token
-        order = torch.argsort(key, stable=True)  # pairs grouped by destination rank, then token, then slot
-        sorted_key = key[order]
-        first = torch.ones_like(sorted_key, dtype=torch.bool)
-        first[1:] = sorted_key[1:] != sorted_key[:-1]  # the first pair of each (token, rank) row
-        row_keys = sorted_key[first]
-        token_of_row = row_keys % max(num_tokens, 1)
-        counts = torch.stack(
-            [
-                torch.bincount(row_keys // max(num_tokens, 1), minlength=num_ranks),
-                torch.bincount(dest, minlength=num_ranks),
-            ],
-            dim=1,
-        ).reshape(-1)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # (rows, pairs) per rank: sizes on the host
-        send_rows, send_pairs = counts.view(num_ranks, 2).t().tolist()
-        recv_rows, recv_pairs = recv_counts.view(num_ranks, 2).t().tolist()
+        dest = flat_ids // local
+        token = torch.arange(num_tokens, device=device).repeat_interleave(top_k, output_size=num_tokens * top_k)
+        order = torch.argsort(dest * num_tokens + token, stable=True)  # pairs by destination, token, slot
+        dest_sorted, token_sorted = dest[order], token[order]
+        first = torch.ones_like(order, dtype=torch.bool)  # the first pair of each (token, rank) row
+        first[1:] = (dest_sorted[1:] != dest_sorted[:-1]) | (token_sorted[1:] != token_sorted[:-1])
+        counts = torch.zeros(num_ranks, 2, dtype=torch.int64, device=device)
+        counts[:, 0].scatter_add_(0, dest_sorted, first.long())
+        counts[:, 1].scatter_add_(0, dest_sorted, torch.ones_like(dest_sorted))
+        recv_counts = exchange_counts(counts.reshape(-1), self.group, self._next()).view(num_ranks, 2)
+        sizes = torch.cat([counts, recv_counts], dim=1).t().tolist()  # the layer's one device-to-host copy
+        send_rows, send_pairs, recv_rows, recv_pairs = sizes
         self.rows_received += sum(recv_rows)
-
-        weights = topk_weights_TK.reshape(-1)[order].to(x_TD.dtype)
-        pieces = []
-        for rows_part, weights_part in zip(x_TD[token_of_row].split(send_rows), weights.split(send_pairs)):
-            pieces += [rows_part.reshape(-1), weights_part]
-        exchange = Exchange(
-            [n * hidden + a for n, a in zip(send_rows, send_pairs)],
-            [n * hidden + a for n, a in zip(recv_rows, recv_pairs)],
-            self.group,
-            sync=self._sync(),
+        num_rows = sum(send_rows)
+        row_slot = torch.where(first, torch.cumsum(first, 0) - 1, num_rows)  # later pairs of a row: a spare slot
+        token_of_row = token_sorted.new_empty(num_rows + 1).index_put((row_slot,), token_sorted)[:num_rows]
+        local_ids = (flat_ids[order] % local).float()
+        pairs_A2 = torch.stack(
+            [topk_weights_TK.reshape(-1)[order].float(), torch.where(first, -local_ids - 1, local_ids)], 1
         )
-        recv = launch_all_to_all(torch.cat(pieces), exchange)
-        local = (flat_ids[order] % self.num_local_experts).to(torch.int32)
-        send_ids = torch.where(first, -local - 1, local)
-        recv_ids = send_ids.new_empty(sum(recv_pairs))
-        ids_work = dist.all_to_all_single(recv_ids, send_ids, recv_pairs, send_pairs, group=self.group, async_op=True)
-        if self._sync():
-            ids_work.wait()
-        remote_rows = sum(n for r, n in enumerate(send_rows) if r != rank)
-        remote_pairs = sum(a for r, a in enumerate(send_pairs) if r != rank)
-        elem = x_TD.element_size()
-        self._count(remote_rows, hidden * elem, dispatch=True, extra_bytes=remote_pairs * (ID_BYTES + elem))
-        state = _DedupState(token_of_row, num_tokens, exchange, send_rows, recv_rows, {})
+        send_RD = x_TD.to(wire_dtype(x_TD))[token_of_row]
+        chain = self._chain(needs_backward)
+        rows_exchange = self._exchange(send_rows, recv_rows, "dispatch")
+        pairs_exchange = self._exchange(send_pairs, recv_pairs, "ids")
+        recv = launch_all_to_all(send_RD, rows_exchange, chain)
+        recv_pairs_A2 = launch_all_to_all(pairs_A2, pairs_exchange, chain)
+        elem = send_RD.element_size()
+        pair_bytes = ID_BYTES + WEIGHT_BYTES
+        self._count(
+            _remote(send_rows, rank), hidden * elem, dispatch=True, extra_bytes=_remote(send_pairs, rank) * pair_bytes
+        )
+        state = _DedupState(token_of_row, num_tokens, top_k, x_TD.dtype, (rows_exchange, pairs_exchange), {})
 
         def wait() -> DispatchedRows:
-            ready = wait_all_to_all(recv, exchange)
-            ids_work.wait()
-            send_ids.numel()  # the send buffer lives until here
-            parts = ready.split([size for n, a in zip(recv_rows, recv_pairs) for size in (n * hidden, a)])
-            rows_RD = torch.cat([part.view(-1, hidden) for part in parts[0::2]])
-            weights_A = torch.cat(parts[1::2])
-            starts = recv_ids < 0
-            local_A = torch.where(starts, -recv_ids - 1, recv_ids).long()
-            row_of_pair = torch.cumsum(starts, 0) - 1
+            rows_RD = wait_all_to_all(recv, rows_exchange)
+            pairs = wait_all_to_all(recv_pairs_A2, pairs_exchange)
+            ids = pairs[:, 1].detach()
+            starts = ids < 0
+            local_A = torch.where(starts, -ids - 1, ids).long()
+            row_of = torch.cumsum(starts, 0) - 1
             expert_major = torch.argsort(local_A, stable=True)  # expand locally, grouped by expert
-            row_of_pair = row_of_pair[expert_major]
-            # keep every received value in the graph, so that every rank runs the reverse all-to-all in backward
-            state.received.update(rows=rows_RD, row_of_pair=row_of_pair, anchor=ready[:0].sum())
-            return DispatchedRows(
-                rows_RD[row_of_pair], local_A[expert_major].unsqueeze(1), weights_A[expert_major].unsqueeze(1)
+            weights_A = pairs[:, 0]
+            inputs = rows_RD[row_of[expert_major]]
+            if scale_inputs:
+                inputs = (inputs.float() * weights_A[expert_major].unsqueeze(1)).to(rows_RD.dtype)
+            state.received.update(
+                rows=rows_RD.shape[0], row_of=row_of, order=expert_major, weights=None if scale_inputs else weights_A
             )
+            ids_R1 = local_A[expert_major].unsqueeze(1)
+            return DispatchedRows(inputs, ids_R1, torch.ones_like(ids_R1, dtype=inputs.dtype))
 
         return Pending(wait, state)
 
     def combine_async(self, y_RD, pending: Pending) -> Pending:
         state: _DedupState = pending.state
         pending.wait()
-        received = state.received
-        partial = y_RD.new_zeros((received["rows"].shape[0], y_RD.shape[1])).index_add(0, received["row_of_pair"], y_RD)
-        partial = partial + received["anchor"]
-        back = Exchange(state.recv_rows, state.send_rows, self.group, sync=self._sync())
-        recv = launch_all_to_all(partial, back)
+        got = state.received
+        pairs_AD = y_RD.new_empty(y_RD.shape).index_put((got["order"],), y_RD).float()  # back to receive order
+        if got["weights"] is not None:
+            pairs_AD = pairs_AD * got["weights"].unsqueeze(1)
+        width = min(state.top_k, self.num_local_experts)  # most pairs one row carries
+        partial = slot_sum(pairs_AD, got["row_of"], got["rows"], width, ordered=True).to(wire_dtype(y_RD))
+        rows_exchange = state.exchanges[0]
+        back = self._exchange(rows_exchange.recv_sizes, rows_exchange.send_sizes, "combine")
+        recv = launch_all_to_all(partial, back, rows_exchange.chain)
         rank = dist.get_rank(self.group)
-        self._count(sum(n for r, n in enumerate(back.send_sizes) if r != rank), y_RD.shape[1] * y_RD.element_size())
+        self._count(_remote(back.send_sizes, rank), partial.shape[1] * partial.element_size())
 
         def wait() -> torch.Tensor:
             rows = wait_all_to_all(recv, back)
-            out_TD = rows.new_zeros((state.num_tokens, rows.shape[1]))
-            return out_TD.index_add(0, state.token_of_row, rows)
+            width = min(state.top_k, dist.get_world_size(self.group))  # most rows one token sends
+            return slot_sum(rows, state.token_of_row, state.num_tokens, width).to(state.out_dtype)
 
         return Pending(wait)
 
@@ -303,7 +371,7 @@ class AllReduceDispatcher(CollectiveDispatcher):
 
     routes_locally = True
 
-    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK) -> Pending:
+    def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
         if torch.is_grad_enabled() and x_TD.requires_grad:
             raise RuntimeError(
                 'layout="all_reduce" is the inference layout (no backward): run it under torch.no_grad() / '
@@ -315,6 +383,6 @@ class AllReduceDispatcher(CollectiveDispatcher):
         return Pending.done(DispatchedRows(x_TD, local_ids, topk_weights_TK.masked_fill(~held_here, 0.0)))
 
     def combine_async(self, y_RD, pending: Pending) -> Pending:
-        handle = AllReduceHandle(y_RD, self.group, sync=self.blocking or None)
+        handle = AllReduceHandle(y_RD, self.group, sync=self.blocking or None, serial=self._next())
         self._count(y_RD.shape[0], y_RD[:1].nbytes)
         return Pending(handle.wait)

@@ -10,15 +10,22 @@ How a trainer calls it, after ``loss.backward()`` and before clipping / ``optimi
     reduce_gradients(model, op="sum")    # each rank's loss is already divided by the *global* token count
 
 Do not wrap the expert-parallel student in DDP/FSDP as well (they would average expert shards across experts).
-For checkpoints: :func:`full_state_dict` (or ``model.state_dict()``) on *every* rank gives the
-unsharded layout; write it from rank 0 only.
+For checkpoints: :func:`full_state_dict` on *every* rank gives the unsharded layout, on every rank or (``dst=``)
+only where it is written.
+
+Gradients are reduced in buckets of at most :data:`BUCKET_BYTES` (flattened, all-reduced, copied back in place), so
+the reduction holds one bucket beyond the gradients themselves.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+BUCKET_BYTES = 64 * 2**20
 
 
 def reduce_gradients(model: nn.Module, op: str = "mean") -> None:
@@ -44,20 +51,60 @@ def reduce_gradients(model: nn.Module, op: str = "mean") -> None:
 
 
 def _all_reduce_grads(params, group, world: int, op: str) -> None:
-    if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    for p in params:
+        if p.grad is None:  # every rank issues the same collectives: a missing gradient takes part as zeros
+            p.grad = torch.zeros_like(p)
+    bucket, size = [], 0
+    for p in params:
+        bucket.append(p.grad)
+        size += p.grad.numel() * p.grad.element_size()
+        if size >= BUCKET_BYTES or p is params[-1]:
+            _reduce_bucket(bucket, group, world, op)
+            bucket, size = [], 0
+
+
+def _reduce_bucket(grads: list[torch.Tensor], group, world: int, op: str) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1)
     dist.all_reduce(flat, group=group)
     if op == "mean":
         flat.div_(world)
+    if len(grads) == 1 and flat.data_ptr() == grads[0].data_ptr():
+        return  # reduced in place
     offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
         offset += n
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict (expert shards all-gathered), on CPU; a collective: call it on every rank."""
-    return {key: value.detach().cpu() for key, value in model.state_dict().items()}
+@contextmanager
+def gathered(model: nn.Module, mode):
+    """While active, ``model.state_dict()`` fills in the experts as ``mode`` says (see
+    :class:`fcsd.parallel.shards.GatherMode`)."""
+    gather = model.fcsd_expert_parallel.gather
+    saved, gather.mode = gather.mode, mode
+    try:
+        yield
+    finally:
+        gather.mode = saved
+
+
+def full_state_dict(model: nn.Module, dst: int | None = None) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (expert shards gathered), on CPU; a collective: call it on every rank.
+
+    ``dst=None``: every rank gets it; ``dst=r`` (a global rank): only rank ``r`` does, the others get ``{}`` (no
+    rank but the writer ever holds the whole model)."""
+    with gathered(model, "all" if dst is None else dst):
+        state = model.state_dict()
+    if dst is not None and dist.get_rank() != dst:
+        return {}
+    return {key: value.detach().cpu() for key, value in state.items()}
+
+
+def local_state_dict(model: nn.Module, experts: bool) -> dict[str, torch.Tensor]:
+    """This rank's own part of the state dict, on CPU: its expert shards (``experts=True``) or everything else."""
+    shards = {id(p) for p in model.fcsd_expert_parallel.expert_params}
+    names = {name for name, p in model.named_parameters() if id(p) in shards}
+    with gathered(model, "local"):
+        state = model.state_dict()
+    return {k: v.detach().cpu() for k, v in state.items() if (k in names) == experts}

@@ -32,13 +32,22 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fcsd.connectivity.patch import HandOver
+from fcsd.parallel.collectives import needs_backward, record
 from fcsd.parallel.dispatchers import Dispatcher
 
 
 def run_routed(family, moe, dispatcher: Dispatcher, x_TD: torch.Tensor):
-    """Route ``x_TD`` and launch Dispatch; returns ``(routing, dispatch pending)``."""
+    """Route ``x_TD`` and launch Dispatch; returns ``(routing, dispatch pending)``. Whether the exchanges prepare a
+    backward is decided by grad mode and the block's training state (the same on every rank)."""
     routing = family.route(moe, x_TD)
-    return routing, dispatcher.dispatch_async(routing.tokens, routing.topk_ids, routing.topk_weights)
+    pending = dispatcher.dispatch_async(
+        routing.tokens,
+        routing.topk_ids,
+        routing.topk_weights,
+        scale_inputs=family.weights_on_input,
+        needs_backward=needs_backward(moe),
+    )
+    return routing, pending
 
 
 def experts_then_combine(family, moe, dispatcher: Dispatcher, dispatch):
@@ -63,6 +72,7 @@ def _kernel_wrapper(kernel):
         if step is not None:
             SPLIT_COUNTS["inside_attention"] += 1
             step()
+        record("attention", "", -1)
         return kernel(*args, **kwargs)
 
     return between_then_kernel
@@ -115,6 +125,7 @@ class FarSkipEPSchedule:
         moe = getattr(layer, family.mlp_attr)
         shape = hidden_states.shape
         state = {}
+        record("layer", "", getattr(layer.self_attn, "layer_idx", -1))
 
         def between():  # wait Combine(k-1); route on o_{k-1}; launch Dispatch(k)
             if farskip_pending is not None:
@@ -141,6 +152,7 @@ class FarSkipEPSchedule:
         combine = experts_then_combine(family, moe, self.dispatcher, state["dispatch"])
         if family.shared is not None:  # after the Combine launch: overlaps it
             partial = partial + family.shared(moe, state["mlp_in"]).view(shape)
+            record("shared", "", -1)
         if self.overlap and layer._farskip_feeds_next:
             full = torch.empty_like(partial)
             return full, partial, HandOver(full, partial, combine.wait)

@@ -1,9 +1,14 @@
 """What a trainer needs to train an expert-parallel student (paper Sec. 4.1; design §4 "Training with EP"):
-expert-parallel groups, the global gradient norm, and checkpoints whose model part keeps the unsharded layout
-while each process keeps its own experts' optimizer state.
+expert-parallel groups, the global gradient norm, and checkpoints.
 
 The FCSD trainer (:mod:`fcsd.distill.trainer`) calls these when ``parallel.ep_size`` > 1; with them the student is
 *not* wrapped in DDP/FSDP (:func:`fcsd.parallel.reduce_gradients` does the data-parallel part, per parameter kind).
+
+Step checkpoints are per rank, so no rank ever holds the whole model: the main process writes the replicated
+(non-expert) weights once, the first expert-parallel group writes one file of expert shards per rank, and every
+process its own optimizer state (its experts' moments differ). A resume reads the same files back (same
+``parallel.ep_size``, which the run folder enforces). ``final/`` and ``best/`` keep the stock layout: the experts are
+gathered to the main process only (:func:`fcsd.parallel.full_state_dict` with ``dst=0``).
 """
 
 from __future__ import annotations
@@ -16,35 +21,42 @@ import torch.distributed as dist
 from torch import nn
 
 from fcsd.parallel.apply import expert_parallel
-from fcsd.parallel.grads import full_state_dict
+from fcsd.parallel.grads import local_state_dict
 
 OPTIMIZER_SHARD = "optimizer_ep_rank{rank}.pt"  # each process's optimizer state (its experts' moments differ)
-MODEL_FILE = "model_unsharded.pt"  # the gathered state dict, written by the main process
+DENSE_FILE = "model_replicated.pt"  # the non-expert weights, written by the main process
+EXPERT_SHARD = "model_experts_ep{rank}.pt"  # expert shards of expert-parallel rank r (written by the first EP group)
 
 
 def expert_parallel_group(ep_size: int):
-    """The group of ``ep_size`` consecutive ranks this process belongs to (``None``: the whole job). Every process
-    creates every group, in the same order, as torch requires."""
+    """The group of ``ep_size`` consecutive ranks this process belongs to. Every process creates every group, in the
+    same order, as torch requires. Under NCCL the groups use high-priority CUDA streams, so that the all-to-alls
+    the schedule overlaps with compute are not queued behind it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if ep_size < 1 or world % ep_size:
         raise ValueError(
             f"parallel.ep_size={ep_size} must divide the number of processes ({world}): expert-parallel groups are "
             "consecutive ranks"
         )
-    if ep_size == world:
-        return None
+    options = None
+    if dist.get_backend() == "nccl":
+        options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     mine = None
     for first in range(0, world, ep_size):
-        group = dist.new_group(list(range(first, first + ep_size)))
+        group = dist.new_group(list(range(first, first + ep_size)), pg_options=options)
         if first <= rank < first + ep_size:
             mine = group
     return mine
 
 
-def make_expert_parallel(model: nn.Module, ep_size: int, mode: str, placement: str | None = None) -> nn.Module:
-    """Shard the routed experts of a converted student over groups of ``ep_size`` processes (see
-    :func:`fcsd.parallel.expert_parallel`); ``placement`` is a PLACEMENT.json applied before sharding."""
-    return expert_parallel(model, expert_parallel_group(ep_size), mode=mode, placement=placement or None)
+def make_expert_parallel(model: nn.Module, group, mode: str, placement: str | None = None) -> nn.Module:
+    """Shard the routed experts of a model over ``group`` (see :func:`fcsd.parallel.expert_parallel`; a model loaded
+    as shards is adopted); ``placement`` is a PLACEMENT.json applied first. A model without FarSkip layers (the
+    teacher) runs in mode ``regular``."""
+    from fcsd.connectivity.patch import farskip_layers
+
+    mode = mode if farskip_layers(model) else "regular"
+    return expert_parallel(model, group, mode=mode, placement=placement or None)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
@@ -53,7 +65,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
     group: the norm equals the single-process model's."""
     state = model.fcsd_expert_parallel
     grads = [(p.grad, getattr(p, "fcsd_expert_shard", False)) for p in model.parameters() if p.grad is not None]
-    device = grads[0][0].device if grads else torch.device("cpu")
+    device = next(model.parameters()).device  # a rank without gradients still takes part, on the group's device
     squares = torch.zeros(2, device=device, dtype=torch.float64)
     for grad, is_expert in grads:
         squares[int(is_expert)] += grad.detach().double().pow(2).sum()
@@ -67,17 +79,24 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
 
 
 def save_training_state(model: nn.Module, optimizer, folder: Path, is_main: bool) -> None:
-    """The model's unsharded state dict (main process) and every process's optimizer state; collective."""
-    full = full_state_dict(model)  # every process takes part in the gathers; the main process writes
+    """Per-rank model files (see the module docstring) and every process's optimizer state; no collective."""
+    state = model.fcsd_expert_parallel
     if is_main:
-        torch.save(full, folder / MODEL_FILE)
-    del full
+        torch.save(local_state_dict(model, experts=False), folder / DENSE_FILE)
+    if dist.get_rank() < state.size:  # the first expert-parallel group holds every expert once
+        torch.save(local_state_dict(model, experts=True), folder / EXPERT_SHARD.format(rank=state.rank))
     torch.save(optimizer.state_dict(), folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()))
 
 
 def load_training_state(model: nn.Module, optimizer, folder: Path) -> None:
-    """Inverse of :func:`save_training_state`: the unsharded weights (each process keeps its own experts) and this
-    process's optimizer state."""
-    model.load_state_dict(torch.load(folder / MODEL_FILE, map_location="cpu"))
-    state = torch.load(folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()), map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(state)
+    """Inverse of :func:`save_training_state`: the replicated weights, this rank's expert shards and optimizer."""
+    state = model.fcsd_expert_parallel
+    weights = torch.load(folder / DENSE_FILE, map_location="cpu")
+    weights.update(torch.load(folder / EXPERT_SHARD.format(rank=state.rank), map_location="cpu"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not match the model (missing {missing}, unexpected {unexpected})")
+    state_dict = torch.load(
+        folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()), map_location="cpu", weights_only=False
+    )
+    optimizer.load_state_dict(state_dict)

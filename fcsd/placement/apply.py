@@ -101,13 +101,15 @@ def permute_experts(block: nn.Module, family, order: np.ndarray) -> None:
         tensor.copy_(tensor.index_select(0, index))
 
 
-def apply_placement(model: nn.Module, placement) -> nn.Module:
+def apply_placement(model: nn.Module, placement, permute=None) -> nn.Module:
     """Permute every listed MoE layer's experts so that contiguous EP sharding over ``placement.ep`` ranks realises
     ``placement`` (a :class:`Placement`, a dict or a PLACEMENT.json path). Outputs are unchanged.
 
     Expert ids in the placement are the model's current ones (those its routes were recorded with). The
     composition with any placement applied before is recorded in ``model.config.farskip["placement"]``:
-    ``{"ep", "nodes", "num_experts", "expert_order": {layer: [original id of slot 0, ...]}}``. Returns ``model``.
+    ``{"ep", "nodes", "num_experts", "expert_order": {layer: [original id of slot 0, ...]}}``. ``permute(block,
+    family, order)`` moves the experts (default :func:`permute_experts`; expert parallelism passes one for sharded
+    experts). Returns ``model``.
     """
     placement = check_placement(model, placement)
     family = family_for_config(model.config)
@@ -119,7 +121,7 @@ def apply_placement(model: nn.Module, placement) -> nn.Module:
         before = np.asarray(previous.get(str(layer), np.arange(placement.num_experts)), dtype=np.int64)
         order = placement.order(layer) if layer in placement.layers else np.arange(placement.num_experts)
         if (order != np.arange(order.size)).any():
-            permute_experts(blocks[layer], family, order)
+            (permute or permute_experts)(blocks[layer], family, order)
         expert_order[str(layer)] = [int(x) for x in before[order]]
     block_record[RECORD_KEY] = {
         "ep": placement.ep,

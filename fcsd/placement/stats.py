@@ -34,7 +34,7 @@ class DispatchCounts:
     rows_dedup: int  # distinct (token, destination rank) pairs
     remote_plain: int  # rows leaving the token's own rank (when its source rank is known)
     remote_dedup: int
-    bytes_plain: int  # hidden-state payload + metadata
+    bytes_plain: int  # hidden-state payload (plain rows carry no metadata)
     bytes_dedup: int
     remote_bytes_plain: int  # the same for the rows leaving the token's rank (all rows without a source rank)
     remote_bytes_dedup: int
@@ -68,11 +68,12 @@ def dispatch_counts(
 ) -> DispatchCounts:
     """Rows (and bytes) a plain and a deduplicating dispatcher send for these routes under ``ranks_E``.
 
-    Plain: one row per (token, expert), each the hidden state plus that expert's id and weight. Deduplicated: one
-    row per (token, destination rank), each the hidden state plus the ids and weights of the token's experts on that
-    rank (so metadata bytes are equal; the payload shrinks). ``source_T`` (the rank holding each token) counts the
-    rows (and bytes) that leave their rank; without it every row counts as remote. ``weight_bytes``: bytes of one
-    routing weight on the wire (fcsd's dispatchers send it in the hidden dtype: pass ``elem_bytes``).
+    fcsd's wire formats (:mod:`fcsd.parallel.dispatchers`). Plain: one row per (token, expert), the hidden state
+    alone (the expert id is implied by the row's position, the routing weight stays on the token's rank).
+    Deduplicated: one row per (token, destination rank), the hidden state, plus an id and a weight per (token,
+    expert) pair (the receiver sums a row's experts, so it needs them): ``ID_BYTES + weight_bytes`` per pair, fp32
+    weights by default. ``source_T`` (the rank holding each token) counts the rows (and bytes) that leave their rank;
+    without it every row counts as remote. ``elem_bytes``: bytes of one hidden value on the wire (the compute dtype).
     """
     tokens, k = ids_TK.shape
     dest = destination_ranks(ids_TK, ranks_E)
@@ -94,9 +95,9 @@ def dispatch_counts(
         rows_dedup=rows_dedup,
         remote_plain=remote_plain,
         remote_dedup=remote_dedup,
-        bytes_plain=rows_plain * payload + meta,
+        bytes_plain=rows_plain * payload,
         bytes_dedup=rows_dedup * payload + meta,
-        remote_bytes_plain=remote_plain * (payload + pair_meta),
+        remote_bytes_plain=remote_plain * payload,
         remote_bytes_dedup=remote_dedup * payload + remote_plain * pair_meta,  # remote pairs = remote plain rows
     )
 
