@@ -16,6 +16,7 @@ import fcsd
 from fcsd.distill.tokenizer import train_tokenizer
 from fcsd.export import save as export_module
 from fcsd.export.save import ExportError, export, text_logits
+from fcsd.serving.vllm.families import farskip_architecture
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def test_every_family_reloads_with_remote_code_without_fcsd_and_with_fcsd(tmp_pa
             torch.testing.assert_close(text_logits(reloaded, batch), expected[str(folder)])
         assert fcsd.farskip_layers(reloaded) == fcsd.farskip_layers(model)
         config = json.loads((folder / "config.json").read_text())
-        assert config["model_type"].startswith("farskip_") and config["architectures"] == ["FarSkipForCausalLM"]
+        assert config["model_type"].startswith("farskip_")
+        assert config["architectures"] == [farskip_architecture(config["model_type"])]  # the vLLM plugin's class
         assert config["farskip"]["layers"] == fcsd.farskip_layers(model)
         assert json.loads((folder / "fcsd_export.json").read_text())["parity_max_abs_diff"] < 1e-4
         assert "farskip-collective" in (folder / "README.md").read_text()
