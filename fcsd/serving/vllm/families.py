@@ -38,9 +38,7 @@ SERVED_FAMILIES: tuple[ServedFamily, ...] = (
     ServedFamily("mixtral", "MixtralForCausalLM", _MODELS + "mixtral", "MixtralDecoderLayer", "block_sparse_moe"),
     ServedFamily("olmoe", "OlmoeForCausalLM", _MODELS + "olmoe", "OlmoeDecoderLayer"),
     # vLLM's CPU fused MoE refuses Llama-4's router weight on the input: written and unit-tested, not served here
-    ServedFamily(
-        "llama4_text", "Llama4ForCausalLM", _MODELS + "llama4", "Llama4DecoderLayer", "feed_forward", False
-    ),
+    ServedFamily("llama4_text", "Llama4ForCausalLM", _MODELS + "llama4", "Llama4DecoderLayer", "feed_forward", False),
     ServedFamily(
         "llama4",
         "Llama4ForConditionalGeneration",
@@ -66,3 +64,11 @@ def served_families_text() -> str:
 
 # what an export of a family vLLM lacks names (and what exports of fcsd 0.1 named): the plugin refuses it in one line
 UNSERVED_ARCHITECTURE = "FarSkipForCausalLM"
+
+
+def serve_command(folder: str, model_type: str) -> str | None:
+    """The ``vllm serve`` command of an export (None if vLLM lacks its family); printed by ``fcsd export`` and the
+    model card."""
+    if farskip_architecture(model_type) is None:
+        return None
+    return f"vllm serve {folder}"

@@ -87,10 +87,13 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
     start, end = getattr(owner, "start_layer", 0), getattr(owner, "end_layer", num_layers)
     dtype = vllm_config.model_config.dtype
     if family.model_type.startswith("deepseek") and dtype == torch.float16:
-        raise ValueError("FarSkip serving of DeepSeek in float16 is not supported (vLLM rescales its residual): "
-                         "use --dtype bfloat16")  # fmt: skip
+        raise ValueError(
+            "FarSkip serving of DeepSeek in float16 is not supported (vLLM rescales its residual): use --dtype bfloat16"
+        )
     tp_size = get_tensor_model_parallel_world_size()
-    overlap_on = resolve_overlap((vllm_config.additional_config or {}).get(OVERLAP_KEY), tp_size, _is_eager(vllm_config))
+    overlap_on = resolve_overlap(
+        (vllm_config.additional_config or {}).get(OVERLAP_KEY), tp_size, _is_eager(vllm_config)
+    )
     overlap = RoutedAllReduce(get_tp_group().make_sibling_device_group("farskip_routed")) if overlap_on else None
     handover = HandOver()
     chosen = set(converted)
@@ -115,10 +118,14 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
         wiring.handover = handover
         layer.__class__ = farskip_layer_class(type(layer))
         layer._farskip = wiring
-    init_logger(__name__).info(
+    init_logger("vllm.farskip").info(
         "FarSkip connectivity on layers %s of %d (%s); routed all-reduce %s (tensor-parallel size %d)",
-        converted, num_layers, family.architecture, "overlapped" if overlap_on else "blocking", tp_size,
-    )  # fmt: skip
+        converted,
+        num_layers,
+        family.architecture,
+        "overlapped" if overlap_on else "blocking",
+        tp_size,
+    )
     return converted
 
 
@@ -135,7 +142,17 @@ def _farskip_model_class(family: ServedFamily) -> type:
 
 
 class FarSkipForCausalLM(nn.Module):
-    """What an export of a family vLLM lacks names (and fcsd 0.1's exports did): refused in one line."""
+    """What an export of a family vLLM lacks names (and fcsd 0.1's exports did): refused in one line when vLLM
+    builds it. It has the text-generation interface vLLM checks first, so that this refusal is what the user sees."""
+
+    def embed_input_ids(self, input_ids):  # never reached: __init__ refuses
+        raise NotImplementedError
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         model_type = getattr(vllm_config.model_config.hf_config, "model_type", "unknown")
