@@ -9,9 +9,8 @@ vllm_generate.py) and the matrix covers each code path once:
 
 - qwen3_moe all / last:50% / first:1, TP 1: every layer converted (a dense one too); stock -> converted and
   converted -> stock hand-overs;
-- qwen2_moe, mixtral, olmoe, deepseek_v2 (all), TP 1: each family vLLM's CPU build runs (gated shared expert;
-  MLA + shared experts + a dense first layer);
-- deepseek_v3 (all), TP 1: served and rewired, not compared (vLLM's *stock* DeepSeek-V3 differs from transformers');
+- qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3 (all), TP 1: each family vLLM's CPU build runs (gated shared
+  expert; MLA + shared experts + a dense first layer; DeepSeek-V3's biased sigmoid router);
 - qwen3_moe all, TP 2, overlap auto (on) and off: the overlapped routed all-reduce (gloo async) and the reference;
 - qwen2_moe all, TP 2, overlap on: shared experts and a converted dense layer under tensor parallelism;
 - a stock copy of qwen3_moe all, TP 1: the negative control;
@@ -45,7 +44,7 @@ VENV = ROOT / ".venv-vllm"
 WORKER = Path(__file__).parent / "workers" / "vllm_generate.py"
 PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [7, 7, 100, 3, 250, 61, 9, 44, 18, 4, 77]]
 MAX_TOKENS, TOP_N, LOGPROB_ATOL = 8, 5, 1e-2  # fp32; vLLM's CPU MLA differs from transformers by ~2e-3
-FAMILIES_TP1 = ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2"]
+FAMILIES_TP1 = ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
 
 
 def vllm_python() -> Path:
@@ -132,7 +131,7 @@ def served(tmp_path_factory, tokenizer):
         ("qwen3_moe-all", "qwen3_moe", "all"),
         ("qwen3_moe-last50", "qwen3_moe", "last:50%"),
         ("qwen3_moe-first1", "qwen3_moe", "first:1"),
-    ] + [(f"{f}-all", f, "all") for f in [*FAMILIES_TP1, "deepseek_v3"]]:
+    ] + [(f"{f}-all", f, "all") for f in FAMILIES_TP1]:
         model = fcsd.apply_farskip(build(family, vocab), spec)
         exports[name] = export(model, tokenizer, root / name)
         expected[name] = reference(model)
@@ -171,6 +170,7 @@ def served(tmp_path_factory, tokenizer):
         "expected": expected,
         "results": {**served["results"], **absent["results"]},
         "log": served["log"],
+        "absent_log": absent["log"],
         "exports": exports,
     }
 
@@ -206,13 +206,6 @@ def test_tensor_parallel_2_overlapped_and_blocking_match_fcsd(served, name, sour
     assert f"routed all-reduce {mode} (tensor-parallel size 2)" in served["log"]  # the path under test did run
 
 
-def test_deepseek_v3_is_served_with_every_layer_rewired(served):
-    # vLLM 0.32's stock DeepseekV3ForCausalLM gives other log-probabilities than transformers' on this tiny config
-    # (0.1 apart, checked with the stock checkpoint, no FarSkip involved), so only serving and rewiring are checked
-    assert len(outputs(served, "deepseek_v3-all")[0]["tokens"]) == MAX_TOKENS
-    assert "FarSkip connectivity on layers [0, 1, 2] of 3 (DeepseekV3ForCausalLM)" in served["log"]
-
-
 def test_negative_control_stock_wiring_fails_the_comparison(served):
     got = outputs(served, "stock")
     assert mismatch(served["expected"]["stock"], got) is None  # vLLM's stock model = transformers' stock model
@@ -229,16 +222,15 @@ def test_bad_input_fails_in_one_line(served):
 def test_without_the_plugin_vllm_refuses_the_export(served):
     # VLLM_PLUGINS=none: vLLM without fcsd's plugin; never the stock wiring
     assert "trust_remote_code" in served["results"]["absent"].get("error", ""), served["results"]["absent"]
-    assert "Unrecognized configuration class" in served["results"]["absent-remote-code"].get("error", ""), served[
-        "results"
-    ]["absent-remote-code"]
+    assert served["results"]["absent-remote-code"].get("error"), "served without the plugin"
+    assert "FarSkipConfig'> for this kind of AutoModel" in served["absent_log"]  # transformers refuses the class
 
 
 def test_overlap_switch():
     assert resolve_overlap(None, tp_size=2, eager=True) and resolve_overlap("auto", tp_size=2, eager=True)
     assert not resolve_overlap(None, tp_size=1, eager=True) and not resolve_overlap(None, tp_size=2, eager=False)
     assert not resolve_overlap(False, tp_size=8, eager=True) and resolve_overlap("on", tp_size=1, eager=True)
-    with pytest.raises(ValueError, match="needs eager execution: add --enforce-eager"):
+    with pytest.raises(ValueError, match=r"needs eager execution .*: add --enforce-eager"):
         resolve_overlap(True, tp_size=2, eager=False)
     with pytest.raises(ValueError, match="expected true, false or auto"):
         resolve_overlap("sometimes", tp_size=2, eager=True)
