@@ -115,7 +115,7 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
             attention=attention,
             overlap=overlap,
         )
-        wiring.handover = handover
+        wiring.handover = handover if overlap is not None else None  # nothing to hand over when blocking
         layer.__class__ = farskip_layer_class(type(layer))
         layer._farskip = wiring
     init_logger("vllm.farskip").info(
