@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -126,9 +127,11 @@ def _convert(args) -> int:
 def _export(args) -> int:
     import json
 
+    from fcsd import safe_io
     from fcsd.export.save import export_checkpoint
     from fcsd.serving.vllm.families import serve_command
 
+    safe_io.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
     out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite)
     print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
     command = serve_command(str(out), json.loads((out / "config.json").read_text())["model_type"])
@@ -175,6 +178,8 @@ def _eval_limit(text: str | None) -> int | float | None:
         value = float(text)
     except ValueError:
         value = float("nan")
+    if not math.isfinite(value):
+        value = float("nan")
     if 0 < value <= 1 and "." in text:
         return None if value == 1 else value  # lm-eval reads a limit of 1.0 as one example
     if value >= 1 and value == int(value):
@@ -220,10 +225,13 @@ def _sweep(args) -> int:
 
 
 def _cache_teacher(args) -> int:
+    from fcsd import safe_io
     from fcsd.distill.config import to_config
-    from fcsd.distill.teacher_cache import cache_teacher
+    from fcsd.distill.teacher_cache import cache_dir, cache_teacher
 
-    folder = cache_teacher(to_config(_run_config(args)))
+    config = to_config(_run_config(args))
+    safe_io.check_not_in_use(cache_dir(config).parent, "the folder that holds teacher.cache_dir,")  # a run's
+    folder = cache_teacher(config)
     print(f"teacher cache ready at {folder}; train from it with teacher.mode=cache teacher.cache_dir={folder}")
     return 0
 

@@ -65,6 +65,8 @@ def world(tmp_path_factory):
         (root / name / files[0]).write_text("{}")
         (root / name / "notes.txt").write_text("mine")
     (root / "a_file.txt").write_text("a file")
+    layers = {str(i): [0] * 8 + [1] * 8 for i in range(4)}  # made for a model with 16 experts per layer
+    (root / "placement16.json").write_text(json.dumps({"num_experts": 16, "ep": 2, "nodes": 1, "layers": layers}))
     (root / "work" / "models").mkdir()  # makes `models/typo` a local path with a typo, not a hub id
     (root / "array").mkdir()
     (root / "array" / "config.json").write_text("[1, 2]")
@@ -285,6 +287,12 @@ CASES = [
         "placement_without_expert_parallelism",
         lambda w: run_convert(w, f"parallel.placement={w / 'a_file.txt'}", f"output_dir={w / 'new'}"),
         "parallel.ep_size=1 has none, so it would be ignored",
+        None,
+    ),
+    (
+        "placement_for_another_model",
+        lambda w: run_convert(w, "parallel.ep_size=2", f"parallel.placement={w / 'placement16.json'}", "output_dir=n"),
+        "placement16.json is for 16 experts per layer, the model has 8",
         None,
     ),
     (
@@ -669,20 +677,33 @@ def test_one_command_per_folder(env, capsys):
     assert snapshot(env) == before  # the lock file went with the lock
 
 
-def test_the_next_holder_removes_staging_left_by_a_dead_run(env, tmp_path):
+def test_the_next_holder_removes_staging_left_by_a_dead_run(env, tmp_path, capsys):
+    """Staging folders of a dead run go; the only copy of final/ left between atomic_dir's two renames comes back;
+    the user's own dotted files stay."""
     from fcsd.distill.run_io import output_dir_claimed
 
     run = tmp_path / "run"
     shutil.copytree(env / "runs" / "unfinished", run)
     (run / "checkpoints" / ".step-6.partial").mkdir()
     (run / "checkpoints" / ".step-6.partial" / "optimizer.bin").write_bytes(b"x" * 1000)
-    (run / ".final.partial-k2j4").mkdir()
+    (run / ".best.partial-k2j4ab_9").mkdir()
+    (run / ".final.old-x7c0q2zz" / "final").mkdir(parents=True)
+    (run / ".final.old-x7c0q2zz" / "final" / "config.json").write_text("{}")
+    for mine in (".notes.old", ".plan.partial.md"):
+        (run / mine).write_text("mine")
     overrides = [f"model.name={env / 'model'}", *run_convert(env, f"output_dir={run}", "train.max_steps=9")[2:]]
     config = to_config(compose([*overrides, "train.resume=true"]))
     with output_dir_claimed(config):
         assert (run / ".fcsd-lock").exists()
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
-        assert not (run / ".final.partial-k2j4").exists()
+        assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [
+            ".fcsd-lock",
+            ".fcsd-output",
+            ".notes.old",
+            ".plan.partial.md",
+        ]
+        assert (run / "final" / "config.json").read_text() == "{}"
+    assert "moved back to final" in capsys.readouterr().out
     assert not (run / ".fcsd-lock").exists()
 
 

@@ -82,9 +82,11 @@ def reference(model) -> list[dict]:
     return results
 
 
-def mismatch(expected: list[dict], got: list[dict]) -> str | None:
+def mismatch(expected: list[dict], got: list[dict], min_equal: int = MAX_TOKENS // 2) -> str | None:
     """vLLM's `check_logprobs_close`: compare tokens up to the first mismatch, where each side's token must be in
-    the other's top-N; matched tokens' log-probabilities must agree within LOGPROB_ATOL. None when close."""
+    the other's top-N; matched tokens' log-probabilities must agree within LOGPROB_ATOL. Stricter than vLLM's: the
+    greedy tokens must be equal for at least ``min_equal`` steps of every prompt (a near-tie may end a sequence's
+    comparison only after that). None when close."""
     for p, (ref, out) in enumerate(zip(expected, got, strict=True)):
         for step, (token, other) in enumerate(zip(ref["tokens"], out["tokens"], strict=True)):
             ref_top, out_top = ref["logprobs"][step], out["logprobs"][step]
@@ -97,6 +99,8 @@ def mismatch(expected: list[dict], got: list[dict]) -> str | None:
                 return (
                     f"prompt {p} step {step}: tokens {token} (fcsd) and {other} (vLLM) not in each other's top-{TOP_N}"
                 )
+            if step < min_equal:
+                return f"prompt {p}: greedy tokens differ at step {step} ({token} vs {other}), before step {min_equal}"
             break  # a near-tie: the sequences diverge from here, as vLLM's own tests allow
     return None
 
@@ -224,6 +228,33 @@ def test_without_the_plugin_vllm_refuses_the_export(served):
     assert "trust_remote_code" in served["results"]["absent"].get("error", ""), served["results"]["absent"]
     assert served["results"]["absent-remote-code"].get("error"), "served without the plugin"
     assert "FarSkipConfig'> for this kind of AutoModel" in served["absent_log"]  # transformers refuses the class
+
+
+def test_the_plugin_imports_nothing_of_fcsd_but_itself():
+    """The plugin runs under vLLM's own (older) transformers: registering it imports no other part of fcsd."""
+    script = (
+        "import sys, fcsd.serving.vllm as plugin; plugin.register(); "
+        "print(sorted(m for m in sys.modules if m.startswith('fcsd') and not m.startswith('fcsd.serving')))"
+    )
+    done = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['fcsd']", done.stdout
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "blocking"])
+def test_the_routed_all_reduce_is_waited_after_the_next_attention(mode):
+    """The order the overlap promises (Sec. 4.2), on stub sub-blocks: layer k's routed all-reduce starts at the end
+    of layer k and is waited in layer k+1 after its attention; the last layer (no converted successor) and the
+    blocking reference reduce at once. A start followed by an immediate wait fails this."""
+    worker = Path(__file__).parent / "workers" / "vllm_overlap_order.py"
+    done = subprocess.run([vllm_python(), worker, mode], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    order = json.loads(done.stdout.strip().splitlines()[-1])
+    if mode == "overlapped":
+        assert order == ["attention 0", "start 0", "attention 1", "wait 0", "start 1", "attention 2", "wait 1",
+                         "blocking 2"]  # fmt: skip
+    else:
+        assert order == ["attention 0", "blocking 0", "attention 1", "blocking 1", "attention 2", "blocking 2"]
 
 
 def test_overlap_switch():

@@ -227,6 +227,27 @@ def test_expert_parallel_training_matches_one_process_and_resumes_exactly(parall
     assert records_of(parallel_runs / "ep-resumed", "train/grad_norm") == records_of(ep, "train/grad_norm")
 
 
+def test_step_checkpoints_export_with_the_expert_shards_consolidated(parallel_runs, tmp_path):
+    """`fcsd export RUN/checkpoints/step-N`: a run that never reached final/ can be exported; the expert-parallel
+    checkpoint's per-rank expert shards are consolidated into the stock layout, equal to the one-process run's."""
+    from fcsd.cli import main
+
+    for run in ("one", "ep"):
+        assert main(["export", str(parallel_runs / run / "checkpoints" / "step-2"), str(tmp_path / run)]) == 0
+    batch = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {
+        name: fcsd.from_pretrained(str(folder)).eval()(input_ids=batch).logits
+        for name, folder in (
+            ("one", tmp_path / "one"),
+            ("ep", tmp_path / "ep"),
+            ("final", parallel_runs / "ep" / "final"),
+        )
+    }
+    torch.testing.assert_close(logits["ep"], logits["one"], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits["ep"], logits["final"], atol=1e-4)  # step 2, not the last step
+    assert "| steps | 2 |" in (tmp_path / "ep" / "README.md").read_text()
+
+
 def test_an_export_is_a_training_source(parallel_runs, assets, tmp_path):
     """An exported farskip_* folder trains like any checkpoint: the teacher is the export as it is (FarSkip on its
     recorded layers), so a student converted on the same layers starts at zero held-out KL."""

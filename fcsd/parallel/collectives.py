@@ -126,15 +126,30 @@ class OrderChain:
     """The order token threaded through every exchange of one dispatcher (see the module docstring).
 
     A chain lasts until a backward runs through it; the next exchange then starts a new one. Forwards made before
-    that backward join the same chain and must be backpropagated together (sum their losses), as under DDP."""
+    that backward join the same chain and must be backpropagated together (sum their losses), as under DDP. A
+    forward that is never backpropagated (an evaluation outside ``torch.no_grad()`` on a trainable model) keeps its
+    graph alive through the chain: past :data:`LONG_CHAIN` exchanges without a backward this warns once."""
+
+    LONG_CHAIN = 4096
 
     def __init__(self):
         self.token = None
         self.consumed = True
+        self.links = 0
 
     def take(self, device) -> torch.Tensor:
         if self.consumed or self.token is None:
-            self.token, self.consumed = torch.zeros((), device=device, requires_grad=True), False
+            self.token, self.consumed, self.links = torch.zeros((), device=device, requires_grad=True), False, 0
+        self.links += 1
+        if self.links == self.LONG_CHAIN:
+            import warnings
+
+            warnings.warn(
+                f"{self.LONG_CHAIN} expert-parallel exchanges joined one backward chain with no backward through it: "
+                "their graphs stay in memory until one runs; run forwards you do not backpropagate (evaluation) "
+                "under torch.no_grad()",
+                stacklevel=3,
+            )
         return self.token
 
     def put(self, token: torch.Tensor) -> None:

@@ -109,7 +109,8 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
             raise ValueError(f"FarSkip layer {index}: sequence-parallel MoE is not supported; drop that option")
         wiring = LayerWiring(
             index,
-            after_converted=index - 1 in chosen and index > start,
+            # also across a pipeline-stage boundary: vLLM passes hidden and residual on as they are, (routed, n)
+            after_converted=index - 1 in chosen,
             hands_over=index + 1 in chosen and index + 1 < end,
             mlp_attr=family.mlp_attr,
             attention=attention,
