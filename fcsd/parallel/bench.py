@@ -20,6 +20,10 @@ DIR`` keeps the traces). On CPU the times are ``perf_counter`` readings. Under g
 wait-only overlap, 1 - (time blocked in waits) / T_comm, is reported too (it overstates: collectives also slow the
 compute they overlap; an NCCL wait returns at once, so it is not reported there). Run as
 ``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (``fcsd bench overlap`` does that).
+
+With ``--link BANDWIDTH[,LATENCY]`` every collective goes through a modelled link instead and the figures are those of
+:mod:`fcsd.parallel.bench_link` (hidden share, structural limit, schedule efficiency per collective and phase, every
+layout): overlap seen without a cluster, CPU contention left out.
 """
 
 from __future__ import annotations

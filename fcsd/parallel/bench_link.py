@@ -223,7 +223,10 @@ def format_link_table(result: dict) -> str:
         times = "; ".join(
             f"{mode} " + " + ".join(f"{p} {data['modes'][mode]['step_ms'][p]:.1f}" for p in phases) for mode in MODES
         )
-        lines.append(f"step time under the link (slowest rank, median ms): {times}; speedup {data['speedup']:.3f}")
+        lines.append(
+            f"step wall time under the link (slowest rank, median ms; includes the real collectives' waits): {times}; "
+            f"ratio {data['speedup']:.3f}"
+        )
         lines.append(
             f"CPU share of non-waiting time (lowest rank): regular {regular['cpu_share']:.2f}, overlapped "
             f"{overlap['cpu_share']:.2f} (below 1: other processes took the core; windows are wall time)"

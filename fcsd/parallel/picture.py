@@ -14,7 +14,7 @@ from pathlib import Path
 
 WRITER = "fcsd bench overlap"
 COLOURS = {
-    "attention": "#4c72b0",
+    "attention": "#2a3f6b",
     "attention part a": "#4c72b0",
     "attention part b": "#8fb3e0",
     "routing": "#dd8452",
