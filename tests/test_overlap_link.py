@@ -184,6 +184,7 @@ def test_chrome_trace_and_picture_of_the_recorded_steps(tmp_path):
         (["--link", "1GB"], "--link '1GB': cannot read the bandwidth '1GB'"),
         (["--link", "1GB/s", "--timeline", "t.jpg"], "give a .png file name"),
         (["--link", "1GB/s", "--timeline", "mine.png"], "is not a timeline picture fcsd wrote"),
+        (["--link", "1GB/s", "--trace", "traces"], "over a modelled --link use --timeline FILE.png"),
     ],
 )
 def test_bench_link_refusals_are_one_line_before_any_process_starts(tmp_path, monkeypatch, capsys, extra, message):

@@ -413,6 +413,8 @@ def run_overlap_benchmark(
         from fcsd.parallel.link import parse_link
 
         parse_link(link)
+        if trace:
+            raise ValueError("--trace profiles the real collectives; over a modelled --link use --timeline FILE.png")
     elif timeline:
         raise ValueError("--timeline draws the transfers of a modelled link: add --link, e.g. --link 1GB/s")
     with socket.socket() as probe:

@@ -6,9 +6,10 @@ prefill, every rank holding the same tokens), each in mode ``regular`` (stock co
 ``farskip_overlap``, the real schedule runs ``iters`` steps with every collective going through a
 :class:`fcsd.parallel.link.ModelledLink`. Reported per phase and collective kind (:mod:`fcsd.parallel.overlap`):
 link time, time hidden, window, hidden share, structural limit, schedule efficiency and the exposed remainder by
-cause; the step times under the link (slowest rank's median) and the speedup of the overlapped schedule; the worst
-rank's hidden share; how much of each rank's non-waiting wall time it spent on its own CPU (below 1: other
-processes took the core, which lengthens the windows). ``timeline=True`` adds one recorded step per mode and rank
+cause; the step wall times under the link (slowest rank's median; they include the real collectives' waits, so on
+a shared CPU they are noisy) and their ratio, regular over overlapped; the worst rank's hidden share; how much of
+each rank's non-waiting wall time it spent on its own CPU (below 1: other processes took the core, which lengthens
+the windows). ``timeline=True`` adds one recorded step per mode and rank
 (:mod:`fcsd.parallel.segments`) for :mod:`fcsd.parallel.picture`.
 """
 
