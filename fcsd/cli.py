@@ -124,10 +124,16 @@ def _convert(args) -> int:
 
 
 def _export(args) -> int:
+    import json
+
     from fcsd.export.save import export_checkpoint
+    from fcsd.serving.vllm.families import serve_command
 
     out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite)
     print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
+    command = serve_command(str(out), json.loads((out / "config.json").read_text())["model_type"])
+    if command:
+        print(f"serve it with vLLM (fcsd's plugin: `make serve-env`, README 'Serving'): {command}")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fcsd.serving.vllm.families import serve_command
 from fcsd.sources import display_name, hub_id
 
 CITATION = """@article{farskip2025,
@@ -176,6 +177,24 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
         "`farskip_<base type>`) instead of silently running the regular connectivity. The `farskip` block of "
         "`config.json` lists the converted layers for serving engines.",
         "",
+    ]
+    command = serve_command("THIS_FOLDER_OR_REPO", farskip.get("base_model_type") or "")
+    if command:
+        lines += [
+            "## How to serve",
+            "",
+            "With vLLM and fcsd's vLLM plugin installed in vLLM's environment (fcsd's `make serve-env`):",
+            "",
+            "```bash",
+            command,
+            "```",
+            "",
+            "The plugin serves it on vLLM's own model class with FarSkip connectivity on the converted layers; with "
+            "`--tensor-parallel-size N --enforce-eager` it overlaps the routed experts' all-reduce with the next "
+            "layer's attention.",
+            "",
+        ]
+    lines += [
         "## Citation",
         "",
         "```bibtex",

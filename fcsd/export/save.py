@@ -19,6 +19,7 @@ from fcsd.connectivity.families import (
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
 from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
+from fcsd.serving.vllm.families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 PARITY_RECORD = "fcsd_export.json"  # written only after the reload-parity check passed; `fcsd push` requires it
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -50,7 +51,9 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         facts = run_facts(Path(source or "."))
         config[CONFIG_KEY].update(base_model_type=base_type, base_architectures=config.get("architectures"))
         config[CONFIG_KEY]["recipe"] = recipe_summary(facts)
-        config.update(model_type=EXPORTED_PREFIX + base_type, architectures=["FarSkipForCausalLM"], auto_map=auto_map)
+        # `architectures` names the class fcsd's vLLM plugin serves it with; transformers loads it through auto_map
+        served_by = farskip_architecture(base_type) or UNSERVED_ARCHITECTURE
+        config.update(model_type=EXPORTED_PREFIX + base_type, architectures=[served_by], auto_map=auto_map)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
         dtype = str(model.dtype).removeprefix("torch.")
