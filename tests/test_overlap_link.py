@@ -6,9 +6,9 @@ Why the guard is not flaky on a loaded machine: the hidden share is computed fro
 this rank called each wait (not from how long the real gloo collective or the sleep took), so another rank arriving
 late, oversleeping or the real transfer's speed change nothing; CPU contention only lengthens the compute between a
 launch and its wait, which can only hide more. The link is an explicit bandwidth (no machine-dependent preset) at
-which each transfer (~0.7 ms) is several times shorter than its window (>= 3 ms on an idle core); the routing, hence
-each transfer's bytes, is deterministic. A serialised schedule leaves no compute between launch and wait whatever the
-load: FCSD_EP_SYNC=1 hides ~2%.
+which each transfer (~0.7 ms) is several times shorter than its window (the shortest, attention part b, took 3.5 ms
+and more on the 2-core development machine); the routing, hence each transfer's bytes, is deterministic. A
+serialised schedule leaves no compute between launch and wait whatever the load: FCSD_EP_SYNC=1 hides ~2%.
 """
 
 import json
