@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: 'overlap' times expert-parallel collectives and their overlap")
     p.add_argument("what", choices=["overlap"])
     p.add_argument("--model", default=None, help="a saved MoE causal LM folder (default: --config)")
-    p.add_argument("--config", choices=["tiny", "mid"], default="tiny", help="built-in Qwen3-MoE shapes (8 experts)")
+    config_help = "built-in shapes: tiny, mid (Qwen3-MoE, 8 experts), dsv3 (DeepSeek-V3's layers, narrower)"
+    p.add_argument("--config", choices=["tiny", "mid", "dsv3"], default="tiny", help=config_help)
     ranks_help = "local processes, one device each (the expert-parallel group size; must divide the expert count)"
     p.add_argument("--ranks", type=int, default=2, help=ranks_help)
     p.add_argument("--iters", type=int, default=5, help="timed iterations per measurement (median reported)")
@@ -370,6 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: a GPU per rank if any")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: NCCL with a GPU per rank")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
+    link_help = (
+        "run over a modelled link: BANDWIDTH[,LATENCY] (e.g. 25GB/s,10us) or a preset (xgmi, nvlink, eth400: scaled "
+        "to this CPU's speed); prints hidden share, structural limit and schedule efficiency per collective"
+    )
+    p.add_argument("--link", default=None, help=link_help)
+    timeline_help = "with --link: one step per rank, regular vs overlapped, drawn to FILE.png (+ FILE.trace.json)"
+    p.add_argument("--timeline", default=None, metavar="FILE.png", help=timeline_help)
     p.set_defaults(func=_bench)
 
     from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
@@ -380,19 +388,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench(args) -> int:
     from fcsd import safe_io
-    from fcsd.parallel.bench import format_table, run_overlap_benchmark
+    from fcsd.parallel import picture
+    from fcsd.parallel.bench import format_result, run_overlap_benchmark
 
     if args.iters < 1:
         raise ValueError(f"--iters {args.iters}: it must be at least 1 timed iteration")
     if args.trace:
         args.trace = str(safe_io.check_output_folder(args.trace, "trace", "--trace", {"model": args.model}))
+    if args.timeline:
+        png, chrome = picture.output_paths(args.timeline)
+        safe_io.check_output_file(png, "--timeline", "timeline picture", picture.is_own_png, {"model": args.model})
+        safe_io.check_output_file(chrome, "--timeline", "timeline trace", picture.is_own_trace, {"model": args.model})
     options = dict(device=args.device, backend=args.backend, dtype=args.dtype)
+    options.update(link=args.link, timeline=bool(args.timeline))
     result = run_overlap_benchmark(
         args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher, **options
     )
     if args.trace:  # every entry there now is a trace this run (or an earlier one) wrote
         safe_io.mark(args.trace, "trace", [p.name for p in Path(args.trace).iterdir() if p.name != safe_io.MARKER])
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if args.timeline:
+        picture.write_timeline(result, png, chrome)
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    if args.timeline:
+        print(f"timeline: {png} (Chrome trace: {chrome})")
     return 0
 
 
