@@ -113,6 +113,7 @@ def test_export_refusals(tmp_path, tokenizer):
     with pytest.raises(ExportError, match=r"also holds files fcsd did not write \(notes.txt\)"):
         export(model, tokenizer, tmp_path / "out", overwrite=True)
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    (tmp_path / "src").mkdir()  # a source that exists (a hub id is not a folder to protect)
     with pytest.raises(ExportError, match="lies inside the source"):
         export(model, tokenizer, tmp_path / "src" / "export", source=tmp_path / "src")
     with pytest.raises(ExportError, match="no FarSkip layers"):
@@ -134,7 +135,7 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert "holds an export; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
-    assert "neither a converted checkpoint nor a run folder" in capsys.readouterr().err
+    assert "neither a converted checkpoint, a run folder with final/, nor a step checkpoint" in capsys.readouterr().err
 
 
 def test_model_card_of_a_converted_run(tmp_path):
