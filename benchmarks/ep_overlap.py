@@ -13,7 +13,7 @@ from fcsd.parallel.bench import format_table, run_overlap_benchmark
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--config", choices=["tiny", "mid"], default="mid")
+    parser.add_argument("--config", choices=["tiny", "mid", "dsv3"], default="mid")
     parser.add_argument("--model", default=None)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -124,10 +125,18 @@ def _convert(args) -> int:
 
 
 def _export(args) -> int:
-    from fcsd.export.save import export_checkpoint
+    import json
 
+    from fcsd import safe_io
+    from fcsd.export.save import export_checkpoint
+    from fcsd.serving.vllm.families import serve_command
+
+    safe_io.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
     out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite)
     print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
+    command = serve_command(str(out), json.loads((out / "config.json").read_text())["model_type"])
+    if command:
+        print(f"serve it with vLLM (fcsd's plugin: `make serve-env`, README 'Serving'): {command}")
     return 0
 
 
@@ -168,6 +177,8 @@ def _eval_limit(text: str | None) -> int | float | None:
     try:
         value = float(text)
     except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
         value = float("nan")
     if 0 < value <= 1 and "." in text:
         return None if value == 1 else value  # lm-eval reads a limit of 1.0 as one example
@@ -214,10 +225,13 @@ def _sweep(args) -> int:
 
 
 def _cache_teacher(args) -> int:
+    from fcsd import safe_io
     from fcsd.distill.config import to_config
-    from fcsd.distill.teacher_cache import cache_teacher
+    from fcsd.distill.teacher_cache import cache_dir, cache_teacher
 
-    folder = cache_teacher(to_config(_run_config(args)))
+    config = to_config(_run_config(args))
+    safe_io.check_not_in_use(cache_dir(config).parent, "the folder that holds teacher.cache_dir,")  # a run's
+    folder = cache_teacher(config)
     print(f"teacher cache ready at {folder}; train from it with teacher.mode=cache teacher.cache_dir={folder}")
     return 0
 
@@ -350,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: 'overlap' times expert-parallel collectives and their overlap")
     p.add_argument("what", choices=["overlap"])
     p.add_argument("--model", default=None, help="a saved MoE causal LM folder (default: --config)")
-    p.add_argument("--config", choices=["tiny", "mid"], default="tiny", help="built-in Qwen3-MoE shapes (8 experts)")
+    config_help = "built-in shapes: tiny, mid (Qwen3-MoE, 8 experts), dsv3 (DeepSeek-V3's layers, narrower)"
+    p.add_argument("--config", choices=["tiny", "mid", "dsv3"], default="tiny", help=config_help)
     ranks_help = "local processes, one device each (the expert-parallel group size; must divide the expert count)"
     p.add_argument("--ranks", type=int, default=2, help=ranks_help)
     p.add_argument("--iters", type=int, default=5, help="timed iterations per measurement (median reported)")
@@ -360,6 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: a GPU per rank if any")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto", help="auto: NCCL with a GPU per rank")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="auto: bf16 on GPU")
+    link_help = (
+        "run over a modelled link: BANDWIDTH[,LATENCY] (e.g. 25GB/s,10us) or a preset (xgmi, nvlink, eth400: scaled "
+        "to this CPU's speed); prints hidden share, structural limit and schedule efficiency per collective"
+    )
+    p.add_argument("--link", default=None, help=link_help)
+    timeline_help = "with --link: one step per rank, regular vs overlapped, drawn to FILE.png (+ FILE.trace.json)"
+    p.add_argument("--timeline", default=None, metavar="FILE.png", help=timeline_help)
     p.set_defaults(func=_bench)
 
     from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
@@ -370,19 +392,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench(args) -> int:
     from fcsd import safe_io
-    from fcsd.parallel.bench import format_table, run_overlap_benchmark
+    from fcsd.parallel import picture
+    from fcsd.parallel.bench import format_result, run_overlap_benchmark
 
     if args.iters < 1:
         raise ValueError(f"--iters {args.iters}: it must be at least 1 timed iteration")
     if args.trace:
         args.trace = str(safe_io.check_output_folder(args.trace, "trace", "--trace", {"model": args.model}))
+    if args.timeline:
+        png, chrome = picture.output_paths(args.timeline)
+        safe_io.check_output_file(png, "--timeline", "timeline picture", picture.is_own_png, {"model": args.model})
+        safe_io.check_output_file(chrome, "--timeline", "timeline trace", picture.is_own_trace, {"model": args.model})
     options = dict(device=args.device, backend=args.backend, dtype=args.dtype)
+    options.update(link=args.link, timeline=bool(args.timeline))
     result = run_overlap_benchmark(
         args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher, **options
     )
     if args.trace:  # every entry there now is a trace this run (or an earlier one) wrote
         safe_io.mark(args.trace, "trace", [p.name for p in Path(args.trace).iterdir() if p.name != safe_io.MARKER])
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if args.timeline:
+        picture.write_timeline(result, png, chrome)
+    print(json.dumps(result, indent=2) if args.json else format_result(result))
+    if args.timeline:
+        print(f"timeline: {png} (Chrome trace: {chrome})")
     return 0
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from fcsd.sources import cache_root
 
-PRETRAIN_STEPS = 700
-DEMO_VERSION = 4  # bump when the demo assets change, so stale caches are rebuilt
+PRETRAIN_STEPS = 900
+DEMO_VERSION = 5  # bump when the demo assets change, so stale caches are rebuilt
 
 
 def demo_dir() -> Path:
@@ -36,7 +36,7 @@ def demo_config(vocab_size: int):
         num_hidden_layers=6,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=24,
+        head_dim=32,  # vLLM's CPU attention serves head sizes of 32 and up (`vllm serve` of the demo export)
         num_experts=16,
         num_experts_per_tok=4,
         norm_topk_prob=True,
@@ -47,7 +47,9 @@ def demo_config(vocab_size: int):
 
 
 def prepare_demo(seed: int = 0) -> Path:
-    """Build (once) and return the demo folder: ``model/`` (checkpoint, tokenizer), ``data/{train,heldout}.jsonl``."""
+    """Build (once) and return the demo folder: ``model/`` (checkpoint, tokenizer), ``data/train.jsonl`` (the
+    conversion data), ``data/heldout.jsonl`` (the scored tasks) and ``data/heldout-general.jsonl`` (held-out rows of
+    the conversion data's tasks)."""
     root = demo_dir()
     if (root / "model" / "config.json").exists():
         return root
@@ -65,6 +67,7 @@ def prepare_demo(seed: int = 0) -> Path:
         heldout = make_dataset(200, seed=seed + 1)  # scored: tasks the conversion data does not cover
         write_jsonl(conversion, staging / "data" / "train.jsonl")
         write_jsonl(heldout, staging / "data" / "heldout.jsonl")
+        write_jsonl(make_dataset(120, seed=seed + 3, tasks=GENERAL_TASKS), staging / "data" / "heldout-general.jsonl")
         tokenizer = train_tokenizer((m["content"] for row in abilities for m in row["messages"]), vocab_size=300)
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(demo_config(len(tokenizer)))

@@ -32,6 +32,12 @@ TRAINER_STATE = "trainer_state.json"  # in checkpoints/step-N/: data position, s
 LEGACY_CHECKPOINT_FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
 
 
+def is_step_checkpoint(folder: str | Path) -> bool:
+    """Whether ``folder`` is a resumable step checkpoint (``checkpoints/step-N``), not a loadable model folder."""
+    folder = Path(folder)
+    return folder.parent.name == "checkpoints" and (folder / TRAINER_STATE).is_file()
+
+
 @dataclass(frozen=True)
 class RunFolder:
     root: Path
@@ -55,8 +61,9 @@ class RunFolder:
 
     @classmethod
     def of_checkpoint(cls, checkpoint: str | Path) -> RunFolder:
-        """The run folder that holds ``checkpoint`` (its ``final/`` or ``best/``)."""
-        return cls(Path(checkpoint).parent)
+        """The run folder that holds ``checkpoint`` (its ``final/`` or ``best/``, or ``checkpoints/step-N``)."""
+        checkpoint = Path(checkpoint)
+        return cls(checkpoint.parent.parent if is_step_checkpoint(checkpoint) else checkpoint.parent)
 
     def step_checkpoint(self, step: int) -> Path:
         return self.checkpoints_dir / f"step-{step}"
@@ -102,10 +109,19 @@ class RunFolder:
             shutil.rmtree(old, ignore_errors=True)
 
     def records(self) -> list[dict]:
-        """Every record of ``metrics.jsonl``, in order (none when the run has not logged yet)."""
+        """Every record of ``metrics.jsonl``, in order (none when the run has not logged yet); a line cut short by a
+        killed process or a full disk is skipped."""
         if not self.metrics.exists():
             return []
-        return [json.loads(line) for line in self.metrics.read_text().splitlines()]
+        records = []
+        for line in self.metrics.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+        return records
 
     def model_to_export(self) -> Path | None:
         """What ``fcsd export`` takes from the run: ``best/`` when early stopping kept one, else ``final/``."""

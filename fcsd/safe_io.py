@@ -21,6 +21,7 @@ import errno
 import fnmatch
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -171,8 +172,14 @@ def is_empty(folder: Path) -> bool:
     return not folder.exists() or (folder.is_dir() and not any(folder.iterdir()))
 
 
+# The staging names fcsd itself uses, and only those (a user's `.notes.old` is not one): atomic_dir's
+# `.<name>.partial-XXXXXXXX` / `.<name>.old-XXXXXXXX` (mkdtemp's suffix), atomic_file's `.<name>.partial-<pid>`,
+# a checkpoint's `.step-N.partial`, the marker's `.fcsd-output.tmp<pid>`.
+STAGING = re.compile(r"\.step-\d+\.partial|\..+\.(partial|old)-[A-Za-z0-9_]{8}|\..+\.partial-\d+|\.fcsd-output\.tmp\d+")
+
+
 def is_staging_leftover(name: str) -> bool:
-    return name.startswith(".") and (".partial" in name or ".old" in name or name.startswith(f"{MARKER}.tmp"))
+    return STAGING.fullmatch(name) is not None
 
 
 def foreign_entries(folder: Path, marker: Marker) -> list[str]:
@@ -242,14 +249,22 @@ def _remove(entry: Path) -> None:
 
 
 def remove_stale_staging(folder: Path) -> list[str]:
-    """Staging leftovers of a dead process in ``folder`` and its ``checkpoints/`` (call while holding its lock)."""
+    """Staging leftovers of a dead process in ``folder`` and its ``checkpoints/`` (call while holding its lock). A
+    process killed between the two renames of :func:`atomic_dir` leaves the only copy of ``X`` in ``.X.old-*/X``:
+    that one is moved back, not removed."""
     removed = []
     for parent in (Path(folder), Path(folder) / "checkpoints"):
-        if parent.is_dir():
-            for entry in parent.iterdir():
-                if is_staging_leftover(entry.name):
-                    _remove(entry)
-                    removed.append(str(entry.relative_to(folder)))
+        if not parent.is_dir():
+            continue
+        for entry in sorted(parent.iterdir()):
+            if not is_staging_leftover(entry.name):
+                continue
+            old = re.fullmatch(r"\.(.+)\.old-[A-Za-z0-9_]{8}", entry.name)
+            if old and (entry / old.group(1)).exists() and not (parent / old.group(1)).exists():
+                os.replace(entry / old.group(1), parent / old.group(1))
+                removed.append(f"{entry.relative_to(folder)} (moved back to {old.group(1)})")
+            _remove(entry)
+            removed.append(str(entry.relative_to(folder)))
     return removed
 
 
@@ -386,6 +401,14 @@ def _describe_holder(text: str) -> str:
 
 def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
+
+
+def check_not_around(target: Path, what: str, name: str, folder: Path) -> None:
+    """Refuse a ``target`` that is or contains ``folder`` (it may lie inside it: a run's ``export/``)."""
+    target, folder = Path(target).expanduser().resolve(), Path(folder).expanduser().resolve()
+    if _inside(folder, target):
+        relation = "is" if target == folder else "contains"
+        raise FolderError(f"{what} {target} {relation} the {name} {folder}; choose another {what}")
 
 
 def check_not_an_input(target: Path, what: str, inputs: dict[str, str | Path | None]) -> None:

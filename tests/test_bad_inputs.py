@@ -65,6 +65,11 @@ def world(tmp_path_factory):
         (root / name / files[0]).write_text("{}")
         (root / name / "notes.txt").write_text("mine")
     (root / "a_file.txt").write_text("a file")
+    (root / "clean_export").mkdir()
+    (root / "clean_export" / MARKER).write_text(json.dumps({"kind": "export", "written": ["config.json"]}))
+    (root / "clean_export" / "config.json").write_text("{}")
+    layers = {str(i): [0] * 8 + [1] * 8 for i in range(4)}  # made for a model with 16 experts per layer
+    (root / "placement16.json").write_text(json.dumps({"num_experts": 16, "ep": 2, "nodes": 1, "layers": layers}))
     (root / "work" / "models").mkdir()  # makes `models/typo` a local path with a typo, not a hub id
     (root / "array").mkdir()
     (root / "array" / "config.json").write_text("[1, 2]")
@@ -182,13 +187,13 @@ CASES = [
     (
         "export_into_run",
         lambda w: ["export", str(w / "runs/x"), str(w / "runs/x"), "--overwrite"],
-        "it is, contains or lies inside the source",
+        "contains the source",
         None,
     ),
     (
         "export_final_into_run",
         lambda w: ["export", str(w / "runs/x/final"), str(w / "runs/x"), "--overwrite"],
-        "it is, contains or lies inside the source",
+        "contains the source",
         None,
     ),
     (
@@ -242,6 +247,12 @@ CASES = [
         "also holds files fcsd did not write (notes.txt)",
         None,
     ),
+    (
+        "export_dir_holds_an_export",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", f"export_dir={w / 'clean_export'}"),
+        "clean_export holds an export; set overwrite=true to replace it",
+        None,
+    ),
     # 13. --resume checks what it resumes
     (
         "resume_a_finished_run",
@@ -285,6 +296,12 @@ CASES = [
         "placement_without_expert_parallelism",
         lambda w: run_convert(w, f"parallel.placement={w / 'a_file.txt'}", f"output_dir={w / 'new'}"),
         "parallel.ep_size=1 has none, so it would be ignored",
+        None,
+    ),
+    (
+        "placement_for_another_model",
+        lambda w: run_convert(w, "parallel.ep_size=2", f"parallel.placement={w / 'placement16.json'}", "output_dir=n"),
+        "placement16.json is for 16 experts per layer, the model has 8",
         None,
     ),
     (
@@ -675,28 +692,43 @@ def test_one_command_per_folder(env, capsys):
 
     run = env / "runs" / "unfinished"
     before = snapshot(env)
-    with safe_io.folder_lock(run, "output_dir"):
+    with safe_io.folder_lock(run, "output_dir"), safe_io.folder_lock(env / "runs" / "x", "output_dir"):
         assert main([*run_convert(env, f"output_dir={run}", "train.max_steps=9"), "--resume"]) == 2
         assert main(run_convert(env, f"output_dir={run}", "overwrite=true")) == 2
+        assert main(["eval", str(env / "runs" / "x"), "--tasks", "arc_easy"]) == 2  # writes RUN/eval
+        assert main(["export", str(env / "runs" / "y"), str(env / "runs" / "x" / "export2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(f"is in use by another fcsd command (pid {os.getpid()} on " in e for e in err), err
+    assert len(err) == 4 and all(f"is in use by another fcsd command (pid {os.getpid()} on " in e for e in err), err
     assert snapshot(env) == before  # the lock file went with the lock
 
 
-def test_the_next_holder_removes_staging_left_by_a_dead_run(env, tmp_path):
+def test_the_next_holder_removes_staging_left_by_a_dead_run(env, tmp_path, capsys):
+    """Staging folders of a dead run go; the only copy of final/ left between atomic_dir's two renames comes back;
+    the user's own dotted files stay."""
     from fcsd.distill.run_io import output_dir_claimed
 
     run = tmp_path / "run"
     shutil.copytree(env / "runs" / "unfinished", run)
     (run / "checkpoints" / ".step-6.partial").mkdir()
     (run / "checkpoints" / ".step-6.partial" / "optimizer.bin").write_bytes(b"x" * 1000)
-    (run / ".final.partial-k2j4").mkdir()
+    (run / ".best.partial-k2j4ab_9").mkdir()
+    (run / ".final.old-x7c0q2zz" / "final").mkdir(parents=True)
+    (run / ".final.old-x7c0q2zz" / "final" / "config.json").write_text("{}")
+    for mine in (".notes.old", ".plan.partial.md"):
+        (run / mine).write_text("mine")
     overrides = [f"model.name={env / 'model'}", *run_convert(env, f"output_dir={run}", "train.max_steps=9")[2:]]
     config = to_config(compose([*overrides, "train.resume=true"]))
     with output_dir_claimed(config):
         assert (run / ".fcsd-lock").exists()
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-4"]
-        assert not (run / ".final.partial-k2j4").exists()
+        assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [
+            ".fcsd-lock",
+            ".fcsd-output",
+            ".notes.old",
+            ".plan.partial.md",
+        ]
+        assert (run / "final" / "config.json").read_text() == "{}"
+    assert "moved back to final" in capsys.readouterr().out
     assert not (run / ".fcsd-lock").exists()
 
 
@@ -745,7 +777,10 @@ def test_resume_checks_the_data_and_the_checkpoint_files_and_says_how_to_go_on(e
     command = shlex.split(err.split("`")[1])
     assert command[-2:] == ["--resume", "train.resume_step=2"]
     assert main(command[1:]) == 0
-    assert "resuming from" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resuming from" in printed and "set aside the later checkpoints step-3" in printed
+    abandoned = out / "checkpoints" / "abandoned-step-3"  # kept, never resumed from or pruned into the new ones
+    assert abandoned.is_dir() and not (abandoned / "random_states_0.pkl").exists()
     steps = [r["step"] for r in RunFolder(out).records() if "train/loss" in r]
     assert steps == [1, 2, 3, 4]
     assert json.loads((out / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
@@ -756,7 +791,8 @@ def test_a_restarted_run_logs_each_step_once(env, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(env / "runs" / "unfinished", out)
     shutil.rmtree(out / "checkpoints")
-    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 9.0}) + "\n" for s in range(1, 6)))
+    old = "".join(json.dumps({"step": s, "train/loss": 9.0}) + "\n" for s in range(1, 6))
+    (out / "metrics.jsonl").write_text(old + '{"step": 6, "train/lo')  # the last line cut by a kill
     argv = run_convert(env, f"output_dir={out}", "train.max_steps=2", "export=false")
     assert main([*argv, "--resume"]) == 0
     steps = [r["step"] for r in RunFolder(out).records() if "train/loss" in r]

@@ -4,6 +4,7 @@ import json
 
 from fcsd import embedded
 from fcsd.cli import main
+from fcsd.distill.synthetic import GENERAL_TASKS
 
 
 def test_demo_is_built_once_and_resolves(tmp_path, monkeypatch, capsys):
@@ -14,7 +15,9 @@ def test_demo_is_built_once_and_resolves(tmp_path, monkeypatch, capsys):
     assert config["model_type"] == "qwen3_moe"
     # the conversion data covers other tasks than the scored ones (the paper's setting)
     rows = (root / "data" / "train.jsonl").read_text().splitlines()
-    assert {json.loads(r)["task"] for r in rows} == {"copy", "max", "min", "lookup"}
+    assert (
+        {json.loads(r)["task"] for r in rows} == set(GENERAL_TASKS) == {"copy", "desc", "max", "min", "sub", "lookup"}
+    )
     rows = (root / "data" / "heldout.jsonl").read_text().splitlines()
     assert {json.loads(r)["task"] for r in rows} == {"add", "sort", "reverse", "recall"}
     stamp = (root / "model" / "config.json").stat().st_mtime_ns
@@ -49,10 +52,15 @@ def test_convert_demo_prints_the_comparison_table(tmp_path, monkeypatch, capsys)
     assert "FCSD and SFT trained on the same conversion data, other tasks the teacher knows" in printed
     report = json.loads((out / "demo_report.json").read_text())
     assert report["teacher"]["kl"] == 0.0 and report["converted, before training"]["kl"] > 0
-    assert set(report["teacher"]) == {"kl", "add", "sort", "reverse", "recall", "all"}
+    assert set(report["teacher"]) == {"kl", "add", "sort", "reverse", "recall", "all", "conversion tasks"}
     for run in ("fcsd-kl", "fcsd-sft"):
         assert (out / run / "final" / "config.json").exists()
     # it ends with lm-eval on the demo suite: teacher vs the FCSD model, the table also in the export's card
     assert set(report["lm-eval"]) == {"original", "converted", "delta"}
     assert set(report["lm-eval"]["converted"]) == {"demo-gen", "demo-choice", "Avg"}
     assert "| converted (" in (out / "fcsd-kl" / "export" / "README.md").read_text()
+    # `make demo` again: the demo replaces its own runs (evaluation and export included), nothing else
+    (out / "notes.txt").write_text("mine")
+    assert main([*argv[:2], "train.max_steps=1", *argv[3:]]) == 0
+    assert json.loads((out / "fcsd-kl" / "final" / "fcsd_checkpoint.json").read_text())["step"] == 1
+    assert (out / "notes.txt").read_text() == "mine"

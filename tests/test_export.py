@@ -16,6 +16,7 @@ import fcsd
 from fcsd.distill.tokenizer import train_tokenizer
 from fcsd.export import save as export_module
 from fcsd.export.save import ExportError, export, text_logits
+from fcsd.serving.vllm.families import farskip_architecture
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,12 @@ def test_every_family_reloads_with_remote_code_without_fcsd_and_with_fcsd(tmp_pa
             torch.testing.assert_close(text_logits(reloaded, batch), expected[str(folder)])
         assert fcsd.farskip_layers(reloaded) == fcsd.farskip_layers(model)
         config = json.loads((folder / "config.json").read_text())
-        assert config["model_type"].startswith("farskip_") and config["architectures"] == ["FarSkipForCausalLM"]
+        assert config["model_type"].startswith("farskip_")
+        assert config["architectures"] == [farskip_architecture(config["model_type"])]  # the vLLM plugin's class
         assert config["farskip"]["layers"] == fcsd.farskip_layers(model)
         assert json.loads((folder / "fcsd_export.json").read_text())["parity_max_abs_diff"] < 1e-4
         assert "farskip-collective" in (folder / "README.md").read_text()
+        assert "vllm serve THIS_FOLDER_OR_REPO" in (folder / "README.md").read_text()  # every family has a vLLM class
         folders.append(str(folder))
     torch.save(batch, tmp_path / "batch.pt")
     worker = Path(__file__).parent / "workers" / "load_remote_code.py"
@@ -110,6 +113,7 @@ def test_export_refusals(tmp_path, tokenizer):
     with pytest.raises(ExportError, match=r"also holds files fcsd did not write \(notes.txt\)"):
         export(model, tokenizer, tmp_path / "out", overwrite=True)
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    (tmp_path / "src").mkdir()  # a source that exists (a hub id is not a folder to protect)
     with pytest.raises(ExportError, match="lies inside the source"):
         export(model, tokenizer, tmp_path / "src" / "export", source=tmp_path / "src")
     with pytest.raises(ExportError, match="no FarSkip layers"):
@@ -123,13 +127,15 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     model.save_pretrained(tmp_path / "run" / "final")
     tokenizer.save_pretrained(tmp_path / "run" / "final")
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
-    assert "reload parity checked" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "reload parity checked" in printed
+    assert f"vllm serve {tmp_path / 'out'}" in printed  # the plugin's serve command
     assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "out"))) == fcsd.farskip_layers(model)
     assert (tmp_path / "out" / "modeling_farskip.py").exists()
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert "holds an export; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
-    assert "neither a converted checkpoint nor a run folder" in capsys.readouterr().err
+    assert "neither a converted checkpoint, a run folder with final/, nor a step checkpoint" in capsys.readouterr().err
 
 
 def test_model_card_of_a_converted_run(tmp_path):

@@ -68,7 +68,7 @@ def losses_of(out) -> list[float]:
 
 def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, tmp_path):
     result = convert(
-        config_for(assets, tmp_path / "run", "train.max_steps=8", "farskip.layers=last:50%", "train.lr=3e-4")
+        config_for(assets, tmp_path / "run", "train.max_steps=8", "farskip.layers=last:50%", "train.lr=1e-4")
     )
     assert result.eval_after["eval/kl"] < 0.85 * result.eval_before["eval/kl"]
     model = fcsd.from_pretrained(str(result.final_dir))
@@ -81,7 +81,7 @@ def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, t
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     recipe = json.loads((tmp_path / "run" / "export" / "config.json").read_text())["farskip"]["recipe"]
-    assert (recipe["objective"], recipe["steps"], recipe["tokens"], recipe["lr"]) == ("kl", 8, 8 * 256, 3e-4)
+    assert (recipe["objective"], recipe["steps"], recipe["tokens"], recipe["lr"]) == ("kl", 8, 8 * 256, 1e-4)
     # the final checkpoint holds the trained student: its held-out KL is the one the run reported
     from fcsd.distill.heldout import heldout_metrics
     from fcsd.distill.models import load_models, load_tokenizer
@@ -225,6 +225,27 @@ def test_expert_parallel_training_matches_one_process_and_resumes_exactly(parall
     assert not any(torch.equal(shards[0][key], shards[1][key]) for key in shards[0])
     assert records_of(parallel_runs / "ep-resumed", "train/loss") == records_of(ep, "train/loss")
     assert records_of(parallel_runs / "ep-resumed", "train/grad_norm") == records_of(ep, "train/grad_norm")
+
+
+def test_step_checkpoints_export_with_the_expert_shards_consolidated(parallel_runs, tmp_path):
+    """`fcsd export RUN/checkpoints/step-N`: a run that never reached final/ can be exported; the expert-parallel
+    checkpoint's per-rank expert shards are consolidated into the stock layout, equal to the one-process run's."""
+    from fcsd.cli import main
+
+    for run in ("one", "ep"):
+        assert main(["export", str(parallel_runs / run / "checkpoints" / "step-2"), str(tmp_path / run)]) == 0
+    batch = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {
+        name: fcsd.from_pretrained(str(folder)).eval()(input_ids=batch).logits
+        for name, folder in (
+            ("one", tmp_path / "one"),
+            ("ep", tmp_path / "ep"),
+            ("final", parallel_runs / "ep" / "final"),
+        )
+    }
+    torch.testing.assert_close(logits["ep"], logits["one"], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits["ep"], logits["final"], atol=1e-4)  # step 2, not the last step
+    assert "| steps | 2 |" in (tmp_path / "ep" / "README.md").read_text()
 
 
 def test_an_export_is_a_training_source(parallel_runs, assets, tmp_path):

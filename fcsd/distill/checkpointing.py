@@ -98,3 +98,43 @@ def set_saved_dtype(folder: Path, dtype: torch.dtype) -> None:
     if isinstance(config.get("text_config"), dict) and "dtype" in config["text_config"]:
         config["text_config"]["dtype"] = name
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def load_step_checkpoint(checkpoint: Path):
+    """The student of a step checkpoint (``checkpoints/step-N``) and its tokenizer, rebuilt from the run's config
+    (model, revision, layers, placement) with the checkpoint's weights (expert-parallel shards consolidated, see
+    :func:`fcsd.parallel.training.consolidated_state_dict`), in the checkpoint's source dtype: what ``fcsd export``
+    takes from a run that never reached ``final/``."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+
+    from fcsd.loading import from_pretrained, load_config, tokenizer_from_pretrained
+    from fcsd.sources import resolve_model
+
+    checkpoint = Path(checkpoint)
+    run = RunFolder.of_checkpoint(checkpoint)
+    missing = run.missing_files(checkpoint)
+    if missing or not run.config.exists():
+        raise ValueError(f"{checkpoint} cannot be exported: {', '.join(missing or [str(run.config)])} missing")
+    config = OmegaConf.load(run.config)
+    name, revision = resolve_model(config.model.name), config.model.revision
+    options = {"revision": revision} if revision else {}
+    model = from_pretrained(name, layers=config.farskip.layers, text_only=True, dtype=torch.float32, **options)
+    if config.parallel.placement:
+        from fcsd.placement import apply_placement
+
+        apply_placement(model, config.parallel.placement)
+    if (checkpoint / "model.safetensors").exists():  # accelerate's save_state of a single or data-parallel run
+        state = load_file(str(checkpoint / "model.safetensors"))
+    else:
+        from fcsd.parallel.training import consolidated_state_dict
+
+        state = consolidated_state_dict(checkpoint)
+    absent, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings else set()
+    if set(absent) - tied or unexpected:
+        raise ValueError(f"{checkpoint} does not match {config.model.name}: missing {absent}, unexpected {unexpected}")
+    model.tie_weights()
+    dtype = load_config(name, revision).dtype or torch.float32
+    model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return model.eval(), tokenizer_from_pretrained(name, revision=revision)

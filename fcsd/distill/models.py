@@ -18,6 +18,7 @@ def load_tokenizer(config: FCSDConfig):
     from fcsd.loading import tokenizer_from_pretrained
 
     check_seq_len(config)
+    check_placement_file(config)
     return tokenizer_from_pretrained(resolve_model(config.model.name), revision=config.model.revision)
 
 
@@ -38,6 +39,32 @@ def check_seq_len(config: FCSDConfig) -> None:
             f"data.seq_len={config.data.seq_len} is above the model's max_position_embeddings ({limit}); set "
             f"data.seq_len={limit} or less"
         )
+
+
+def check_placement_file(config: FCSDConfig) -> None:
+    """``parallel.placement`` must fit the model and the run before anything loads: a placement made for another
+    expert count, expert-parallel size or other MoE layers is refused in one line (its routes' model fingerprint is
+    compared once the weights are loaded)."""
+    from pathlib import Path
+
+    if not config.parallel.placement:
+        return
+    from fcsd.connectivity.summary import summarize
+    from fcsd.placement.format import load_placement
+
+    placement = load_placement(config.parallel.placement)
+    name = resolve_model(config.model.name)
+    if not (Path(name) / "config.json").exists():  # a hub id: checked when the model loads
+        return
+    model = summarize(name)
+    where = f"parallel.placement={config.parallel.placement}"
+    if placement.num_experts != model.num_experts:
+        raise ValueError(f"{where} is for {placement.num_experts} experts per layer, the model has {model.num_experts}")
+    if placement.ep != config.parallel.ep_size:
+        raise ValueError(f"{where} places experts on {placement.ep} ranks; set parallel.ep_size={placement.ep}")
+    unknown = sorted(set(placement.layers) - set(model.moe_layers))
+    if unknown:
+        raise ValueError(f"{where} names layer(s) {unknown}, not MoE layers of the model ({model.moe_layers})")
 
 
 def load_models(

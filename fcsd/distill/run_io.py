@@ -100,31 +100,44 @@ def output_dir_claimed(config, is_main: bool = True):
         return
     output_dir = Path(config.output_dir)
     safe_io.check_not_in_use(output_dir, "output_dir")
-    action = check_output_dir(output_dir, config.train.resume, config.overwrite, config)
+    check_output_dir(output_dir, config.train.resume, config.overwrite, config)
     check_export_dir(config)
     with safe_io.folder_lock(output_dir, "output_dir"):
-        check_output_dir(output_dir, config.train.resume, config.overwrite, config)  # again, now that it is ours
+        action = check_output_dir(output_dir, config.train.resume, config.overwrite, config)  # now that it is ours
         stale = safe_io.remove_stale_staging(output_dir)
         if stale:
             print(f"removed staging leftovers of an earlier run that died: {', '.join(stale)}")
         if action in ("restart", "replace"):
             safe_io.clear(output_dir, "run", "output_dir", OUTPUT_FIX)
+        if action == "resume" and config.train.resume_step is not None:
+            set_aside_newer_checkpoints(RunFolder(output_dir), config.train.resume_step)
         yield
+
+
+def set_aside_newer_checkpoints(run: RunFolder, step: int) -> None:
+    """``--resume train.resume_step=N`` abandons the checkpoints after N: they are renamed
+    ``checkpoints/abandoned-step-M`` (kept, never resumed from or pruned into the new trajectory's)."""
+    newer = [c for c in run.checkpoints() if int(c.name[5:]) > step]
+    for checkpoint in newer:
+        target = checkpoint.with_name(f"abandoned-{checkpoint.name}")
+        if target.exists():
+            shutil.rmtree(target)
+        checkpoint.rename(target)
+    if newer:
+        names = ", ".join(c.name for c in newer)
+        print(f"resuming from step-{step}: set aside the later checkpoints {names} as checkpoints/abandoned-step-*")
 
 
 def check_export_dir(config) -> None:
     """An explicit ``export_dir`` is checked before training: not an input, not a folder around the run, and
-    replaceable (empty, or an export fcsd wrote)."""
+    empty, or (with ``overwrite=true``) an export fcsd wrote that holds nothing else."""
     if not (config.export and config.export_dir):
         return
     from fcsd.export.save import check_export_target
 
     export_dir = Path(config.export_dir)
     safe_io.check_not_an_input(export_dir, "export_dir", run_inputs(config))
-    run_root = Path(config.output_dir).resolve()
-    if export_dir.resolve() in (run_root, *run_root.parents):
-        raise ValueError(f"export_dir {export_dir} is or contains output_dir; choose another export_dir")
-    check_export_target(export_dir, True, [], "export_dir")
+    check_export_target(export_dir, config.overwrite, [], "export_dir", run_root=Path(config.output_dir))
 
 
 def check_resume(run: RunFolder, config) -> None:
@@ -232,9 +245,10 @@ class MetricsLog:
         self.writer = None
         if not enabled:
             return
-        if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept) if start_step else "")
+        if self.path.exists():  # a last line cut short by a kill or a full disk is dropped too
+            kept = [json.dumps(r) for r in run.records() if start_step and r["step"] <= start_step]
+            with safe_io.atomic_file(self.path) as staging:
+                staging.write_text("".join(line + "\n" for line in kept))
         if not start_step:
             shutil.rmtree(run.tensorboard, ignore_errors=True)
         for path in (self.path, run.tensorboard):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fcsd.serving.vllm.families import serve_command
 from fcsd.sources import display_name, hub_id
 
 CITATION = """@article{farskip2025,
@@ -16,19 +17,23 @@ CITATION = """@article{farskip2025,
 
 
 def run_facts(checkpoint: Path) -> dict:
-    """What the run that produced ``checkpoint`` (a run's ``final/`` or ``best/``) recorded: its config, summary,
-    last training loss and evaluation table."""
+    """What the run that produced ``checkpoint`` (a run's ``final/``, ``best/`` or step checkpoint) recorded: its
+    config, summary (a step checkpoint's: its step), last training loss and evaluation table."""
     from omegaconf import OmegaConf
 
-    from fcsd.run_folder import CONFIG, RunFolder
+    from fcsd.run_folder import CONFIG, RunFolder, is_step_checkpoint
 
     facts: dict = {}
     run = RunFolder.of_checkpoint(checkpoint)
-    if (Path(checkpoint) / CONFIG).exists():
-        facts["config"] = OmegaConf.to_container(OmegaConf.load(Path(checkpoint) / CONFIG))
-    if run.summary.exists():
+    config = next((p for p in (Path(checkpoint) / CONFIG, run.config) if p.exists()), None)
+    if config is not None:
+        facts["config"] = OmegaConf.to_container(OmegaConf.load(config))
+    step = run.trainer_state(Path(checkpoint)).get("step") if is_step_checkpoint(checkpoint) else None
+    if step is not None:
+        facts["summary"] = {"steps": step}
+    elif run.summary.exists():
         facts["summary"] = json.loads(run.summary.read_text())
-    losses = [record["train/loss"] for record in run.records() if "train/loss" in record]
+    losses = [r["train/loss"] for r in run.records() if "train/loss" in r and (step is None or r["step"] <= step)]
     if losses:
         facts["final_train_loss"] = losses[-1]
     if run.eval_table.exists():
@@ -39,15 +44,15 @@ def run_facts(checkpoint: Path) -> dict:
 def refresh_card(run) -> None:
     """Re-render the model card of ``run.export`` (a :class:`~fcsd.run_folder.RunFolder`) from the run's current
     facts (``fcsd eval`` of a run adds its table)."""
-    import os
 
     config = json.loads((run.export / "config.json").read_text())
     text_config = config.get("text_config") or {}
     num_layers = config.get("num_hidden_layers") or text_config.get("num_hidden_layers")
     card = render_card(config["farskip"], run_facts(run.final), num_layers, config.get("dtype"))
-    staging = run.export / ".README.md.partial"
-    staging.write_text(card)
-    os.replace(staging, run.export / "README.md")
+    from fcsd.safe_io import atomic_file
+
+    with atomic_file(run.export / "README.md") as staging:
+        staging.write_text(card)
 
 
 def recipe_summary(facts: dict) -> dict | None:
@@ -176,6 +181,24 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
         "`farskip_<base type>`) instead of silently running the regular connectivity. The `farskip` block of "
         "`config.json` lists the converted layers for serving engines.",
         "",
+    ]
+    command = serve_command("THIS_FOLDER_OR_REPO", farskip.get("base_model_type") or "")
+    if command:
+        lines += [
+            "## How to serve",
+            "",
+            "With vLLM and fcsd's vLLM plugin installed in vLLM's environment (fcsd's `make serve-env`):",
+            "",
+            "```bash",
+            command,
+            "```",
+            "",
+            "The plugin serves it on vLLM's own model class with FarSkip connectivity on the converted layers; with "
+            "`--tensor-parallel-size N --enforce-eager` it overlaps the routed experts' all-reduce with the next "
+            "layer's attention.",
+            "",
+        ]
+    lines += [
         "## Citation",
         "",
         "```bibtex",

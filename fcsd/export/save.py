@@ -19,6 +19,7 @@ from fcsd.connectivity.families import (
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
 from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
+from fcsd.serving.vllm.families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 PARITY_RECORD = "fcsd_export.json"  # written only after the reload-parity check passed; `fcsd push` requires it
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -50,7 +51,9 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         facts = run_facts(Path(source or "."))
         config[CONFIG_KEY].update(base_model_type=base_type, base_architectures=config.get("architectures"))
         config[CONFIG_KEY]["recipe"] = recipe_summary(facts)
-        config.update(model_type=EXPORTED_PREFIX + base_type, architectures=["FarSkipForCausalLM"], auto_map=auto_map)
+        # `architectures` names the class fcsd's vLLM plugin serves it with; transformers loads it through auto_map
+        served_by = farskip_architecture(base_type) or UNSERVED_ARCHITECTURE
+        config.update(model_type=EXPORTED_PREFIX + base_type, architectures=[served_by], auto_map=auto_map)
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
         dtype = str(model.dtype).removeprefix("torch.")
@@ -61,32 +64,27 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
     return out_dir
 
 
-def check_export_target(out_dir: str | Path, overwrite: bool, sources: list, what: str = "OUT_DIR") -> None:
-    """Refuse an ``out_dir`` that is, contains or lies inside a source (a run folder or its checkpoint), the current
-    or the home folder; a non-empty one unless ``overwrite``, and even then unless it is an export fcsd wrote that
-    holds nothing else (:mod:`fcsd.safe_io`: never a run folder, a teacher cache or a folder of other files)."""
+def check_export_target(
+    out_dir: str | Path, overwrite: bool, sources: list, what: str = "OUT_DIR", run_root: Path | None = None
+) -> None:
+    """Refuse an ``out_dir`` that is, contains or lies inside a source (a checkpoint), is or contains the run folder
+    ``run_root`` (its ``export/`` lies inside it), is the current or the home folder; a non-empty one unless
+    ``overwrite``, and even then unless it is an export fcsd wrote that holds nothing else (:mod:`fcsd.safe_io`:
+    never a run folder, a teacher cache or a folder of other files)."""
     out_dir = Path(out_dir).expanduser().resolve()
-    for source in sources:
-        source = Path(source).expanduser().resolve()
-        if out_dir == source or source in out_dir.parents or out_dir in source.parents:
-            raise ExportError(
-                f"refusing to export into {out_dir}: it is, contains or lies inside the source {source}; "
-                f"choose another {what}"
-            )
     try:
-        safe_io.check_not_an_input(out_dir, what, {})
-    except ValueError as error:
-        raise ExportError(str(error)) from None
-    if safe_io.is_empty(out_dir):
-        return
-    try:
-        safe_io.check_replaceable(
-            out_dir, "export", "OUT_DIR", "--overwrite only replaces an fcsd export: choose another OUT_DIR"
-        )
+        for source in [*sources, None]:  # None: the current and home folder checks even without a source
+            safe_io.check_not_an_input(out_dir, what, {"source": source})
+        if run_root is not None:
+            safe_io.check_not_around(out_dir, what, "run folder", run_root)
+        if safe_io.is_empty(out_dir):
+            return
+        safe_io.check_replaceable(out_dir, "export", what, f"only an fcsd export is replaced: choose another {what}")
     except safe_io.FolderError as error:
         raise ExportError(str(error)) from None
     if not overwrite:
-        raise ExportError(f"{out_dir} holds an export; pass --overwrite (overwrite=True) to replace it")
+        how = "pass --overwrite" if what == "OUT_DIR" else "set overwrite=true"
+        raise ExportError(f"{what} {out_dir} holds an export; {how} to replace it")
 
 
 def parity_batch(model, length: int = 32) -> torch.Tensor:
@@ -126,19 +124,25 @@ def check_parity(model, folder: Path) -> float:
 
 
 def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """``fcsd export``: export a run folder (its ``best/`` when MBPP+ early stopping kept one, else ``final/``) or a
-    converted checkpoint folder to ``out_dir``."""
+    """``fcsd export``: export a run folder (its ``best/`` when MBPP+ early stopping kept one, else ``final/``), a
+    converted checkpoint folder, or a run's step checkpoint (``checkpoints/step-N``, expert-parallel shards
+    consolidated: the state of a run that never reached ``final/``) to ``out_dir``."""
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
-    from fcsd.run_folder import RunFolder
+    from fcsd.run_folder import RunFolder, is_step_checkpoint
 
     source = Path(run_or_checkpoint)
-    if not (source / "config.json").exists():
+    if not (source / "config.json").exists() and not is_step_checkpoint(source):
         source = RunFolder(source).model_to_export() or source
-    if not (source / "config.json").exists():
-        raise ExportError(f"{run_or_checkpoint}: neither a converted checkpoint nor a run folder with final/")
-    check_export_target(out_dir, overwrite, [source])  # before loading anything
-    run_root = RunFolder.of_checkpoint(source).root.resolve()  # a run's export/ may lie inside it, never around it
-    if Path(out_dir).expanduser().resolve() in (run_root, *run_root.parents):
-        raise ExportError(f"refusing to export into {out_dir}: it is or contains the run folder {run_root}")
-    model = from_pretrained(str(source), dtype="auto")
-    return export(model, tokenizer_from_pretrained(str(source)), out_dir, overwrite=overwrite, source=source)
+    if not (source / "config.json").exists() and not is_step_checkpoint(source):
+        raise ExportError(
+            f"{run_or_checkpoint}: neither a converted checkpoint, a run folder with final/, nor a step checkpoint"
+        )
+    run_root = RunFolder.of_checkpoint(source).root
+    check_export_target(out_dir, overwrite, [source], run_root=run_root)  # before loading anything
+    if is_step_checkpoint(source):
+        from fcsd.distill.checkpointing import load_step_checkpoint
+
+        model, tokenizer = load_step_checkpoint(source)
+    else:
+        model, tokenizer = from_pretrained(str(source), dtype="auto"), tokenizer_from_pretrained(str(source))
+    return export(model, tokenizer, out_dir, overwrite=overwrite, source=source)

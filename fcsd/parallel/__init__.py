@@ -11,6 +11,8 @@
 - ``training.py``: what the FCSD trainer needs under ``parallel.ep_size`` (groups, global gradient norm, checkpoints);
 - ``generate.py``: ``generate`` under expert parallelism, correct by construction;
 - ``bench.py``, ``timeline.py``: overlap measurement (``fcsd bench overlap``) on GPUs and CPUs;
+- ``link.py``, ``overlap.py``, ``bench_link.py``, ``segments.py``, ``picture.py``: the schedules over a modelled link
+  (``fcsd bench overlap --link``): hidden share, structural limit, schedule efficiency, the timeline picture;
 - ``processes.py``: multi-process runs where the main process alone speaks, evaluates and reports;
 - ``inference_shard.py``: the FCSD teacher sharded for inference.
 """

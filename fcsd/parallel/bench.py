@@ -20,6 +20,10 @@ DIR`` keeps the traces). On CPU the times are ``perf_counter`` readings. Under g
 wait-only overlap, 1 - (time blocked in waits) / T_comm, is reported too (it overstates: collectives also slow the
 compute they overlap; an NCCL wait returns at once, so it is not reported there). Run as
 ``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (``fcsd bench overlap`` does that).
+
+With ``--link BANDWIDTH[,LATENCY]`` every collective goes through a modelled link instead and the figures are those of
+:mod:`fcsd.parallel.bench_link` (hidden share, structural limit, schedule efficiency per collective and phase, every
+layout): overlap seen without a cluster, CPU contention left out.
 """
 
 from __future__ import annotations
@@ -39,9 +43,13 @@ from fcsd.parallel import collectives
 from fcsd.parallel.apply import DISPATCHERS, expert_parallel
 from fcsd.parallel.timeline import StepTimer, Timeline
 
-CONFIGS = {  # Qwen3-MoE shapes; "mid" is sized so that a layer's compute is not negligible next to its all-to-all
+CONFIGS = {  # "tiny", "mid": Qwen3-MoE shapes; "mid" is sized so that a layer's compute is not negligible next to
+    # its all-to-all. "dsv3": DeepSeek-V3's layer (MLA with low-rank q and kv, 1 shared expert, 256 routed experts
+    # top-8 in 8 groups of which 4 are picked) with every width divided by about 28-32 (hidden 7168 -> 256), 6 MoE
+    # layers as the paper's short DS-V3 (L=6) of Table 4.
     "tiny": dict(hidden=64, layers=2, experts=8, top_k=2, inter=64, heads=4, batch=2, seq=64),
     "mid": dict(hidden=256, layers=4, experts=8, top_k=2, inter=512, heads=8, batch=2, seq=256),
+    "dsv3": dict(hidden=256, layers=6, experts=256, top_k=8, inter=72, heads=8, batch=2, seq=256, family="deepseek_v3"),
 }
 
 
@@ -53,6 +61,34 @@ def build_model(config_name: str | None, model_path: str | None, seed: int = 0):
         model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         return model.eval(), 2, 256
     c = CONFIGS[config_name]
+    if c.get("family") == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            vocab_size=1024,
+            hidden_size=c["hidden"],
+            num_hidden_layers=c["layers"],
+            first_k_dense_replace=0,
+            num_attention_heads=c["heads"],
+            num_key_value_heads=c["heads"],
+            q_lora_rank=56,  # DeepSeek-V3: 1536
+            kv_lora_rank=16,  # 512
+            qk_nope_head_dim=64,  # 128 (128 heads: 8 here)
+            qk_rope_head_dim=32,  # 64
+            head_dim=32,
+            v_head_dim=64,  # 128
+            moe_intermediate_size=c["inter"],  # 2048
+            intermediate_size=4 * c["inter"],  # the shared expert's width is moe_intermediate_size x n_shared_experts
+            n_routed_experts=c["experts"],
+            num_experts_per_tok=c["top_k"],
+            n_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            max_position_embeddings=4096,
+            attn_implementation="sdpa",
+        )
+        torch.manual_seed(seed)
+        return _spread_routing(transformers.DeepseekV3ForCausalLM(config).eval()), c["batch"], c["seq"]
     config = transformers.Qwen3MoeConfig(
         vocab_size=1024,
         hidden_size=c["hidden"],
@@ -68,12 +104,17 @@ def build_model(config_name: str | None, model_path: str | None, seed: int = 0):
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    return _spread_routing(transformers.Qwen3MoeForCausalLM(config).eval()), c["batch"], c["seq"]
+
+
+def _spread_routing(model):
+    """Router weights large enough that tokens spread over the experts (a fresh init routes almost uniformly at
+    random, but ties and near-ties make the routing of an untrained model depend on rounding)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("gate.weight"):
                 param.normal_(0.0, 0.5)
-    return model, c["batch"], c["seq"]
+    return model
 
 
 @dataclass
@@ -142,12 +183,13 @@ def _time_steps(model, input_ids, iters: int, env: BenchEnv, warmup: int = 1, pr
     return _slowest(statistics.median(forward), env), _slowest(statistics.median(backward), env)
 
 
-def _model_for(mode, args, env: BenchEnv, group=None):
+def _model_for(mode, args, env: BenchEnv, group=None, layout: str = "all_to_all"):
     model, batch, seq = build_model(args.config, args.model)
     model.to(env.device, env.dtype)
     if mode != "regular":
         fcsd.apply_farskip(model, "all")
-    return expert_parallel(model, group=group, mode=mode, dispatcher=args.dispatcher), batch, seq
+    model = expert_parallel(model, group=group, mode=mode, layout=layout, dispatcher=args.dispatcher)
+    return model, batch, seq
 
 
 def _comm_only(model, input_ids, iters: int, env: BenchEnv, kind: str = "plain"):
@@ -211,6 +253,13 @@ def _trace_only(model, input_ids, iters: int, env: BenchEnv, trace_dir: str, mod
         _time_steps(model, input_ids, iters, env, warmup=0)
 
 
+def _header(args, env: BenchEnv) -> dict:
+    batch, seq = (2, 256) if args.model else (CONFIGS[args.config]["batch"], CONFIGS[args.config]["seq"])
+    result = {"ranks": dist.get_world_size(), "config": args.model or args.config, "tokens_per_rank": batch * seq}
+    result.update(device=env.device.type, backend=env.backend, dtype=str(env.dtype).removeprefix("torch."))
+    return result
+
+
 def measure(args, env: BenchEnv) -> dict:
     """All figures of the module docstring, as a dict (the same on every rank)."""
     ranks, rank = dist.get_world_size(), dist.get_rank()
@@ -236,8 +285,7 @@ def measure(args, env: BenchEnv) -> dict:
     singles = [dist.new_group([r]) for r in range(ranks)]
     model, batch, seq = _model_for("farskip_overlap", args, env, group=singles[rank])
     times["compute_only"] = _time_steps(model, input_ids, args.iters, env)
-    result = {"ranks": ranks, "config": args.model or args.config, "tokens_per_rank": batch * seq}
-    result.update(device=env.device.type, backend=env.backend, dtype=str(env.dtype).removeprefix("torch."))
+    result = _header(args, env)
     steps = args.iters + 1  # the overlapped model's forwards (warm-up included), summed over ranks
     result.update(dispatcher=args.dispatcher, dispatch_rows_per_step=float(traffic[0]) / steps)
     result.update(dispatch_bytes_per_step=float(traffic[1]) / steps, rows_per_step=float(traffic[2]) / steps)
@@ -298,18 +346,36 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--link", default=None, help="a modelled link, BANDWIDTH[,LATENCY] or a preset")
+    parser.add_argument("--timeline", action="store_true", help="with --link: record one step per mode and rank")
     args = parser.parse_args(argv)
     env = setup(args.backend, args.device, args.dtype)
     if env.device.type == "cpu":
         torch.set_num_threads(1)
-    result = measure(args, env)
+    if args.link:
+        from fcsd.parallel.bench_link import measure_link
+
+        result = _header(args, env)
+        result.update(measure_link(args, env, lambda mode, layout: _model_for(mode, args, env, layout=layout)))
+    else:
+        result = measure(args, env)
     if dist.get_rank() == 0:
         if args.json_out:
             with open(args.json_out, "w") as handle:
                 json.dump(result, handle, indent=1)
         else:
-            print(format_table(result))
+            print(format_result(result))
     dist.destroy_process_group()
+
+
+def format_result(result: dict) -> str:
+    """The text tables of a result: the modelled-link figures when it was measured with ``--link``."""
+    if "link" in result:
+        from fcsd.parallel.bench_link import format_link_table
+
+        where = f"ranks={result['ranks']} model={result['config']} tokens/rank={result['tokens_per_rank']} on "
+        return f"{where}{result['device']} ({result['backend']}, {result['dtype']})\n" + format_link_table(result)
+    return format_table(result)
 
 
 def run_overlap_benchmark(
@@ -322,10 +388,13 @@ def run_overlap_benchmark(
     device: str = "auto",
     backend: str = "auto",
     dtype: str = "auto",
+    link: str | None = None,
+    timeline: bool = False,
 ):
     """Launch the benchmark on ``ranks`` local processes (torchrun): one GPU each when there are enough (NCCL), else
-    gloo (CPU, or several ranks sharing a GPU); returns the result dict. Bad input (rank count, model) is refused
-    here, in one line, before any process starts."""
+    gloo (CPU, or several ranks sharing a GPU); returns the result dict. With ``link`` (``--link`` text) the schedules
+    run over that modelled link instead (:mod:`fcsd.parallel.bench_link`; ``timeline``: one recorded step per mode
+    and rank). Bad input (rank count, model, link) is refused here, in one line, before any process starts."""
     import socket
     import subprocess
     import sys
@@ -340,6 +409,14 @@ def run_overlap_benchmark(
         num_experts = summarize(model).num_experts
     if ranks < 1 or num_experts % ranks:
         raise ValueError(f"--ranks {ranks}: it must be at least 1 and divide the model's {num_experts} experts")
+    if link:
+        from fcsd.parallel.link import parse_link
+
+        parse_link(link)
+        if trace:
+            raise ValueError("--trace profiles the real collectives; over a modelled --link use --timeline FILE.png")
+    elif timeline:
+        raise ValueError("--timeline draws the transfers of a modelled link: add --link, e.g. --link 1GB/s")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -350,6 +427,8 @@ def run_overlap_benchmark(
         command += ["--model", model] if model else []
         command += ["--trace", trace] if trace else []
         command += ["--dispatcher", dispatcher, "--device", device, "--backend", backend, "--dtype", dtype]
+        command += ["--link", link] if link else []
+        command += ["--timeline"] if timeline else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
         subprocess.run(command, check=True, env=env)
         with open(out) as handle:

@@ -17,7 +17,8 @@ whatever the data needs. Launch and wait nodes are recorded even where no input 
 
 Autograd node priorities: the engine runs ready nodes by decreasing sequence number. Where the installed torch lets a
 node's number be re-assigned (``grad_fn._set_sequence_nr``, torch >= 2.1), the reverse launch gets the highest number
-(issued as soon as its gradient is ready) and the reverse wait the lowest (run only when nothing else is ready).
+(issued as soon as its gradient is ready) and the reverse wait the lowest (run only when nothing else is ready),
+except a Combine's, placed right below the nodes created after its Dispatch's launch (see :func:`launch_all_to_all`).
 Fallback where it is missing: the forward creation order (:data:`REPRIORITISES` says which one is in use).
 
 Debugging switches (environment): ``FCSD_EP_SYNC=1`` makes every wait immediate (forward and backward; results must
@@ -50,6 +51,14 @@ REPRIORITISES = _probe_set_sequence_nr()
 WAIT_SECONDS = {"forward": 0.0, "backward": 0.0}
 PHASES = ("forward", "backward")
 KINDS = ("counts", "dispatch", "combine", "all_reduce", "ids")
+#: a :class:`fcsd.parallel.link.ModelledLink` every collective of this module goes through (``fcsd bench overlap
+#: --link``); None: the real transport alone
+LINK = None
+
+
+def _remote_rows(sizes: list[int], group) -> int:
+    rank = dist.get_rank(group)
+    return sum(size for r, size in enumerate(sizes) if r != rank)
 
 
 def _timed_wait(work, phase: str) -> None:
@@ -126,15 +135,30 @@ class OrderChain:
     """The order token threaded through every exchange of one dispatcher (see the module docstring).
 
     A chain lasts until a backward runs through it; the next exchange then starts a new one. Forwards made before
-    that backward join the same chain and must be backpropagated together (sum their losses), as under DDP."""
+    that backward join the same chain and must be backpropagated together (sum their losses), as under DDP. A
+    forward that is never backpropagated (an evaluation outside ``torch.no_grad()`` on a trainable model) keeps its
+    graph alive through the chain: past :data:`LONG_CHAIN` exchanges without a backward this warns once."""
+
+    LONG_CHAIN = 4096
 
     def __init__(self):
         self.token = None
         self.consumed = True
+        self.links = 0
 
     def take(self, device) -> torch.Tensor:
         if self.consumed or self.token is None:
-            self.token, self.consumed = torch.zeros((), device=device, requires_grad=True), False
+            self.token, self.consumed, self.links = torch.zeros((), device=device, requires_grad=True), False, 0
+        self.links += 1
+        if self.links == self.LONG_CHAIN:
+            import warnings
+
+            warnings.warn(
+                f"{self.LONG_CHAIN} expert-parallel exchanges joined one backward chain with no backward through it: "
+                "their graphs stay in memory until one runs; run forwards you do not backpropagate (evaluation) "
+                "under torch.no_grad()",
+                stacklevel=3,
+            )
         return self.token
 
     def put(self, token: torch.Tensor) -> None:
@@ -163,12 +187,17 @@ class Exchange:
         self.work = self.reverse_work = None
         self.keep_alive = ()  # send buffers must outlive the asynchronous collective
         self.reverse_grad = None
+        self.sequence_nr = None  # of its launch node, before re-numbering (see launch_all_to_all)
 
     def start(self, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], phase: str):
         check_order(self.group, phase, self.kind, self.serial, send.device)
         send = send.contiguous()
         recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group, async_op=True)
+        if LINK is not None:  # full duplex: the larger of what leaves and what arrives from other ranks
+            row_bytes = send[:1].nbytes if send.shape[0] else recv[:1].nbytes
+            remote = max(_remote_rows(send_sizes, self.group), _remote_rows(recv_sizes, self.group)) * row_bytes
+            work = LINK.launch(work, self.kind, phase, self.serial, remote, send.device)
         record("launch" if phase == "forward" else "reverse", self.kind, self.serial)
         if self.sync:
             work.wait()
@@ -232,17 +261,28 @@ class _Wait(torch.autograd.Function):
         return grad_recv, None, _token_grad(ctx)
 
 
-def launch_all_to_all(send: torch.Tensor, exchange: Exchange, chain: OrderChain | None = None) -> torch.Tensor:
+def launch_all_to_all(
+    send: torch.Tensor, exchange: Exchange, chain: OrderChain | None = None, wait_after: Exchange | None = None
+) -> torch.Tensor:
     """Start the all-to-all of ``send`` (rows grouped by destination rank); returns the receive buffer, which must go
     through :func:`wait_all_to_all` before it is read. With ``chain`` (a forward that needs a backward) the node
-    joins the order chain."""
+    joins the order chain.
+
+    In backward the reverse all-to-all is waited as late as possible (when no other node is ready), or, with
+    ``wait_after`` (an exchange launched earlier in this forward), once the nodes created after ``wait_after``'s
+    launch have run and before those created before it: a Combine passes its Dispatch, so that its reverse overlaps
+    attention part b and the shared experts, and attention part a is left for the reverse Dispatch (paper Appendix
+    C, Fig. 14), instead of the reverse Combine taking all of the layer's attention backward and the reverse
+    Dispatch none."""
     exchange.chain = chain
     token = chain.take(send.device) if chain is not None else None
     recv, token = _Launch.apply(send, exchange, token)
     if chain is not None:
         chain.put(token)
     if REPRIORITISES and recv.grad_fn is not None:
-        recv.grad_fn._set_sequence_nr(0)  # its backward waits: as late as possible
+        exchange.sequence_nr = recv.grad_fn._sequence_nr()
+        late = getattr(wait_after, "sequence_nr", None)
+        recv.grad_fn._set_sequence_nr(0 if late is None else late)  # when its backward waits
     return recv
 
 
@@ -262,7 +302,11 @@ def exchange_counts(send_counts: torch.Tensor, group, serial: int) -> torch.Tens
     """The per-destination counts of an exchange, swapped between ranks (no autograd; no host sync by itself)."""
     check_order(group, "forward", "counts", serial, send_counts.device)
     recv_counts = torch.empty_like(send_counts)
+    launched = LINK.now(send_counts.device) if LINK is not None else 0.0
     dist.all_to_all_single(recv_counts, send_counts, group=group)
+    if LINK is not None:
+        share = 1 - 1 / dist.get_world_size(group)
+        LINK.blocking("counts", "forward", serial, send_counts.nbytes * share, launched, send_counts.device)
     return recv_counts
 
 
@@ -274,6 +318,9 @@ class AllReduceHandle:
         check_order(group, "forward", "all_reduce", serial, tensor.device)
         self.tensor, self.serial = tensor.contiguous(), serial
         self.work = dist.all_reduce(self.tensor, group=group, async_op=True)
+        if LINK is not None:  # a ring all-reduce carries 2 (P - 1) / P of the tensor per rank
+            ring = 2 * (1 - 1 / dist.get_world_size(group)) * self.tensor.nbytes
+            self.work = LINK.launch(self.work, "all_reduce", "forward", serial, ring, tensor.device)
         record("launch", "all_reduce", serial)
         if sync_debug() if sync is None else sync:
             self.wait()

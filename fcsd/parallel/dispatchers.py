@@ -243,7 +243,7 @@ class AllToAllDispatcher(CollectiveDispatcher):
         forward = state.exchange
         back = self._exchange(forward.recv_sizes, forward.send_sizes, "combine")
         y_RD = y_RD.to(wire_dtype(y_RD))
-        recv = launch_all_to_all(y_RD, back, forward.chain)
+        recv = launch_all_to_all(y_RD, back, forward.chain, wait_after=forward)
         self._count(_remote(back.send_sizes, dist.get_rank(self.group)), y_RD[:1].nbytes)
 
         def wait() -> torch.Tensor:
@@ -352,7 +352,7 @@ class DedupAllToAllDispatcher(CollectiveDispatcher):
         partial = slot_sum(pairs_AD, got["row_of"], got["rows"], width, ordered=True).to(wire_dtype(y_RD))
         rows_exchange = state.exchanges[0]
         back = self._exchange(rows_exchange.recv_sizes, rows_exchange.send_sizes, "combine")
-        recv = launch_all_to_all(partial, back, rows_exchange.chain)
+        recv = launch_all_to_all(partial, back, rows_exchange.chain, wait_after=rows_exchange)
         rank = dist.get_rank(self.group)
         self._count(_remote(back.send_sizes, rank), partial.shape[1] * partial.element_size())
 

@@ -34,27 +34,30 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from fcsd.connectivity.patch import HandOver
 from fcsd.parallel.collectives import needs_backward, record
 from fcsd.parallel.dispatchers import Dispatcher
+from fcsd.parallel.segments import attention_core, segment
 
 
 def run_routed(family, moe, dispatcher: Dispatcher, x_TD: torch.Tensor):
     """Route ``x_TD`` and launch Dispatch; returns ``(routing, dispatch pending)``. Whether the exchanges prepare a
     backward is decided by grad mode and the block's training state (the same on every rank)."""
-    routing = family.route(moe, x_TD)
-    pending = dispatcher.dispatch_async(
-        routing.tokens,
-        routing.topk_ids,
-        routing.topk_weights,
-        scale_inputs=family.weights_on_input,
-        needs_backward=needs_backward(moe),
-    )
+    with segment("routing"):
+        routing = family.route(moe, x_TD)
+        pending = dispatcher.dispatch_async(
+            routing.tokens,
+            routing.topk_ids,
+            routing.topk_weights,
+            scale_inputs=family.weights_on_input,
+            needs_backward=needs_backward(moe),
+        )
     return routing, pending
 
 
 def experts_then_combine(family, moe, dispatcher: Dispatcher, dispatch):
     """Wait Dispatch, run this rank's experts on the rows it received, launch Combine; returns its pending."""
     rows = dispatch.wait()
-    y_RD = family.experts(moe, rows.tokens, rows.expert_ids, rows.weights)
-    return dispatcher.combine_async(y_RD, dispatch)
+    with segment("routed experts"):
+        y_RD = family.experts(moe, rows.tokens, rows.expert_ids, rows.weights)
+        return dispatcher.combine_async(y_RD, dispatch)
 
 
 class _AttentionSplit(threading.local):
@@ -73,6 +76,7 @@ def _kernel_wrapper(kernel):
             SPLIT_COUNTS["inside_attention"] += 1
             step()
         record("attention", "", -1)
+        attention_core()
         return kernel(*args, **kwargs)
 
     return between_then_kernel
@@ -128,13 +132,14 @@ class FarSkipEPSchedule:
         record("layer", "", getattr(layer.self_attn, "layer_idx", -1))
 
         def between():  # wait Combine(k-1); route on o_{k-1}; launch Dispatch(k)
-            if farskip_pending is not None:
-                farskip_pending.complete()
-            state["mlp_in"] = layer.post_attention_layernorm(hidden_states)
-            if family.is_moe(moe):
-                state["routing"], state["dispatch"] = run_routed(
-                    family, moe, self.dispatcher, state["mlp_in"].reshape(-1, shape[-1])
-                )
+            with segment("routing"):
+                if farskip_pending is not None:
+                    farskip_pending.complete()
+                state["mlp_in"] = layer.post_attention_layernorm(hidden_states)
+                if family.is_moe(moe):
+                    state["routing"], state["dispatch"] = run_routed(
+                        family, moe, self.dispatcher, state["mlp_in"].reshape(-1, shape[-1])
+                    )
 
         attn_in = layer.input_layernorm(partial_states)
         if self.overlap and not self.dispatcher.routes_locally:
@@ -147,11 +152,13 @@ class FarSkipEPSchedule:
             between()
         partial = hidden_states + attn_out.view(shape)
         if not family.is_moe(moe):  # a dense layer: its whole MLP counts as shared (design §2)
-            partial = partial + moe(state["mlp_in"]).view(shape)
+            with segment("shared experts"):
+                partial = partial + moe(state["mlp_in"]).view(shape)
             return partial, partial, None
         combine = experts_then_combine(family, moe, self.dispatcher, state["dispatch"])
         if family.shared is not None:  # after the Combine launch: overlaps it
-            partial = partial + family.shared(moe, state["mlp_in"]).view(shape)
+            with segment("shared experts"):
+                partial = partial + family.shared(moe, state["mlp_in"]).view(shape)
             record("shared", "", -1)
         if self.overlap and layer._farskip_feeds_next:
             full = torch.empty_like(partial)
@@ -168,7 +175,8 @@ def ep_moe_forward(family, moe, dispatcher: Dispatcher):
         routing, dispatch = run_routed(family, moe, dispatcher, hidden_states.reshape(-1, shape[-1]))
         out = experts_then_combine(family, moe, dispatcher, dispatch).wait().view(shape)
         if family.shared is not None:
-            out = out + family.shared(moe, hidden_states).view(shape)
+            with segment("shared experts"):
+                out = out + family.shared(moe, hidden_states).view(shape)
         if family.model_type == "llama4_text":
             return out.reshape(-1, shape[-1]), routing.router_logits
         return out

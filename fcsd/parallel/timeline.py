@@ -7,8 +7,11 @@
   ``torch.profiler`` trace (:meth:`Timeline.from_profiler`). :meth:`Timeline.exposed` is the communication time no
   compute overlaps (the union of ``comm`` intervals minus the union of ``compute`` ones): what the overlap leaves on
   the critical path. On NCCL a ``work.wait()`` returns at once (it only orders streams), so this trace-based figure
-  replaces the wait-time figure there. A modelled link (intervals computed instead of measured) plugs in by building
-  a :class:`Timeline` from its own intervals.
+  replaces the wait-time figure there.
+
+The modelled link of ``fcsd bench overlap --link`` (:mod:`fcsd.parallel.link`, figures per transfer in
+:mod:`fcsd.parallel.overlap`, pictures in :mod:`fcsd.parallel.picture`) computes its intervals instead of measuring
+them, on any machine.
 """
 
 from __future__ import annotations

@@ -100,3 +100,18 @@ def load_training_state(model: nn.Module, optimizer, folder: Path) -> None:
         folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()), map_location="cpu", weights_only=False
     )
     optimizer.load_state_dict(state_dict)
+
+
+def consolidated_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model of a step checkpoint written by :func:`save_training_state`, in the unsharded layout: the
+    replicated weights and each expert tensor concatenated over the expert-parallel ranks' shards (dim 0, rank
+    order). No process group is needed: this is the consolidation step of per-rank checkpoints."""
+    state = torch.load(folder / DENSE_FILE, map_location="cpu")
+    shards = []
+    while (folder / EXPERT_SHARD.format(rank=len(shards))).exists():
+        shards.append(torch.load(folder / EXPERT_SHARD.format(rank=len(shards)), map_location="cpu"))
+    if not shards:
+        raise ValueError(f"{folder}: no {EXPERT_SHARD.format(rank=0)}; the checkpoint is incomplete")
+    for key in shards[0]:
+        state[key] = torch.cat([shard[key] for shard in shards])
+    return state

@@ -108,12 +108,33 @@ def combine_precision(name, tokens=40, hidden=16, top_k=8, local=4):
     ids = torch.stack([torch.randperm(local * WORLD, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
     dispatcher = {"plain": AllToAllDispatcher, "dedup": DedupAllToAllDispatcher}[name](num_local_experts=local)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), AtomicFloatSums() as atomic:
         pending = dispatcher.dispatch_async(x, ids, weights)
         rows = pending.wait()
         out = dispatcher.combine_async(rows.tokens * rows.weights, pending).wait()
     expected = (x.to(torch.bfloat16).double().unsqueeze(1) * weights.double().unsqueeze(-1)).sum(1)
-    return {"dtype": str(out.dtype), "error": rel(out.double(), expected)}
+    return {"dtype": str(out.dtype), "error": rel(out.double(), expected), "atomic_float_sums": atomic.found}
+
+
+class AtomicFloatSums(torch.overrides.TorchFunctionMode):
+    """Records the scatter-style sums of floating-point values (``index_add``, ``scatter_add``, ``index_put`` with
+    ``accumulate``): on GPUs they add with atomics in no fixed order, so a combine using them is not bitwise
+    reproducible there, whatever CPU runs show."""
+
+    NAMES = {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        accumulate = name in ("index_put", "index_put_") and (kwargs.get("accumulate") or args[3:4] == (True,))
+        floating = bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+        if floating and (name in self.NAMES or accumulate):
+            self.found.append(name)
+        return func(*args, **kwargs)
 
 
 def reverse_order_of(events):

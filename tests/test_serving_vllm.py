@@ -1,0 +1,331 @@
+"""fcsd's vLLM plugin (fcsd/serving/vllm): FarSkip exports served by vLLM's CPU build give fcsd's own greedy tokens
+and close top-k log-probabilities (vLLM's own model-test method), at tensor-parallel size 1 and 2, with the routed
+all-reduce overlapped and blocking; the same weights with stock wiring fail that comparison; `vllm serve` answers an
+OpenAI-compatible request; bad input fails in one line and serves nothing.
+
+vLLM runs in its own environment (`make serve-env` -> .venv-vllm), driven from here in subprocesses; every engine
+start costs ~20-40 s on 2 cores, so all engines but the server's run in ONE worker process (tests/workers/
+vllm_generate.py) and the matrix covers each code path once:
+
+- qwen3_moe all / last:50% / first:1, TP 1: every layer converted (a dense one too); stock -> converted and
+  converted -> stock hand-overs;
+- qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3 (all), TP 1: each family vLLM's CPU build runs (gated shared
+  expert; MLA + shared experts + a dense first layer; DeepSeek-V3's biased sigmoid router);
+- qwen3_moe all, TP 2, overlap auto (on) and off: the overlapped routed all-reduce (gloo async) and the reference;
+- qwen2_moe all, TP 2, overlap on: shared experts and a converted dense layer under tensor parallelism;
+- a stock copy of qwen3_moe all, TP 1: the negative control;
+- `vllm serve` of qwen3_moe last:50%: the server, vLLM's default compiled (dynamo) mode, text in and out.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from serving_models import build
+
+import fcsd
+from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.export.save import export
+from fcsd.loading import tokenizer_from_pretrained
+from fcsd.serving.vllm.overlap import resolve_overlap
+from fcsd.serving.vllm.variants import stock_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = ROOT / ".venv-vllm"
+WORKER = Path(__file__).parent / "workers" / "vllm_generate.py"
+PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [7, 7, 100, 3, 250, 61, 9, 44, 18, 4, 77]]
+MAX_TOKENS, TOP_N, LOGPROB_ATOL = 8, 5, 1e-2  # fp32; vLLM's CPU MLA differs from transformers by ~2e-3
+FAMILIES_TP1 = ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
+
+
+def vllm_python() -> Path:
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"{VENV} is missing: run `make serve-env` (vLLM and fcsd's plugin in their own environment)")
+    return python
+
+
+def vllm_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+@torch.no_grad()
+def reference(model) -> list[dict]:
+    """fcsd's greedy tokens and each step's top-N log-probabilities (transformers, fp32)."""
+    results = []
+    for ids in PROMPTS:
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        steps = []
+        for logits in out.logits:
+            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+            top = torch.topk(logprobs, TOP_N)
+            steps.append({str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)})
+        results.append({"tokens": out.sequences[0, len(ids) :].tolist(), "logprobs": steps})
+    return results
+
+
+def mismatch(expected: list[dict], got: list[dict], min_equal: int = MAX_TOKENS // 2) -> str | None:
+    """vLLM's `check_logprobs_close`: compare tokens up to the first mismatch, where each side's token must be in
+    the other's top-N; matched tokens' log-probabilities must agree within LOGPROB_ATOL. Stricter than vLLM's: the
+    greedy tokens must be equal for at least ``min_equal`` steps of every prompt (a near-tie may end a sequence's
+    comparison only after that). None when close."""
+    for p, (ref, out) in enumerate(zip(expected, got, strict=True)):
+        for step, (token, other) in enumerate(zip(ref["tokens"], out["tokens"], strict=True)):
+            ref_top, out_top = ref["logprobs"][step], out["logprobs"][step]
+            if token == other:
+                diff = abs(ref_top[str(token)] - out_top[str(token)])
+                if diff > LOGPROB_ATOL:
+                    return f"prompt {p} step {step}: log-probability of token {token} differs by {diff:.3g}"
+                continue
+            if str(other) not in ref_top or str(token) not in out_top:
+                return (
+                    f"prompt {p} step {step}: tokens {token} (fcsd) and {other} (vLLM) not in each other's top-{TOP_N}"
+                )
+            if step < min_equal:
+                return f"prompt {p}: greedy tokens differ at step {step} ({token} vs {other}), before step {min_equal}"
+            break  # a near-tie: the sequences diverge from here, as vLLM's own tests allow
+    return None
+
+
+def run_worker(jobs: list[dict], out: Path, **env) -> dict:
+    (out.parent / f"{out.stem}.jobs.json").write_text(json.dumps(jobs))
+    done = subprocess.run(
+        [str(vllm_python()), str(WORKER), str(out.parent / f"{out.stem}.jobs.json"), str(out)],
+        env=vllm_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=out.parent,
+    )
+    (out.parent / f"{out.stem}.log").write_text(done.stdout + done.stderr)
+    assert out.exists(), f"the vLLM worker failed:\n{(done.stdout + done.stderr)[-3000:]}"
+    return {"results": json.loads(out.read_text()), "log": done.stdout + done.stderr}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(["add 1 + 2", "sort 3 1 2", "count the apples"] * 10, vocab_size=280)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer):
+    """Every export of the matrix (module docstring), fcsd's reference outputs, and vLLM's, from one worker."""
+    root = tmp_path_factory.mktemp("serving")
+    vocab = len(tokenizer)
+    exports, expected = {}, {}
+    for name, family, spec in [
+        ("qwen3_moe-all", "qwen3_moe", "all"),
+        ("qwen3_moe-last50", "qwen3_moe", "last:50%"),
+        ("qwen3_moe-first1", "qwen3_moe", "first:1"),
+    ] + [(f"{f}-all", f, "all") for f in FAMILIES_TP1]:
+        model = fcsd.apply_farskip(build(family, vocab), spec)
+        exports[name] = export(model, tokenizer, root / name)
+        expected[name] = reference(model)
+    stock = stock_copy(exports["qwen3_moe-all"], root / "qwen3_moe-stock")
+    expected["stock"] = reference(fcsd.remove_farskip(fcsd.from_pretrained(str(exports["qwen3_moe-all"]))))
+    unserved = shutil.copytree(exports["olmoe-all"], root / "unserved")
+    config = json.loads((unserved / "config.json").read_text())
+    (unserved / "config.json").write_text(json.dumps({**config, "architectures": ["FarSkipForCausalLM"]}))
+    corrupt = shutil.copytree(exports["olmoe-all"], root / "corrupt")
+    (corrupt / "config.json").write_text(json.dumps({**config, "farskip": {**config["farskip"], "layers": [0, 7]}}))
+
+    def job(name, model, **settings):
+        return {
+            "name": name,
+            "model": str(model),
+            "prompts": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": TOP_N,
+            **settings,
+        }
+
+    jobs = [job(name, folder) for name, folder in exports.items()]
+    jobs += [job("stock", stock), job("unserved", unserved), job("corrupt", corrupt)]
+    jobs += [
+        job("qwen3_moe-all-tp2", exports["qwen3_moe-all"], tp=2),
+        job("qwen3_moe-all-tp2-blocking", exports["qwen3_moe-all"], tp=2, overlap=False),
+        job("qwen2_moe-all-tp2", exports["qwen2_moe-all"], tp=2, overlap=True),
+    ]
+    served = run_worker(jobs, root / "out.json")
+    absent = run_worker(
+        [job("absent", exports["olmoe-all"]), job("absent-remote-code", exports["olmoe-all"], trust_remote_code=True)],
+        root / "absent.json",
+        VLLM_PLUGINS="none",
+    )
+    return {
+        "expected": expected,
+        "results": {**served["results"], **absent["results"]},
+        "log": served["log"],
+        "absent_log": absent["log"],
+        "exports": exports,
+    }
+
+
+def outputs(served, name):
+    result = served["results"][name]
+    assert "error" not in result, f"{name}: {result['error']}"
+    return result["outputs"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-all", "qwen3_moe-last50", "qwen3_moe-first1"])
+def test_layer_specs_match_fcsd_at_tp1(served, name):
+    assert mismatch(served["expected"][name], outputs(served, name)) is None
+    assert outputs(served, name)[0]["tokens"] == served["expected"][name][0]["tokens"]  # greedy tokens equal
+
+
+@pytest.mark.parametrize("family", FAMILIES_TP1)
+def test_every_cpu_family_matches_fcsd_at_tp1(served, family):
+    name = f"{family}-all"
+    assert mismatch(served["expected"][name], outputs(served, name)) is None
+
+
+@pytest.mark.parametrize(
+    "name, source, mode",
+    [
+        ("qwen3_moe-all-tp2", "qwen3_moe-all", "overlapped"),
+        ("qwen3_moe-all-tp2-blocking", "qwen3_moe-all", "blocking"),
+        ("qwen2_moe-all-tp2", "qwen2_moe-all", "overlapped"),
+    ],
+)
+def test_tensor_parallel_2_overlapped_and_blocking_match_fcsd(served, name, source, mode):
+    assert mismatch(served["expected"][source], outputs(served, name)) is None
+    assert f"routed all-reduce {mode} (tensor-parallel size 2)" in served["log"]  # the path under test did run
+
+
+def test_negative_control_stock_wiring_fails_the_comparison(served):
+    got = outputs(served, "stock")
+    assert mismatch(served["expected"]["stock"], got) is None  # vLLM's stock model = transformers' stock model
+    assert mismatch(served["expected"]["qwen3_moe-all"], got) is not None  # ... but not fcsd's FarSkip model
+
+
+def test_bad_input_fails_in_one_line(served):
+    errors = {name: served["results"][name].get("error", "") for name in ("unserved", "corrupt")}
+    assert all(errors.values()), f"a bad export was served: {errors}"
+    assert "ValueError: vLLM has no FarSkip serving class for this export (model type 'olmoe'" in served["log"]
+    assert "ValueError: config.json farskip.layers holds [7]: expected layer indices in 0..2" in served["log"]
+
+
+def test_without_the_plugin_vllm_refuses_the_export(served):
+    # VLLM_PLUGINS=none: vLLM without fcsd's plugin; never the stock wiring
+    assert "trust_remote_code" in served["results"]["absent"].get("error", ""), served["results"]["absent"]
+    assert served["results"]["absent-remote-code"].get("error"), "served without the plugin"
+    assert "FarSkipConfig'> for this kind of AutoModel" in served["absent_log"]  # transformers refuses the class
+
+
+def test_the_plugin_imports_nothing_of_fcsd_but_itself():
+    """The plugin runs under vLLM's own (older) transformers: registering it imports no other part of fcsd."""
+    script = (
+        "import sys, fcsd.serving.vllm as plugin; plugin.register(); "
+        "print(sorted(m for m in sys.modules if m.startswith('fcsd') and not m.startswith('fcsd.serving')))"
+    )
+    done = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['fcsd']", done.stdout
+
+
+@pytest.mark.parametrize("mode", ["overlapped", "blocking"])
+def test_the_routed_all_reduce_is_waited_after_the_next_attention(mode):
+    """The order the overlap promises (Sec. 4.2), on stub sub-blocks: layer k's routed all-reduce starts at the end
+    of layer k and is waited in layer k+1 after its attention; the last layer (no converted successor) and the
+    blocking reference reduce at once. A start followed by an immediate wait fails this."""
+    worker = Path(__file__).parent / "workers" / "vllm_overlap_order.py"
+    done = subprocess.run([vllm_python(), worker, mode], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    order = json.loads(done.stdout.strip().splitlines()[-1])
+    if mode == "overlapped":
+        assert order == ["attention 0", "start 0", "attention 1", "wait 0", "start 1", "attention 2", "wait 1",
+                         "blocking 2"]  # fmt: skip
+    else:
+        assert order == ["attention 0", "blocking 0", "attention 1", "blocking 1", "attention 2", "blocking 2"]
+
+
+def test_overlap_switch():
+    assert resolve_overlap(None, tp_size=2, eager=True) and resolve_overlap("auto", tp_size=2, eager=True)
+    assert not resolve_overlap(None, tp_size=1, eager=True) and not resolve_overlap(None, tp_size=2, eager=False)
+    assert not resolve_overlap(False, tp_size=8, eager=True) and resolve_overlap("on", tp_size=1, eager=True)
+    with pytest.raises(ValueError, match=r"needs eager execution .*: add --enforce-eager"):
+        resolve_overlap(True, tp_size=2, eager=False)
+    with pytest.raises(ValueError, match="expected true, false or auto"):
+        resolve_overlap("sometimes", tp_size=2, eager=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_vllm_serve_answers_an_openai_completion(tokenizer, tmp_path):
+    vllm_python()
+    folder = export(fcsd.apply_farskip(build("qwen3_moe", len(tokenizer)), "last:50%"), tokenizer, tmp_path / "export")
+    tokenizer = tokenizer_from_pretrained(str(folder))
+    prompt = "add 1 + 2"
+    model = fcsd.from_pretrained(str(folder))
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        greedy = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = tokenizer.decode(greedy[0, ids.shape[1] :])
+    port = free_port()
+    command = [
+        str(VENV / "bin" / "vllm"),
+        "serve",
+        str(folder),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+    ]
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(command, env=vllm_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(2)
+        body = {"model": str(folder), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+        log.close()
+    assert answer["choices"][0]["text"] == expected
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
