@@ -154,16 +154,23 @@ def test_qwen3_30b_fits_one_node_of_8_h100():
 
 
 def test_deepseek_v3_does_not_fit_one_node_of_8_h200():
-    from fcsd.plan.candidates import parameter_counts, search
+    """Not on one node of 8 x H200, nor on any number of them with the strategies fcsd builds: the plan says why
+    (expert parallelism keeps the ~17B parameters outside the routed experts whole on every GPU) and what would."""
+    from fcsd.plan.candidates import parameter_counts, search, why_none_fits
     from fcsd.plan.models import load_model_config
     from fcsd.plan.planner import run_config as plan_config
 
     source = load_model_config("deepseek-v3")
     cluster = make_cluster("h200", 8)
     config, _, _ = plan_config(source, [], 2e9, cluster)
-    result = search(source.config, config, cluster, parameter_counts(source.config), False)
+    counts = parameter_counts(source.config)
+    result = search(source.config, config, cluster, counts, False)
     assert not any(c.fits for c in result.candidates)
     assert {c.status for c in result.candidates} == {"static", "invalid"}  # no step even needs simulating
+    why = why_none_fits(result, counts)
+    replicated = (counts.total - counts.experts) / 1e9
+    assert 15 < replicated < 25 and f"the {replicated:.1f}B parameters outside the routed experts" in why[0]
+    assert why[-1].startswith("what would fit: expert parallelism with the other parameters sharded too")
 
 
 def test_plan_cli_json_with_probe(tmp_path, capsys):

@@ -7,9 +7,8 @@ checkpointing on or off (not under expert parallelism, which refuses it). Each i
 first, and a candidate that needs at least as much memory as one that already failed is not simulated again
 (``dominated``): the static bytes (weights, gradients, AdamW, teacher) rule a strategy out before any step; a
 step with the cached teacher and checkpointing is the frugal one, whose failure rules out the online teacher and
-the run without checkpointing at the same micro-batch; under DDP and EP a larger micro-batch needs more (under FSDP2
-it does not: a step split into several micro-batches keeps unsharded gradients, as accelerate skips the
-reduce-scatter until the last one). ``fcsd cache-teacher`` holds the whole bf16 teacher on one GPU: a teacher that
+the run without checkpointing at the same micro-batch; a larger micro-batch needs more (FSDP2 included: the
+trainer reduce-scatters every micro-batch, so no GPU holds unsharded gradients between them). ``fcsd cache-teacher`` holds the whole bf16 teacher on one GPU: a teacher that
 does not fit there rules the cache out.
 """
 
@@ -190,3 +189,31 @@ def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]
         best[group] = candidate
     result.chosen = min(best.values(), key=lambda c: c.time.seconds) if best else None
     return result.chosen
+
+
+def why_none_fits(result: Search, counts: Counts) -> list[str]:
+    """Why no candidate of ``result`` fits, strategy by strategy, from its simulations and parameter counts, and
+    what would (design §4: expert parallelism shards only the routed experts)."""
+    lines = []
+    ep = [c.layout.ep_size for c in result.candidates if c.layout.strategy == "ep"]
+    if ep:
+        replicated = counts.total - counts.experts
+        lines.append(
+            f"expert parallelism (EP up to {max(ep)}): every GPU holds the {replicated / 1e9:.1f}B parameters outside "
+            f"the routed experts whole, about {16 * replicated / GIB:.0f} GiB of fp32 weights, gradients and AdamW "
+            "at any EP size"
+        )
+    fsdp2 = [c for c in result.candidates if c.layout.strategy == "fsdp2" and c.estimate is not None]
+    if fsdp2:
+        lightest = min(fsdp2, key=lambda c: c.estimate.peak)
+        e = lightest.estimate
+        unsharded = e.peak - (e.weights + e.gradients + e.optimizer + e.teacher)
+        lines.append(
+            f"FSDP2: {unsharded / GIB:.1f} GiB of its lightest step ({lightest.layout.short}) are not sharded: the "
+            "layers it gathers whole (every routed expert of a MoE layer at once), their gradients and the activations"
+        )
+    lines.append(
+        "what would fit: expert parallelism with the other parameters sharded too (FSDP2 over the expert-parallel "
+        "ranks), which fcsd does not build yet, or GPUs with more memory (--gpu, --gpu-memory)"
+    )
+    return lines

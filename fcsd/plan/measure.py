@@ -5,11 +5,16 @@ The same :class:`fcsd.plan.run.Run` that the estimate runs on fake tensors runs 
 weights). Peak memory is read independently of the planner's tracker: on a GPU ``torch.cuda.max_memory_allocated``
 over the measured step; on a CPU the bytes of every tensor alive before the last step (each storage the garbage
 collector finds) plus the allocator's own events during it (``torch.profiler`` with ``profile_memory``), at their
-highest. The measured step is the last (a steady-state step: the optimizer states exist, as in the estimate). Step time is the wall time of the last step (synchronised on a GPU).
+highest. The measured step is the last (a steady-state step: the optimizer states exist, as in the estimate).
+An expert-parallel layout is measured with the estimate's routing assumption, every rank receiving the same number
+of rows (:func:`balanced_experts`): random weights route unevenly, and by chance, so that the comparison would test
+the luck of the draw rather than the estimate. A real run's imbalance comes on top of the estimate, within the
+plan's margin (``--margin``). Step time is the wall time of the last step (synchronised on a GPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 
@@ -31,14 +36,20 @@ def measure_step(model_config, fcsd_config, layout, device: str = "cpu", steps: 
     """Build ``layout``'s models for real on ``device`` (this process's share: ``group`` is the expert-parallel
     group of an ``ep`` layout, in an initialised job) and run ``steps`` optimizer steps; measure the last."""
     target = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    if target == "cuda":
-        return _measure_cuda(model_config, fcsd_config, layout, device, steps, group)
+    with balanced_experts() if layout.strategy == "ep" else contextlib.nullcontext():
+        if target == "cuda":
+            return _measure_cuda(model_config, fcsd_config, layout, device, steps, group)
+        return _measure_cpu(model_config, fcsd_config, layout, target, device, steps, group)
+
+
+def _measure_cpu(model_config, fcsd_config, layout, target, device, steps, group) -> Measured:
     from torch.profiler import ProfilerActivity, profile
 
+    outside = live_tensor_bytes()  # the process's own tensors (and an earlier job's not yet collected): not the run's
     run = _build(model_config, fcsd_config, layout, target, device, group)
     for _ in range(steps - 1):
         run.step()
-    before = live_tensor_bytes()
+    before = live_tensor_bytes() - outside
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         start = time.perf_counter()
         run.step()
@@ -54,26 +65,59 @@ def measure_step(model_config, fcsd_config, layout, device: str = "cpu", steps: 
     return Measured(peak, seconds, *_static(run))
 
 
+@contextlib.contextmanager
+def balanced_experts():
+    """Every family's router runs as usual (its memory and FLOPs), then token ``t``'s ``j``-th expert becomes
+    ``(t * K + j) mod E``: each expert, hence each expert-parallel rank, receives the same number of rows, as the
+    estimate assumes (:func:`fcsd.plan.simulate.balanced_routing`)."""
+    from fcsd.connectivity.families import FAMILIES
+
+    def balanced(route):
+        def route_balanced(mlp, x):
+            routing = route(mlp, x)
+            tokens, k = routing.topk_ids.shape
+            device = routing.topk_ids.device
+            ids = torch.arange(tokens, device=device)[:, None] * k + torch.arange(k, device=device)
+            return routing._replace(topk_ids=(ids % routing.router_logits.shape[-1]).to(routing.topk_ids.dtype))
+
+        return route_balanced
+
+    originals = [family.route for family in FAMILIES]
+    for family, route in zip(FAMILIES, originals, strict=True):
+        object.__setattr__(family, "route", balanced(route))  # a frozen dataclass
+    try:
+        yield
+    finally:
+        for family, route in zip(FAMILIES, originals, strict=True):
+            object.__setattr__(family, "route", route)
+
+
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage alive in this process (found by the garbage collector after a collection, so
     that tensors only unreachable cycles hold are not counted; each storage once)."""
     import gc
+    import warnings
 
     from torch._subclasses.fake_tensor import FakeTensor
 
     gc.collect()
     storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not isinstance(obj, FakeTensor):
-            try:
+    with warnings.catch_warnings():  # isinstance() reads __class__, which torch.distributed.reduce_op deprecates
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type == "cpu" and not isinstance(obj, FakeTensor):
+            try:  # wrapper subclasses have no storage; FSDP2's freed unsharded parameters an invalid one
                 storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
             except (NotImplementedError, RuntimeError):
                 continue
-            storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
 def _measure_cuda(model_config, fcsd_config, layout, device, steps: int, group) -> Measured:
+    torch.cuda.synchronize()
+    outside = torch.cuda.memory_allocated()
     run = _build(model_config, fcsd_config, layout, "cuda", device, group)
     for _ in range(steps - 1):
         run.step()
@@ -83,7 +127,7 @@ def _measure_cuda(model_config, fcsd_config, layout, device, steps: int, group) 
     run.step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return Measured(torch.cuda.max_memory_allocated(), seconds, *_static(run))
+    return Measured(torch.cuda.max_memory_allocated() - outside, seconds, *_static(run))
 
 
 def _build(model_config, fcsd_config, layout, target, device, group):

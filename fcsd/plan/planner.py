@@ -37,6 +37,7 @@ class Plan:
     cache_pass_hours: float = 0.0
     commands: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    counts: object = None  # candidates.Counts of the model
 
     @property
     def chosen(self) -> Candidate | None:
@@ -94,7 +95,9 @@ def make_plan(
     fallback = None
     if choose(result, source.config, config, shape, converted) is None:
         fallback = _larger_cluster(source, config, cluster, shape, counts, converted, cache_ok, notes)
-    plan = Plan(source, cluster, tokens, config, summary, options, choice, reason, result, fallback, notes=notes)
+    plan = Plan(
+        source, cluster, tokens, config, summary, options, choice, reason, result, fallback, notes=notes, counts=counts
+    )
     chosen = plan.chosen
     if chosen is not None:
         plan.flops = _flops_per_token(chosen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fcsd.plan.candidates import why_none_fits
 from fcsd.plan.cluster import GIB
 from fcsd.plan.planner import MAX_NODES
 from fcsd.plan.simulate import CATEGORIES
@@ -85,6 +86,7 @@ def format_plan(plan) -> str:
             if fallback is not None:
                 lines += ["", f"the largest cluster tried, {fallback.cluster.nodes} nodes:"]
                 lines += memory_table(fallback)
+            lines += [f"   {line}" for line in why_none_fits(fallback or plan.search, plan.counts)]
         else:
             lines += ["", f"-> nothing fits on {plan.cluster.gpus} GPUs; {fallback.cluster.nodes} nodes do:"]
             lines += memory_table(fallback)
@@ -136,6 +138,7 @@ def plan_dict(plan) -> dict:
             "candidates": [c.to_dict() for c in plan.fallback.candidates],
         },
         "chosen": None if chosen is None else chosen.to_dict(),
+        "why_nothing_fits": [] if chosen is not None else why_none_fits(plan.fallback or plan.search, plan.counts),
         "flops_per_token": plan.flops,
         "hours": plan.hours,
         "gpu_hours": plan.gpu_hours,

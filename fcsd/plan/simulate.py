@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fcsd.plan.run import Layout, Run, accumulation_steps, build_run, step_config
-from fcsd.plan.tracker import CUDA_BLOCK, MemoryTracker
+from fcsd.plan.tracker import MemoryTracker
 
 STRATEGIES = ("single", "ddp", "ep", "fsdp2")
 CATEGORIES = ("weights", "gradients", "optimizer", "teacher", "activations", "loss")
@@ -182,11 +182,11 @@ def prime_optimizer(run: Run, keep_gradients: bool = False) -> None:
         run.optimizer.zero_grad(set_to_none=True)
 
 
-def track_step(run: Run, block: int = 1) -> dict:
+def track_step(run: Run, target: str = "cpu") -> dict:
     """Run one steady-state step of ``run`` under a :class:`~fcsd.plan.tracker.MemoryTracker`; returns what it
     measured: the static bytes, each phase's peak and what was alive then, the largest amounts of activations and
     loss, the FLOPs by phase."""
-    tracker = MemoryTracker(block)
+    tracker = MemoryTracker(target)
     params = [_local(p) for p in run.unwrapped.parameters()]
     buffers = [_local(b) for b in run.unwrapped.buffers()]
     for tensor in params + buffers:
@@ -321,7 +321,7 @@ def simulate(model_config, fcsd_config, layout: Layout, target: str, subset: tup
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         run = build_run(model_config, fcsd_config, layout, target, group, mesh, subset)
         prime_optimizer(run, keep_gradients=accumulation_steps(config, layout) > 1)
-        return track_step(run, CUDA_BLOCK if target == "cuda" else 1)
+        return track_step(run, target)
 
 
 @contextlib.contextmanager

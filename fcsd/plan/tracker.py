@@ -29,6 +29,36 @@ aten = torch.ops.aten
 CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
+def _round(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def attention_backward_scratch(args, target: str) -> int:
+    """Bytes the flash-attention backward kernel allocates for itself (invisible to a dispatch mode, which sees
+    only an op's outputs), for ``aten._scaled_dot_product_flash_attention_for_cpu_backward``'s ``args``.
+
+    ``target="cpu"``: torch's CPU kernel (``FlashAttentionKernel.cpp``) holds, per thread, two fp32 tiles of a query
+    block by a key block (scores and their gradient; plus their bf16/fp16 copies for reduced types), one query
+    block's row sums, and a contiguous copy of ``grad_out`` when it is not laid out (batch, sequence, heads, dim):
+    measured equal to the CPU allocator's events (``tests/test_plan.py``). ``target="cuda"``: FlashAttention-2's
+    backward (torch's CUDA flash kernel) holds an fp32 ``dq`` accumulator of (batch, sequence rounded up to 128,
+    heads, head size rounded up to 32) and the fp32 row sums ``softmax_d``: from the kernel's source, not measured
+    here."""
+    grad_out, query, key = args[0], args[1], args[2]
+    batch, heads, q_len, head_size = (int(n) for n in query.shape)
+    if target == "cuda":
+        rows = _round(q_len, 128)
+        return 4 * batch * heads * rows * (_round(head_size, 32) + 1)
+    q_block = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
+    tile = q_block * min(512, int(key.shape[2]))
+    reduced = query.dtype in (torch.bfloat16, torch.float16)
+    per_thread = 2 * tile * 4 + (2 * tile * query.element_size() if reduced else 0)
+    scratch = torch.get_num_threads() * per_thread + 4 * q_block
+    if not grad_out.transpose(1, 2).is_contiguous():
+        scratch += grad_out.numel() * grad_out.element_size()
+    return scratch
+
+
 def _grouped_mm_flops(a_shape, b_shape, out_shape) -> float:
     """``_grouped_mm``: (M, K) x (G, K, N) -> (M, N), (K, M) x (M, N) -> (G, K, N) (weight gradients), or batched."""
     if len(a_shape) == 2 and len(b_shape) == 2:
@@ -79,11 +109,14 @@ def _fake_grouped_mm(func, args, kwargs):
 class MemoryTracker(TorchDispatchMode):
     """Counts live tensor bytes by category while active; ``peak`` is the largest total seen and ``at_peak`` what
     it was made of. ``phase`` names the category new tensors are charged to; :meth:`retag` moves a tensor to another
-    (a gradient stored into ``.grad``). ``block`` rounds every storage up as an allocator would (CUDA: 512 bytes)."""
+    (a gradient stored into ``.grad``). ``target`` ("cpu" or "cuda") decides the allocator's rounding (CUDA: every
+    storage rounded up to 512 bytes) and the attention kernels' own scratch (:func:`attention_backward_scratch`),
+    charged while the op runs."""
 
-    def __init__(self, block: int = 1):
+    def __init__(self, target: str = "cpu"):
         super().__init__()
-        self.block = block
+        self.target = target
+        self.block = CUDA_BLOCK if target == "cuda" else 1
         self.phase = "activations"
         self.live: dict[str, int] = defaultdict(int)
         self.largest: dict[str, int] = defaultdict(int)
@@ -191,6 +224,11 @@ class MemoryTracker(TorchDispatchMode):
             out = _fake_grouped_mm(func, args, kwargs)
         elif func is aten._local_scalar_dense.default and _is_fake(args[0]):
             return _FAKE_SCALARS[args[0].dtype.is_floating_point]
+        elif func._overloadpacket is aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            scratch = self._bytes(attention_backward_scratch(args, self.target))
+            self._change(self.phase, scratch)  # held while the kernel runs
+            out = func(*args, **(kwargs or {}))
+            self._change(self.phase, -scratch)
         else:
             out = func(*args, **(kwargs or {}))
         self.flops[self.phase] += count_flops(func, args, kwargs, out)
