@@ -8,8 +8,8 @@ first, and a candidate that needs at least as much memory as one that already fa
 (``dominated``): the static bytes (weights, gradients, AdamW, teacher) rule a strategy out before any step; a
 step with the cached teacher and checkpointing is the frugal one, whose failure rules out the online teacher and
 the run without checkpointing at the same micro-batch; a larger micro-batch needs more (FSDP2 included: the
-trainer reduce-scatters every micro-batch, so no GPU holds unsharded gradients between them). ``fcsd cache-teacher`` holds the whole bf16 teacher on one GPU: a teacher that
-does not fit there rules the cache out.
+trainer reduce-scatters every micro-batch, so no GPU holds unsharded gradients between them). ``fcsd cache-teacher``
+holds the whole bf16 teacher on one GPU: a teacher that does not fit there rules the cache out.
 """
 
 from __future__ import annotations

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fcsd.plan.candidates import why_none_fits
 from fcsd.plan.cluster import GIB
-from fcsd.plan.planner import MAX_NODES
 from fcsd.plan.simulate import CATEGORIES
 
 STATUS = {"fits": "fits", "exceeds": "no", "static": "no (static)", "dominated": "no (implied)", "invalid": "no"}
@@ -82,7 +81,8 @@ def format_plan(plan) -> str:
     if not plan.fits:
         fallback = plan.fallback
         if fallback is None or fallback.chosen is None:
-            lines.append(f"-> nothing fits on {plan.cluster.gpus} GPUs, nor on more nodes of them (up to {MAX_NODES})")
+            tried = fallback.cluster.nodes if fallback is not None else plan.cluster.nodes
+            lines.append(f"-> nothing fits on {plan.cluster.gpus} GPUs, nor on more nodes (tried up to {tried})")
             if fallback is not None:
                 lines += ["", f"the largest cluster tried, {fallback.cluster.nodes} nodes:"]
                 lines += memory_table(fallback)
