@@ -281,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write the speedup-vs-sparsity PNG here")
     p.set_defaults(func=_perfmodel)
 
+    from fcsd.plan.cli import add_parser as add_plan_parser  # `fcsd plan`
+
+    add_plan_parser(sub)
+
     overrides_help = "Hydra overrides of recipes/fcsd.yaml, e.g. data.path=chat.jsonl train.lr=4e-5 farskip.layers=all"
     p = sub.add_parser(
         "convert",

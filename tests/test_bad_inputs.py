@@ -465,6 +465,20 @@ CASES = [
         "exported",
     ),
     ("inspect_garbage_config", lambda w: ["inspect", str(w / "garbage")], "config.json cannot be read", None),
+    ("plan_unknown_gpu", lambda w: ["plan", str(w / "model"), "--gpu", "a100"], "--gpu 'a100' is not a preset", None),
+    (
+        "plan_no_gpus",
+        lambda w: ["plan", str(w / "model"), "--gpus-per-node", "0"],
+        "at least one node of one GPU",
+        None,
+    ),
+    ("plan_dense_model", lambda w: ["plan", str(w / "dense")], "does not support model type 'llama'", None),
+    (
+        "plan_cluster_too_small",
+        lambda w: ["plan", "deepseek-v3", "--gpu", "h100", "--gpu-memory", "8GB"],
+        "nothing fits on 8 GPUs of 7.45058 GiB, nor on 128 nodes",
+        None,
+    ),
     ("inspect_typed_config", lambda w: ["inspect", str(w / "typed")], "config.json cannot be read", None),
     (
         "probe_garbage_config",

@@ -198,12 +198,31 @@ def apply_farskip(model: nn.Module, layers="all") -> nn.Module:
         layer._farskip_stream = stream
         layer._farskip_feeds_next = index + 1 in chosen
         _rebind_accelerate_forward(layer)
+    _name_no_split_modules(model)
     if selected:
         from fcsd import __version__
 
         record = {"layers": selected, "spec": format_layers(selected), "fcsd_version": __version__}
         setattr(model.config, CONFIG_KEY, {**kept, **record})
     return model
+
+
+def _name_no_split_modules(model: nn.Module) -> None:
+    """Name the FarSkip layer classes in ``_no_split_modules``, which accelerate's FSDP ``TRANSFORMER_BASED_WRAP``
+    policy and device maps read by class name (accelerate refuses a name no module has: with every layer converted
+    the stock layer class is gone, so an FSDP run could not start). Set on the instances; :func:`remove_farskip`
+    drops them."""
+    present = {type(module).__name__ for module in model.modules()}
+    for module in model.modules():
+        stock = getattr(type(module), "_no_split_modules", None)
+        if not stock:
+            continue
+        names = []
+        for name in stock:
+            converted = f"FarSkip{name}"
+            names += [n for n in (name, converted) if n in present] if converted in present else [name]
+        if names != list(stock):
+            module._no_split_modules = names
 
 
 def remove_farskip(model: nn.Module) -> nn.Module:
@@ -218,6 +237,8 @@ def remove_farskip(model: nn.Module) -> nn.Module:
                 delattr(module, attr)
             module.__dict__.pop("_farskip_schedule", None)
             _rebind_accelerate_forward(module)
+    for module in model.modules():
+        module.__dict__.pop("_no_split_modules", None)
     record = getattr(model.config, CONFIG_KEY, None)
     if record is not None:
         kept = {key: value for key, value in record.items() if key in KEPT_KEYS}

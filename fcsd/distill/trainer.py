@@ -27,7 +27,7 @@ from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
-from fcsd.distill.optim import SpikeGuard, apply_update, build_optimizer, plan_steps
+from fcsd.distill.optim import SpikeGuard, apply_update, build_optimizer, fuse_on_gpu, plan_steps
 from fcsd.distill.run_data import all_rows, load_run_data
 from fcsd.run_folder import RunFolder
 
@@ -86,7 +86,8 @@ class TrainingSession:
 
     def __init__(self, config: FCSDConfig):
         from accelerate import Accelerator, PartialState
-        from accelerate.utils import DistributedType, set_seed
+        from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
+        from accelerate.utils.environment import parse_flag_from_env
 
         from fcsd.distill.teacher_cache import TeacherCache, cache_dir, run_meta
 
@@ -97,10 +98,15 @@ class TrainingSession:
         if mixed == "auto":
             mixed = "no" if cpu_only else "bf16"
         self.plan = plan_steps(config, PartialState(cpu=cpu_only).num_processes)
+        # under FSDP, skipping the reduce-scatter before a step's last micro-batch would keep unsharded gradients of
+        # the whole model on every GPU (what `fcsd plan` found): reduce-scatter every micro-batch instead
+        accumulation = GradientAccumulationPlugin(
+            num_steps=self.plan.accumulation, sync_each_batch=parse_flag_from_env("ACCELERATE_USE_FSDP")
+        )
         self.accelerator = accelerator = Accelerator(
             cpu=cpu_only,
             mixed_precision=mixed,
-            gradient_accumulation_steps=self.plan.accumulation,
+            gradient_accumulation_plugin=accumulation,
             step_scheduler_with_optimizer=False,
         )
         deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
@@ -154,6 +160,8 @@ class TrainingSession:
             self.model, self.optimizer = student, accelerator.prepare(self.optimizer)
         else:
             self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
+        if not deepspeed:
+            fuse_on_gpu(self.optimizer)
         self.head_in_forward = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         if self.teacher is not None and accelerator.distributed_type == DistributedType.FSDP:
             from fcsd.parallel.inference_shard import shard_for_inference

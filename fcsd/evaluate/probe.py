@@ -52,17 +52,18 @@ def parse_grid(grid: str | list[int] | None, num_layers: int) -> list[int]:
 
 
 @torch.no_grad()
-def run_probe(
-    model, sequences: torch.Tensor, grid: list[int], batch_size: int = 4, progress: bool = True
-) -> list[ProbeRow]:
-    """Measure loss and KL for first-N and last-N conversion of ``model`` on token ``sequences`` ``(n, seq_len)``."""
+def probe_specs(
+    model, sequences: torch.Tensor, specs: list, batch_size: int = 4, progress: bool = True
+) -> list[tuple[float, float]]:
+    """``(loss, KL)`` per token of ``model`` with FarSkip on each layer spec of ``specs`` (no training), against the
+    same model with its stock connectivity, on token ``sequences`` ``(n, seq_len)``. The teacher's logits are
+    computed once per batch."""
     model.eval()
     device = next(model.parameters()).device
-    settings = [("first", n) for n in grid] + [("last", n) for n in grid if n != 0]
-    sums = {key: [0.0, 0.0] for key in settings}  # (nll, kl) sums
+    sums = [[0.0, 0.0] for _ in specs]  # (nll, kl) sums
     tokens = 0
     batches = list(torch.split(sequences, batch_size))
-    bar = tqdm(total=len(batches) * (len(settings) + 1), desc="probe", disable=not progress, unit="fwd")
+    bar = tqdm(total=len(batches) * (len(specs) + 1), desc="probe", disable=not progress, unit="fwd")
     for batch in batches:
         batch = batch.to(device)
         remove_farskip(model)
@@ -70,20 +71,27 @@ def run_probe(
         bar.update()
         labels = batch[:, 1:]
         tokens += labels.numel()
-        for side, n in settings:
-            spec = f"{side}:{n}" if n else "none"
+        for index, spec in enumerate(specs):
             apply_farskip(model, spec)
             student = model(input_ids=batch).logits
             nll, _ = next_token_nll(student[:, :-1], labels)
             kl, _ = forward_kl(student[:, :-1], teacher[:, :-1])
-            sums[(side, n)][0] += float(nll)
-            sums[(side, n)][1] += float(kl)
+            sums[index][0] += float(nll)
+            sums[index][1] += float(kl)
             bar.update()
     bar.close()
     remove_farskip(model)
-    rows = []
-    for (side, n), (nll, kl) in sums.items():
-        rows.append(ProbeRow(side, n, nll / tokens, kl / tokens, math.exp(min(nll / tokens, 50.0))))
+    return [(nll / tokens, kl / tokens) for nll, kl in sums]
+
+
+def run_probe(
+    model, sequences: torch.Tensor, grid: list[int], batch_size: int = 4, progress: bool = True
+) -> list[ProbeRow]:
+    """Measure loss and KL for first-N and last-N conversion of ``model`` on token ``sequences`` ``(n, seq_len)``."""
+    settings = [("first", n) for n in grid] + [("last", n) for n in grid if n != 0]
+    specs = [f"{side}:{n}" if n else "none" for side, n in settings]
+    measured = probe_specs(model, sequences, specs, batch_size, progress)
+    rows = [ProbeRow(side, n, loss, kl, math.exp(min(loss, 50.0))) for (side, n), (loss, kl) in zip(settings, measured)]
     if 0 in grid:  # N=0 is the teacher itself, the starting point of both lines
         base = next(r for r in rows if r.n_converted == 0)
         rows.append(ProbeRow("last", 0, base.loss, base.kl, base.perplexity))

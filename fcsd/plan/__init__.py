@@ -1,0 +1,1 @@
+"""``fcsd plan``: what fits, how long it takes and which layers to convert, before spending GPU hours."""

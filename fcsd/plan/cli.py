@@ -1,0 +1,77 @@
+"""``fcsd plan``'s arguments and output (the CLI stays thin: the plan is :func:`fcsd.plan.planner.make_plan`)."""
+
+from __future__ import annotations
+
+import json
+
+from fcsd.plan.cluster import GPUS
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="what fits on a cluster, how long it takes and which layers to convert (config only)",
+        description="Plan FCSD for MODEL (hub id, folder, preset or demo; its config only, weights with --probe): "
+        "per-GPU memory of each way to run it (one training step simulated on fake tensors), hours and GPU-hours, "
+        "a layer table with predicted speedups, and the commands to run.",
+    )
+    p.add_argument("model", help="hub id, local folder, preset (qwen3_30b_a3b, deepseek-v3, ...) or 'demo'")
+    p.add_argument(
+        "overrides", nargs="*", help="fcsd convert overrides, e.g. train.batch_tokens=131072 data.seq_len=2048"
+    )
+    p.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)} (default h100)")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB, 141GiB (default: the preset's)")
+    p.add_argument("--gpu-tflops", type=float, help="peak dense bf16 TFLOP/s per GPU (default: the preset's)")
+    p.add_argument("--intra-gbps", type=float, help="bus bandwidth inside a node, GB/s (default: the preset's)")
+    p.add_argument("--inter-gbps", type=float, help="bus bandwidth between nodes per GPU, GB/s")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--mfu", type=float, default=0.3, help="share of peak FLOP/s a training step reaches (0.3)")
+    p.add_argument("--margin", type=float, default=0.1, help="share of GPU memory kept free (0.1)")
+    p.add_argument("--tokens", type=float, help="training tokens (default: the recipe's train.max_tokens, 10B)")
+    p.add_argument("--layers", nargs="+", help="layer specs to compare (default: last:25%% last:50%% last:75%% all)")
+    p.add_argument("--probe", metavar="DATA", help="held-out data: measure each spec's KL without training")
+    p.add_argument("--max-kl", type=float, help="with --probe: the largest acceptable KL (default: a quarter of all's)")
+    p.add_argument("--measure", action="store_true", help="run real steps of the plan at reduced size here")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(args) -> int:
+    from fcsd.plan.cluster import make_cluster
+    from fcsd.plan.planner import make_plan
+    from fcsd.plan.report import format_plan, plan_dict
+
+    if args.tokens is not None and args.tokens <= 0:
+        raise ValueError(f"--tokens {args.tokens:g}: the training budget must be more than 0 tokens, e.g. 2e9")
+    cluster = make_cluster(
+        args.gpu,
+        args.gpus_per_node,
+        args.nodes,
+        args.gpu_memory,
+        args.gpu_tflops,
+        args.intra_gbps,
+        args.inter_gbps,
+        args.mfu,
+        args.margin,
+    )
+    plan = make_plan(args.model, cluster, args.tokens, args.layers, args.probe, args.overrides, args.max_kl)
+    report = plan_dict(plan)
+    if args.measure:
+        from fcsd.plan.check import check_plan, format_check
+
+        checked = check_plan(plan)
+        report["measure"] = checked
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_plan(plan))
+        if args.measure:
+            print(format_check(checked))
+    if plan.chosen is None:
+        largest = plan.fallback.cluster if plan.fallback is not None else cluster
+        raise ValueError(
+            f"nothing fits on {cluster.gpus} GPUs of {cluster.gpu.memory_gib:g} GiB, nor on {largest.nodes} nodes of "
+            "them: the memory table above says what each way needs; plan for GPUs with more memory (--gpu)"
+        )
+    return 0

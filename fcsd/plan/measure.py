@@ -1,0 +1,209 @@
+"""Real training steps of a candidate, measured, so that the planner's estimate checks itself (``fcsd plan
+--measure``, the tests and ``benchmarks/plan_memory.py``).
+
+The same :class:`fcsd.plan.run.Run` that the estimate runs on fake tensors runs here on real ones (random
+weights). Peak memory is read independently of the planner's tracker: on a GPU ``torch.cuda.max_memory_allocated``
+over the measured step; on a CPU the bytes of every tensor alive before the last step (each storage the garbage
+collector finds) plus the allocator's own events during it (``torch.profiler`` with ``profile_memory``), at their
+highest. The measured step is the last (a steady-state step: the optimizer states exist, as in the estimate).
+An expert-parallel layout is measured with the estimate's routing assumption, every rank receiving the same number
+of rows (:func:`balanced_experts`): random weights route unevenly, and by chance, so that the comparison would test
+the luck of the draw rather than the estimate. A real run's imbalance comes on top of the estimate, within the
+plan's margin (``--margin``). Step time is the wall time of the last step (synchronised on a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Measured:
+    peak: int  # bytes, this process
+    step_seconds: float
+    weights: int  # bytes of this process's student parameters and buffers
+    optimizer: int  # bytes of its AdamW states
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_step(model_config, fcsd_config, layout, device: str = "cpu", steps: int = 2, group=None) -> Measured:
+    """Build ``layout``'s models for real on ``device`` (this process's share: ``group`` is the expert-parallel
+    group of an ``ep`` layout, in an initialised job) and run ``steps`` optimizer steps; measure the last."""
+    target = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    with balanced_experts() if layout.strategy == "ep" else contextlib.nullcontext():
+        if target == "cuda":
+            return _measure_cuda(model_config, fcsd_config, layout, device, steps, group)
+        return _measure_cpu(model_config, fcsd_config, layout, target, device, steps, group)
+
+
+def _measure_cpu(model_config, fcsd_config, layout, target, device, steps, group) -> Measured:
+    from torch.profiler import ProfilerActivity, profile
+
+    outside = live_tensor_bytes()  # the process's own tensors (and an earlier job's not yet collected): not the run's
+    run = _build(model_config, fcsd_config, layout, target, device, group)
+    for _ in range(steps - 1):
+        run.step()
+    before = live_tensor_bytes() - outside
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        start = time.perf_counter()
+        run.step()
+        seconds = time.perf_counter() - start
+    events = sorted(
+        ((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda item: item[0],
+    )
+    live = peak = before
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return Measured(peak, seconds, *_static(run))
+
+
+@contextlib.contextmanager
+def balanced_experts():
+    """Every family's router runs as usual (its memory and FLOPs), then token ``t``'s ``j``-th expert becomes
+    ``(t * K + j) mod E``: each expert, hence each expert-parallel rank, receives the same number of rows, as the
+    estimate assumes (:func:`fcsd.plan.simulate.balanced_routing`)."""
+    from fcsd.connectivity.families import FAMILIES
+
+    def balanced(route):
+        def route_balanced(mlp, x):
+            routing = route(mlp, x)
+            tokens, k = routing.topk_ids.shape
+            device = routing.topk_ids.device
+            ids = torch.arange(tokens, device=device)[:, None] * k + torch.arange(k, device=device)
+            return routing._replace(topk_ids=(ids % routing.router_logits.shape[-1]).to(routing.topk_ids.dtype))
+
+        return route_balanced
+
+    originals = [family.route for family in FAMILIES]
+    for family, route in zip(FAMILIES, originals, strict=True):
+        object.__setattr__(family, "route", balanced(route))  # a frozen dataclass
+    try:
+        yield
+    finally:
+        for family, route in zip(FAMILIES, originals, strict=True):
+            object.__setattr__(family, "route", route)
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (found by the garbage collector after a collection, so
+    that tensors only unreachable cycles hold are not counted; each storage once)."""
+    import gc
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    storages = {}
+    with warnings.catch_warnings():  # isinstance() reads __class__, which torch.distributed.reduce_op deprecates
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        if obj.device.type == "cpu" and not isinstance(obj, FakeTensor):
+            try:  # wrapper subclasses have no storage; FSDP2's freed unsharded parameters an invalid one
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (NotImplementedError, RuntimeError):
+                continue
+    return sum(storages.values())
+
+
+def _measure_cuda(model_config, fcsd_config, layout, device, steps: int, group) -> Measured:
+    torch.cuda.synchronize()
+    outside = torch.cuda.memory_allocated()
+    run = _build(model_config, fcsd_config, layout, "cuda", device, group)
+    for _ in range(steps - 1):
+        run.step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    run.step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return Measured(torch.cuda.max_memory_allocated() - outside, seconds, *_static(run))
+
+
+def _build(model_config, fcsd_config, layout, target, device, group):
+    from fcsd.plan.simulate import build_run
+
+    with torch.device(device):
+        return build_run(model_config, fcsd_config, layout, target, group=group, mesh=_mesh(layout, device))
+
+
+def _mesh(layout, device):
+    if layout.strategy != "fsdp2":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(torch.device(device).type, (layout.processes,), mesh_dim_names=("dp_shard",))
+
+
+def _static(run) -> tuple[int, int]:
+    from fcsd.plan.simulate import _local, _optimizer_tensors
+
+    tensors = [_local(t) for t in (*run.unwrapped.parameters(), *run.unwrapped.buffers())]
+    weights = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
+    optimizer = sum(t.untyped_storage().nbytes() for t in _optimizer_tensors(run.optimizer))
+    return weights, optimizer
+
+
+def measure_processes(model_config, fcsd_config, layout, device: str = "cpu", steps: int = 2) -> list[Measured]:
+    """:func:`measure_step` on every process of ``layout`` (one process: here; several: spawned local processes on
+    gloo, or NCCL with a GPU each); one result per rank."""
+    return measure_jobs([(model_config, fcsd_config, layout)], device, steps)[0]
+
+
+def measure_jobs(jobs: list, device: str = "cpu", steps: int = 2) -> list[list[Measured]]:
+    """:func:`measure_processes` of several ``(model config, run config, layout)`` jobs of the same process count,
+    one after another in one set of processes (starting processes is the slow part)."""
+    processes = {layout.processes for _, _, layout in jobs}
+    if len(processes) != 1:
+        raise ValueError(f"jobs of different process counts ({sorted(processes)}) cannot share processes")
+    count = processes.pop()
+    if count == 1:
+        return [[measure_step(*job, device, steps)] for job in jobs]
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_worker, args=(jobs, device, steps, folder), nprocs=count, join=True)
+        results = json.loads((Path(folder) / "rank0.json").read_text())
+        others = [json.loads((Path(folder) / f"rank{r}.json").read_text()) for r in range(1, count)]
+    return [[Measured(**r) for r in ranks] for ranks in zip(results, *others, strict=True)]
+
+
+def _worker(rank: int, jobs: list, device: str, steps: int, folder: str) -> None:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    count = jobs[0][2].processes
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    store = dist.FileStore(str(Path(folder) / "store"), count)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=count)
+    try:
+        results = []
+        for model_config, fcsd_config, layout in jobs:
+            group = None
+            if layout.strategy == "ep":
+                from fcsd.parallel.training import expert_parallel_group
+
+                group = expert_parallel_group(layout.ep_size)
+            results.append(measure_step(model_config, fcsd_config, layout, device, steps, group).to_dict())
+        (Path(folder) / f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,236 @@
+"""``fcsd plan``: before spending GPU hours, what fits, how long it takes and which layers to convert (paper Sec.
+3.1, 4.1, 5.1, Appendix B).
+
+The run is the one ``fcsd convert MODEL [overrides]`` would make (the same Hydra recipe and presets): the layer
+table chooses the layers, the candidate search (:mod:`fcsd.plan.candidates`) the way to run them on the cluster, the
+timing model the hours, and :mod:`fcsd.plan.commands` the commands. When nothing fits, the same search runs on
+twice as many nodes, then four times, ... and the plan says which size fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, search
+from fcsd.plan.cluster import GIB, Cluster
+from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
+from fcsd.plan.models import ModelSource, load_model_config
+
+MAX_NODES = 128
+DEFAULT_DATA = "data=tulu3_sft_mixture"  # the printed command's data, unless the overrides name some
+
+
+@dataclass
+class Plan:
+    source: ModelSource
+    cluster: Cluster
+    tokens: float
+    config: object  # the resolved FCSDConfig the plan trains with
+    summary: object  # fcsd.connectivity.summary.ModelSummary
+    options: list[LayerOption]
+    choice: LayerOption
+    reason: str
+    search: Search
+    fallback: Search | None = None  # when this cluster does not fit: the larger one that does, or the last tried
+    flops: dict = field(default_factory=dict)  # per token, by part, of the chosen candidate
+    cache_pass_hours: float = 0.0
+    commands: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    counts: object = None  # candidates.Counts of the model
+
+    @property
+    def chosen(self) -> Candidate | None:
+        found = self.search if self.search.chosen is not None else self.fallback
+        return found.chosen if found is not None else None
+
+    @property
+    def fits(self) -> bool:
+        return self.search.chosen is not None
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens // self.config.train.batch_tokens)
+
+    @property
+    def hours(self) -> float | None:
+        chosen = self.chosen
+        return None if chosen is None else self.steps * chosen.time.seconds / 3600
+
+    @property
+    def gpu_hours(self) -> float | None:
+        chosen, hours = self.chosen, self.hours
+        return None if chosen is None else hours * chosen.layout.processes + self.cache_pass_hours
+
+
+def make_plan(
+    model: str,
+    cluster: Cluster,
+    tokens: float | None = None,
+    specs: list[str] | None = None,
+    probe_data: str | None = None,
+    overrides: list[str] | None = None,
+    max_kl: float | None = None,
+) -> Plan:
+    """Plan FCSD for ``model`` on ``cluster`` (see the module docstring). ``overrides`` are ``fcsd convert``'s
+    Hydra overrides (batch size, sequence length, ...); ``tokens`` the training budget (default: the recipe's
+    ``train.max_tokens``)."""
+    from fcsd import perfmodel as pm
+    from fcsd.connectivity.summary import summarize
+
+    source = load_model_config(model)
+    summary = summarize(source.name, config=source.config)
+    shape = pm.model_shape(source.config)  # a dense or unsupported model is refused here, in one line
+    config, defaults, notes = run_config(source, overrides or [], tokens, cluster)
+    tokens = float(config.train.max_tokens)
+    options = layer_options(shape, specs or DEFAULT_SPECS, cluster, config.train.batch_tokens, config.data.seq_len)
+    if probe_data is not None:
+        probe(source.name, probe_data, options)
+    choice, reason = recommend(options, tokens, max_kl)
+    config.farskip.layers = choice.spec
+    cache_ok = _teacher_fits_one_gpu(summary, cluster)
+    counts = parameter_counts(source.config)
+    result = search(source.config, config, cluster, counts, cache_ok)
+    converted = set(choice.layers)
+    fallback = None
+    if choose(result, source.config, config, shape, converted) is None:
+        fallback = _larger_cluster(source, config, cluster, shape, counts, converted, cache_ok, notes)
+    plan = Plan(
+        source, cluster, tokens, config, summary, options, choice, reason, result, fallback, notes=notes, counts=counts
+    )
+    chosen = plan.chosen
+    if chosen is not None:
+        plan.flops = _flops_per_token(chosen)
+        if chosen.layout.teacher == "cache":
+            plan.cache_pass_hours = tokens * _teacher_flops(shape, config.data.seq_len) / _rate(cluster) / 3600
+        from fcsd.plan.commands import plan_commands
+
+        user = list(overrides or [])
+        has_data = any(_names_data(o) for o in user) or defaults.data.path != "plan"
+        extra = user if has_data else [DEFAULT_DATA, *user]
+        target = fallback.cluster if fallback is not None else cluster
+        plan.commands = plan_commands(source.name, chosen.layout, choice.spec, config, defaults, target, extra)
+    return plan
+
+
+def run_config(source: ModelSource, overrides: list[str], tokens: float | None, cluster: Cluster):
+    """``(config, recipe defaults, notes)``: the resolved ``fcsd convert`` config for the plan (``train.max_tokens``
+    = ``tokens``; a step's sequences raised to a multiple of the GPUs when they do not split over them)."""
+    import copy
+
+    from fcsd.distill.config import compose, hydra_override, preset_for, to_config
+
+    names = [hydra_override("model.name", source.name)]
+    preset = preset_for(source.name)
+    if preset is not None:
+        names.insert(0, f"model={preset}")
+    user = [o for o in overrides if not _names_data(o)]
+    composed = compose([*names, "early_stop.enabled=false", *user])
+    if composed.data.path is None:  # the plan reads no data; the printed command names some
+        composed.data.path = "plan"
+    config = to_config(composed)
+    defaults = copy.deepcopy(config)
+    if tokens is not None:
+        if tokens < config.train.batch_tokens:
+            raise ValueError(f"--tokens {tokens:.3g} is less than one step ({config.train.batch_tokens} tokens)")
+        config.train.max_tokens = int(tokens)
+    config, notes = run_config_for(config, cluster)
+    return config, defaults, notes
+
+
+def _names_data(override: str) -> bool:
+    """Whether an override chooses the training data (the plan needs none; the printed command keeps it)."""
+    return override.split("=")[0].lstrip("+") in ("data", "data.path", "data.split", "data.eval_path")
+
+
+def _teacher_fits_one_gpu(summary, cluster: Cluster) -> bool:
+    """``fcsd cache-teacher`` runs the bf16 teacher on one GPU: its weights (and a tenth for activations) must fit."""
+    return summary.total_params * 2 * 1.1 <= cluster.budget
+
+
+def _larger_cluster(source, config, cluster: Cluster, shape, counts, converted, cache_ok, notes) -> Search | None:
+    """The search on more nodes (same GPUs per node) until a candidate fits: twice as many, or up to four times as
+    many when the FSDP2 candidate that came closest would fit there (its sharded static bytes shrink with the GPUs,
+    the rest of its peak does not, as long as every GPU holds a whole expert). It stops at :data:`MAX_NODES`, when
+    no number of nodes can help, or when the closest peak stops shrinking (FSDP2 pads the fused expert weights
+    once the GPUs outnumber the experts); the last search is returned either way."""
+    nodes, previous, result = cluster.nodes * 2, None, None
+    while nodes <= MAX_NODES:
+        bigger = cluster.with_nodes(nodes)
+        sized, extra = run_config_for(config, bigger)
+        result = search(source.config, sized, bigger, counts, cache_ok)
+        if choose(result, source.config, sized, shape, converted) is not None:
+            notes += extra
+            config.train.batch_tokens = sized.train.batch_tokens
+            return result
+        peaks = [c.estimate.peak for c in result.candidates if c.estimate is not None]
+        needed = _nodes_needed(result, nodes)
+        if needed is None or (previous is not None and peaks and min(peaks) >= previous):
+            return result
+        previous = min(peaks) if peaks else previous
+        step = max(nodes * 2, min(needed, nodes * 4))
+        nodes = MAX_NODES if nodes < MAX_NODES < step else step
+    return result
+
+
+def _nodes_needed(result: Search, nodes: int) -> int | None:
+    """Nodes at which the closest simulated FSDP2 candidate would fit (a power-of-two multiple of ``nodes``; 0 when
+    none was simulated), or None when no number of nodes can help: every simulated candidate needs more than a GPU
+    holds even without its static bytes (the unsharded layers in flight, the activations), which more GPUs do not
+    shrink."""
+    budget = result.cluster.budget
+    simulated = [c for c in result.candidates if c.estimate is not None]
+    for candidate in simulated:
+        e = candidate.estimate
+        rest = e.peak - (e.weights + e.gradients + e.optimizer + e.teacher)
+        if rest >= budget:
+            candidate.note = f"{rest / GIB:.1f} GiB of its peak are not static: more GPUs cannot make it fit"
+    hopeless = simulated and all("more GPUs cannot" in c.note for c in simulated)
+    fsdp2 = [c for c in simulated if c.layout.strategy == "fsdp2" and "more GPUs cannot" not in c.note]
+    if hopeless:
+        return None
+    if not fsdp2:
+        return 0
+    e = min(fsdp2, key=lambda c: c.estimate.peak).estimate
+    static = e.weights + e.gradients + e.optimizer + e.teacher
+    factor = 2 ** math.ceil(math.log2(max(1.0, static / (budget - (e.peak - static)))))
+    return nodes * factor
+
+
+def run_config_for(config, cluster: Cluster):
+    """``config`` with a step's sequences raised to a multiple of ``cluster``'s GPUs (and the note saying so)."""
+    import copy
+
+    sized = copy.deepcopy(config)
+    sequences = sized.train.batch_tokens // sized.data.seq_len
+    if sequences % cluster.gpus == 0:
+        return sized, []
+    raised = sized.data.seq_len * cluster.gpus * -(-sequences // cluster.gpus)
+    note = (
+        f"train.batch_tokens raised from {config.train.batch_tokens} to {raised}: {sequences} sequences of "
+        f"{sized.data.seq_len} tokens do not split over {cluster.gpus} GPUs"
+    )
+    sized.train.batch_tokens = raised
+    return sized, [note]
+
+
+def _rate(cluster: Cluster) -> float:
+    return cluster.gpu.tflops * cluster.mfu * 1e12
+
+
+def _teacher_flops(shape, seq_len: int) -> float:
+    """Forward FLOPs per token of the teacher (Appendix B's per-layer counts, causal attention, the LM head)."""
+    total = 2.0 * shape.hidden * shape.vocab
+    for layer in shape.layers:
+        core = 2 * seq_len / 2 * layer.heads * (layer.d_qk + layer.d_v)
+        total += layer.attn_proj_flops + layer.gate_flops + layer.routed_flops + layer.shared_flops + core
+    return total
+
+
+def _flops_per_token(candidate: Candidate) -> dict:
+    estimate = candidate.estimate
+    return {phase: value / estimate.tokens for phase, value in estimate.flops.items() if value}
+
+
+def budget_line(cluster: Cluster) -> str:
+    return f"{cluster.budget / GIB:.1f} GiB"

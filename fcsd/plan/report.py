@@ -1,0 +1,148 @@
+"""``fcsd plan``'s output: the text report (layer table, memory table, time, commands) and ``--json``."""
+
+from __future__ import annotations
+
+from fcsd.plan.candidates import why_none_fits
+from fcsd.plan.cluster import GIB
+from fcsd.plan.simulate import CATEGORIES
+
+STATUS = {"fits": "fits", "exceeds": "no", "static": "no (static)", "dominated": "no (implied)", "invalid": "no"}
+
+
+def _unit(search) -> tuple[str, int]:
+    """GiB, or MiB when every simulated peak is below 1 GiB (small models)."""
+    peaks = [c.estimate.peak for c in search.candidates if c.estimate is not None]
+    return ("MiB", 2**20) if peaks and max(peaks) < GIB else ("GiB", GIB)
+
+
+def _memory_row(candidate, budget: int, unit: tuple[str, int]) -> str:
+    estimate = candidate.estimate
+    name, size = candidate.layout.short, unit[1]
+    if estimate is None:
+        cells = ["-"] * (len(CATEGORIES) + 1)
+        verdict = STATUS[candidate.status] if candidate.status != "fits" else "fits (implied)"
+        return f"{name:<26}" + "".join(f"{c:>8}" for c in cells) + f"  {verdict}: {candidate.note}"
+    cells = [f"{getattr(estimate, k) / size:.1f}" for k in CATEGORIES] + [f"{estimate.peak / size:.1f}"]
+    verdict = STATUS[candidate.status]
+    if candidate.fits:
+        verdict += f" ({(budget - estimate.peak) / GIB:.1f} GiB to spare)"
+    else:
+        verdict += f" (+{(estimate.peak - budget) / GIB:.1f} GiB)"
+    return f"{name:<26}" + "".join(f"{c:>8}" for c in cells) + f"  {verdict}"
+
+
+def memory_table(search) -> list[str]:
+    cluster, unit = search.cluster, _unit(search)
+    head = f"{'per GPU, ' + unit[0]:<26}" + "".join(f"{h:>8}" for h in (*_SHORT, "peak")) + "  fits"
+    lines = [f"memory on {cluster.describe()}", head]
+    lines += [_memory_row(c, cluster.budget, unit) for c in search.candidates]
+    lines.append(
+        "(mbN: micro-batch of N sequences; ckpt: gradient checkpointing; online: the teacher laid out as the student "
+        "is (replicated, EP-sharded, FSDP2-sharded); cache: the top-k cache; grads of FSDP2 are its sharded ones)"
+    )
+    return lines
+
+
+_SHORT = ("weights", "grads", "AdamW", "teacher", "activ.", "loss")
+PHASES = {"activations": "student forward", "backward": "backward", "teacher": "teacher forward", "loss": "loss"}
+
+
+def _flops(value: float) -> str:
+    for unit, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f}"
+
+
+def format_plan(plan) -> str:
+    """The text report of a :class:`fcsd.plan.planner.Plan`."""
+    s, config = plan.summary, plan.config
+    lines = [
+        f"model      {plan.source.name} ({plan.source.origin}): {s.family}, {s.num_layers} layers "
+        f"({len(s.moe_layers)} MoE), {s.num_experts} experts top-{s.top_k}, {s.total_params / 1e9:.2f}B parameters",
+        f"run        {plan.tokens:.3g} tokens, {config.train.batch_tokens:,} tokens per step "
+        f"({config.train.batch_tokens // config.data.seq_len} x {config.data.seq_len}), {plan.steps:,} steps",
+        "",
+        "which layers (speedup: student training step under EP over one node, Eq. 9; prefill TP=EP=GPUs per node, "
+        "32 x 2048, Appendix B)",
+        f"{'spec':<12}{'layers':>8}{'train':>9}{'prefill':>9}{'KL':>9}{'loss':>9}",
+    ]
+    for o in plan.options:
+        kl = "-" if o.kl is None else f"{o.kl:.4f}"
+        loss = "-" if o.loss is None else f"{o.loss:.4f}"
+        mark = "  <-" if o is plan.choice else ""
+        lines.append(
+            f"{o.spec:<12}{len(o.layers):>8}{o.training_speedup:>8.3f}x{o.prefill_speedup:>8.3f}x{kl:>9}{loss:>9}{mark}"
+        )
+    lines += [f"-> {plan.choice.spec}: {plan.reason}", ""]
+    lines.append(f"-> chosen: {plan.chosen.layout.name}" if plan.chosen is not None else "-> nothing fits")
+    lines += memory_table(plan.search)
+    chosen = plan.chosen
+    if not plan.fits:
+        fallback = plan.fallback
+        if fallback is None or fallback.chosen is None:
+            tried = fallback.cluster.nodes if fallback is not None else plan.cluster.nodes
+            lines.append(f"-> nothing fits on {plan.cluster.gpus} GPUs, nor on more nodes (tried up to {tried})")
+            if fallback is not None:
+                lines += ["", f"the largest cluster tried, {fallback.cluster.nodes} nodes:"]
+                lines += memory_table(fallback)
+            lines += [f"   {line}" for line in why_none_fits(fallback or plan.search, plan.counts)]
+        else:
+            lines += ["", f"-> nothing fits on {plan.cluster.gpus} GPUs; {fallback.cluster.nodes} nodes do:"]
+            lines += memory_table(fallback)
+    lines += [f"note: {n}" for n in plan.notes]
+    if chosen is None:
+        return "\n".join(lines)
+    t = chosen.time
+    lines += [
+        "",
+        f"-> {chosen.layout.name}: peak {chosen.estimate.peak / GIB:.1f} GiB per GPU "
+        f"(at the {chosen.estimate.peak_phase} phase)",
+        "time       FLOPs per token: "
+        + ", ".join(f"{PHASES.get(phase, phase)} {_flops(value)}" for phase, value in plan.flops.items())
+        + f"; at {plan.cluster.mfu:.0%} of {plan.cluster.gpu.tflops:g} TFLOP/s",
+        f"           step {t.seconds:.2f} s (compute {t.compute_s:.2f} s, exposed communication "
+        f"{t.exposed_comm_s:.2f} s), {t.tokens_per_s:,.0f} tokens/s",
+        f"           {plan.hours:.1f} h on {chosen.layout.processes} GPUs, {plan.gpu_hours:,.0f} GPU-hours"
+        + (
+            f" (with the teacher cache's pass, {plan.cache_pass_hours:.1f} h on one GPU)"
+            if plan.cache_pass_hours
+            else ""
+        ),
+        "",
+        "commands",
+    ]
+    lines += [f"  {plan.commands[k]}" for k in ("cache_teacher", "train", "serve") if k in plan.commands]
+    return "\n".join(lines)
+
+
+def plan_dict(plan) -> dict:
+    """``--json``: everything the text report shows."""
+    chosen = plan.chosen
+    return {
+        "model": {"name": plan.source.name, "origin": plan.source.origin, **plan.summary.to_dict()},
+        "cluster": plan.cluster.to_dict(),
+        "tokens": plan.tokens,
+        "batch_tokens": plan.config.train.batch_tokens,
+        "seq_len": plan.config.data.seq_len,
+        "steps": plan.steps,
+        "layers": [o.to_dict() for o in plan.options],
+        "recommended_layers": {"spec": plan.choice.spec, "reason": plan.reason},
+        "candidates": [c.to_dict() for c in plan.search.candidates],
+        "fits": plan.fits,
+        "fallback": None
+        if plan.fallback is None
+        else {
+            "nodes": plan.fallback.cluster.nodes,
+            "fits": plan.fallback.chosen is not None,
+            "candidates": [c.to_dict() for c in plan.fallback.candidates],
+        },
+        "chosen": None if chosen is None else chosen.to_dict(),
+        "why_nothing_fits": [] if chosen is not None else why_none_fits(plan.fallback or plan.search, plan.counts),
+        "flops_per_token": plan.flops,
+        "hours": plan.hours,
+        "gpu_hours": plan.gpu_hours,
+        "cache_pass_hours": plan.cache_pass_hours,
+        "commands": plan.commands,
+        "notes": plan.notes,
+    }

@@ -1,0 +1,193 @@
+"""`fcsd plan`: the estimate against measured CPU runs (one process and two expert-parallel gloo processes, three
+families, layer stacks deep enough for the depth reduction), the depth reduction against a whole-stack simulation,
+the candidate search and what it implies, the layer recommendation, the commands, --probe and --json, and the
+preset claims (Qwen3-30B-A3B fits 8 x H100; DeepSeek-V3 does not fit one node of 8 x H200)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import CONFIGS, save_chat_model
+
+from fcsd.distill.config import FCSDConfig
+from fcsd.plan.cluster import GPU, Cluster, make_cluster
+from fcsd.plan.run import Layout
+from fcsd.plan.simulate import estimate_step, simulate
+
+FAMILIES = ["deepseek_v2", "qwen3_moe", "llama4_text"]
+TOLERANCE = 0.10  # the issue's bound: estimated peak within 10% of the measured one
+
+
+def deep_config(family: str, layers: int = 5):
+    """The tiny config of ``family`` with ``layers`` layers (runs longer than the depth reduction keeps)."""
+    _, config = CONFIGS[family]()
+    values = config.to_dict()
+    for derived in ("layer_types", "no_rope_layers", "moe_layers", "model_type"):
+        values.pop(derived, None)
+    values["num_hidden_layers"] = layers
+    return type(config)(**values)
+
+
+def run_config(seq_len: int = 32, sequences: int = 4, layers: str = "last:50%") -> FCSDConfig:
+    config = FCSDConfig()
+    config.data.path = "unused"
+    config.data.seq_len, config.train.batch_tokens = seq_len, seq_len * sequences
+    config.train.loss_chunk_size = 8
+    config.farskip.layers = layers
+    return config
+
+
+def check(estimate, measured) -> None:
+    for m in measured:
+        assert abs(estimate.peak / m.peak - 1) <= TOLERANCE, (estimate.layout.name, estimate.peak, m.peak)
+    assert estimate.weights == measured[0].weights  # exact: the same parameters and buffers
+    assert estimate.optimizer == measured[0].optimizer  # exact: AdamW's moments and step counters
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "layout",
+    [Layout("single", 1, micro_batch=2), Layout("single", 1, teacher="cache", gradient_checkpointing=True)],
+    ids=["online-mb2", "cache-ckpt"],
+)
+def test_estimate_matches_a_measured_step_on_one_process(family, layout):
+    from fcsd.plan.measure import measure_processes
+
+    model_config, config = deep_config(family), run_config()
+    estimate = estimate_step(model_config, config, layout, "cpu")
+    check(estimate, measure_processes(model_config, config, layout))
+
+
+def test_estimate_matches_measured_steps_of_two_expert_parallel_processes():
+    from fcsd.plan.measure import measure_jobs
+
+    layout = Layout("ep", 2, ep_size=2, micro_batch=2)
+    jobs = [(deep_config(family), run_config(seq_len=64), layout) for family in FAMILIES]
+    for job, measured in zip(jobs, measure_jobs(jobs), strict=True):
+        check(estimate_step(*job, "cpu"), measured)
+
+
+@pytest.mark.parametrize("layout", [Layout("single", 1), Layout("ep", 2, ep_size=2, micro_batch=2)], ids=str)
+def test_depth_reduction_equals_the_whole_stack(layout):
+    """The few-layer simulations give what simulating every layer gives (static bytes, phase peaks, FLOPs)."""
+    model_config, config = deep_config("qwen3_moe", layers=9), run_config()
+    reduced = estimate_step(model_config, config, layout, "cuda")
+    whole = simulate(model_config, config, layout, "cuda", tuple(range(9)))
+    assert reduced.peak == pytest.approx(max(p["peak"] for p in whole["phases"].values()), rel=1e-3)
+    assert reduced.weights == whole["static"]["weights"] and reduced.optimizer == whole["static"]["optimizer"]
+    assert sum(reduced.flops.values()) == pytest.approx(sum(whole["flops"].values()), rel=1e-6)
+
+
+def test_the_search_implies_only_what_simulations_confirm():
+    """Candidates the search did not simulate are decided by implication; simulating them agrees."""
+    from fcsd.plan.candidates import parameter_counts, search
+
+    model_config, config = deep_config("qwen3_moe"), run_config()
+    probe = estimate_step(model_config, config, Layout("single", 1, micro_batch=2), "cuda").peak
+    cluster = Cluster(GPU("test", probe / 2**30, 100.0, 100.0, 10.0), gpus_per_node=1, reserve_gib=0, margin=0)
+    result = search(model_config, config, cluster, parameter_counts(model_config), True)
+    implied = [c for c in result.candidates if c.estimate is None and c.status in ("fits", "dominated")]
+    simulated = [c for c in result.candidates if c.estimate is not None]
+    assert implied and simulated and {c.status for c in result.candidates} >= {"fits", "exceeds"}
+    for candidate in implied[:3]:
+        peak = estimate_step(model_config, config, candidate.layout, "cuda").peak
+        assert (peak <= cluster.budget) == (candidate.status == "fits"), (candidate.layout.name, candidate.note)
+
+
+def test_layer_recommendation_follows_the_budget_or_the_probe():
+    from fcsd.plan.layers import LayerOption, recommend
+
+    options = [LayerOption(s, list(range(n)), 1 + n / 100, 1 + n / 50) for s, n in (("last:50%", 4), ("all", 8))]
+    assert recommend(options, 2e9)[0].spec == "last:50%"
+    assert recommend(options, 1e10)[0].spec == "all"
+    options[0].kl, options[1].kl = 0.1, 1.0
+    chosen, reason = recommend(options, 1e10)
+    assert chosen.spec == "last:50%" and "0.250" in reason  # a quarter of all's KL
+    assert recommend(options, 1e10, max_kl=2.0)[0].spec == "all"
+
+
+def test_fused_adamw_only_for_groups_on_gpus():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fcsd.distill.optim import fuse_on_gpu
+
+    with FakeTensorMode():
+        gpu = torch.nn.Parameter(torch.empty(4, device="cuda"))
+        cpu = torch.nn.Parameter(torch.empty(4))
+        optimizer = torch.optim.AdamW([{"params": [gpu]}, {"params": [cpu]}])
+    fuse_on_gpu(optimizer)
+    assert [g["fused"] for g in optimizer.param_groups] == [True, None]
+
+
+def test_fully_converted_layers_stay_wrappable_by_accelerate():
+    """accelerate's FSDP wrap policy finds decoder layers by the class names in _no_split_modules: with every layer
+    converted the stock name is gone, so the FarSkip one must be listed (else `accelerate launch` FSDP fails)."""
+    from accelerate.utils.dataclasses import get_module_class_from_name
+
+    import fcsd
+
+    model_class, config = CONFIGS["mixtral"]()
+    model = model_class(config)
+    fcsd.apply_farskip(model, "all")
+    assert all(get_module_class_from_name(model, name) is not None for name in model._no_split_modules)
+    assert get_module_class_from_name(model, "MixtralDecoderLayer") is None  # why the names must follow
+    fcsd.remove_farskip(model)
+    assert model._no_split_modules == ["MixtralDecoderLayer"]
+
+
+def test_qwen3_30b_fits_one_node_of_8_h100():
+    """The issue's "done when": from config alone, a memory table, hours, a layer table and a command that fits."""
+    from fcsd.plan.planner import make_plan
+    from fcsd.plan.report import format_plan
+
+    plan = make_plan("Qwen/Qwen3-30B-A3B", make_cluster("h100", 8), tokens=2e9)
+    assert plan.fits and plan.chosen.estimate.peak <= plan.cluster.budget
+    assert plan.hours > 0 and plan.gpu_hours == pytest.approx(plan.hours * 8)
+    text = format_plan(plan)
+    for part in ("which layers", "memory on 1 x 8 H100", "GPU-hours", "accelerate launch", "vllm serve"):
+        assert part in text, part
+    assert f"train.micro_batch_size={plan.chosen.layout.micro_batch}" in plan.commands["train"] or (
+        plan.chosen.layout.micro_batch == 1
+    )
+
+
+def test_deepseek_v3_does_not_fit_one_node_of_8_h200():
+    """Not on one node of 8 x H200, nor on any number of them with the strategies fcsd builds: the plan says why
+    (expert parallelism keeps the ~17B parameters outside the routed experts whole on every GPU) and what would."""
+    from fcsd.plan.candidates import parameter_counts, search, why_none_fits
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.planner import run_config as plan_config
+
+    source = load_model_config("deepseek-v3")
+    cluster = make_cluster("h200", 8)
+    config, _, _ = plan_config(source, [], 2e9, cluster)
+    counts = parameter_counts(source.config)
+    result = search(source.config, config, cluster, counts, False)
+    assert not any(c.fits for c in result.candidates)
+    assert {c.status for c in result.candidates} == {"static", "invalid"}  # no step even needs simulating
+    why = why_none_fits(result, counts)
+    replicated = (counts.total - counts.experts) / 1e9
+    assert 15 < replicated < 25 and f"the {replicated:.1f}B parameters outside the routed experts" in why[0]
+    assert why[-1].startswith("what would fit: expert parallelism with the other parameters sharded too")
+
+
+def test_plan_cli_json_with_probe(tmp_path, capsys):
+    from fcsd.cli import main
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"add {i} and {i}"}, {"role": "assistant", "content": str(2 * i)}]}
+        for i in range(40)
+    ]
+    save_chat_model(tmp_path / "model", rows, vocab_size=120)
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["plan", str(tmp_path / "model"), "--gpus-per-node", "2", "--tokens", "1e6", "data.seq_len=32"]
+    assert main([*argv, "--probe", str(data), "--layers", "last:1", "all", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and [o["spec"] for o in plan["layers"]] == ["last:1", "all"]
+    assert all(o["kl"] is not None and o["kl"] >= 0 for o in plan["layers"])
+    chosen = plan["chosen"]["layout"]
+    assert "--num_processes 2" in plan["commands"]["train"] and "fcsd.cli convert" in plan["commands"]["train"]
+    assert chosen["processes"] == 2 and plan["hours"] > 0
