@@ -117,8 +117,11 @@ def test_fused_adamw_only_for_groups_on_gpus():
         gpu = torch.nn.Parameter(torch.empty(4, device="cuda"))
         cpu = torch.nn.Parameter(torch.empty(4))
         optimizer = torch.optim.AdamW([{"params": [gpu]}, {"params": [cpu]}])
-    fuse_on_gpu(optimizer)
+        optimizer.state[gpu]["step"] = torch.tensor(3.0)  # as a restored checkpoint leaves it: on the CPU
+        fuse_on_gpu(optimizer)
     assert [g["fused"] for g in optimizer.param_groups] == [True, None]
+    step = optimizer.state[gpu]["step"]
+    assert step.device.type == "cuda" and step.dtype == torch.float32  # what the fused kernel requires
 
 
 def test_fully_converted_layers_stay_wrappable_by_accelerate():
@@ -130,11 +133,28 @@ def test_fully_converted_layers_stay_wrappable_by_accelerate():
 
     model_class, config = CONFIGS["mixtral"]()
     model = model_class(config)
+    stock = {name: dict(m.__dict__) for name, m in model.named_modules()}
     fcsd.apply_farskip(model, "all")
     assert all(get_module_class_from_name(model, name) is not None for name in model._no_split_modules)
     assert get_module_class_from_name(model, "MixtralDecoderLayer") is None  # why the names must follow
+    fcsd.apply_farskip(model, "last:1")  # partly converted: both names
+    assert set(model._no_split_modules) == {"MixtralDecoderLayer", "FarSkipMixtralDecoderLayer"}
     fcsd.remove_farskip(model)
-    assert model._no_split_modules == ["MixtralDecoderLayer"]
+    for name, module in model.named_modules():  # every instance attribute as it was, values and absences
+        assert module.__dict__.get("_no_split_modules", "absent") == stock[name].get("_no_split_modules", "absent")
+        assert "_farskip_stock_no_split" not in module.__dict__
+
+
+def accepted_by_convert(line: str):
+    """The config ``fcsd convert`` builds from a printed command line (its parser, its overrides, its checks)."""
+    import shlex
+
+    from fcsd.cli import _run_config, build_parser
+    from fcsd.distill.config import to_config
+
+    words = shlex.split(line)
+    words = words[words.index("convert") :]
+    return to_config(_run_config(build_parser().parse_args(words)))
 
 
 def test_qwen3_30b_fits_one_node_of_8_h100():
@@ -144,13 +164,20 @@ def test_qwen3_30b_fits_one_node_of_8_h100():
 
     plan = make_plan("Qwen/Qwen3-30B-A3B", make_cluster("h100", 8), tokens=2e9)
     assert plan.fits and plan.chosen.estimate.peak <= plan.cluster.budget
-    assert plan.hours > 0 and plan.gpu_hours == pytest.approx(plan.hours * 8)
+    assert plan.hours > 0 and plan.gpu_hours == pytest.approx(plan.hours * 8 + plan.cache_pass_hours)
     text = format_plan(plan)
     for part in ("which layers", "memory on 1 x 8 H100", "GPU-hours", "accelerate launch", "vllm serve"):
         assert part in text, part
-    assert f"train.micro_batch_size={plan.chosen.layout.micro_batch}" in plan.commands["train"] or (
-        plan.chosen.layout.micro_batch == 1
+    layout = plan.chosen.layout
+    config = accepted_by_convert(plan.commands["train"])
+    assert config.train.micro_batch_size == layout.micro_batch and config.farskip.layers == plan.choice.spec
+    assert (
+        config.teacher.mode == layout.teacher and config.train.gradient_checkpointing == layout.gradient_checkpointing
     )
+    # FSDP2 with the online teacher: the trainer loads the whole bf16 teacher (57 GiB) on every GPU before sharding
+    # it, next to the student's share: over the 69.8 GiB a GPU may use, so those candidates are ruled out
+    online = [c for c in plan.search.candidates if c.layout.strategy == "fsdp2" and c.layout.teacher == "online"]
+    assert online and all(c.status == "static" and c.note.startswith("loading:") for c in online)
 
 
 def test_deepseek_v3_does_not_fit_one_node_of_8_h200():
@@ -191,3 +218,23 @@ def test_plan_cli_json_with_probe(tmp_path, capsys):
     chosen = plan["chosen"]["layout"]
     assert "--num_processes 2" in plan["commands"]["train"] and "fcsd.cli convert" in plan["commands"]["train"]
     assert chosen["processes"] == 2 and plan["hours"] > 0
+    config = accepted_by_convert(plan["commands"]["train"])  # a 15-step run: the 1000-step warm-up shortened
+    assert config.train.warmup_steps <= 15 and any("train.warmup_steps lowered" in n for n in plan["notes"])
+
+
+def test_plan_commands_name_what_accelerate_and_convert_need(tmp_path, capsys):
+    """A DDP launch says --multi_gpu (no default accelerate config may turn it into FSDP); an objective the teacher
+    cache cannot serve rules the cache out with that reason, and the command stays one `fcsd convert` accepts."""
+    from fcsd.cli import main
+    from fcsd.plan.commands import launch_prefix
+
+    assert "--multi_gpu" in launch_prefix(Layout("ddp", 2), make_cluster("h100", 2))
+    assert "--multi_gpu" not in launch_prefix(Layout("fsdp2", 2), make_cluster("h100", 2))
+    chat = [{"messages": [{"role": "user", "content": "add 1 and 1"}, {"role": "assistant", "content": "2"}]}]
+    save_chat_model(tmp_path / "model", chat * 8, vocab_size=120)
+    argv = ["plan", str(tmp_path / "model"), "--gpus-per-node", "2", "--tokens", "1e6", "train.objective=kl_l2"]
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    cached = [c for c in plan["candidates"] if c["layout"]["teacher"] == "cache"]
+    assert cached and all(c["status"] == "invalid" and "train.objective=kl_l2" in c["note"] for c in cached)
+    assert accepted_by_convert(plan["commands"]["train"]).train.objective == "kl_l2"

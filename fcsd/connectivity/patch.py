@@ -207,22 +207,38 @@ def apply_farskip(model: nn.Module, layers="all") -> nn.Module:
     return model
 
 
+_STOCK_NO_SPLIT = "_farskip_stock_no_split"  # an instance's own _no_split_modules before conversion (or _ABSENT)
+_ABSENT = object()
+
+
 def _name_no_split_modules(model: nn.Module) -> None:
     """Name the FarSkip layer classes in ``_no_split_modules``, which accelerate's FSDP ``TRANSFORMER_BASED_WRAP``
     policy and device maps read by class name (accelerate refuses a name no module has: with every layer converted
-    the stock layer class is gone, so an FSDP run could not start). Set on the instances; :func:`remove_farskip`
-    drops them."""
+    the stock layer class is gone, so an FSDP run could not start). Set on the instances, whose own value (if any:
+    transformers' ``post_init`` sets one) :func:`remove_farskip` puts back."""
     present = {type(module).__name__ for module in model.modules()}
     for module in model.modules():
-        stock = getattr(type(module), "_no_split_modules", None)
+        stock = module.__dict__.get("_no_split_modules", getattr(type(module), "_no_split_modules", None))
         if not stock:
             continue
         names = []
         for name in stock:
             converted = f"FarSkip{name}"
             names += [n for n in (name, converted) if n in present] if converted in present else [name]
-        if names != list(stock):
-            module._no_split_modules = names
+        if set(names) != set(stock):
+            setattr(module, _STOCK_NO_SPLIT, module.__dict__.get("_no_split_modules", _ABSENT))
+            module._no_split_modules = type(stock)(names) if isinstance(stock, (set, list, tuple)) else names
+
+
+def _restore_no_split_modules(model: nn.Module) -> None:
+    for module in model.modules():
+        if _STOCK_NO_SPLIT not in module.__dict__:
+            continue
+        stock = module.__dict__.pop(_STOCK_NO_SPLIT)
+        if stock is _ABSENT:
+            module.__dict__.pop("_no_split_modules", None)
+        else:
+            module._no_split_modules = stock
 
 
 def remove_farskip(model: nn.Module) -> nn.Module:
@@ -237,8 +253,7 @@ def remove_farskip(model: nn.Module) -> nn.Module:
                 delattr(module, attr)
             module.__dict__.pop("_farskip_schedule", None)
             _rebind_accelerate_forward(module)
-    for module in model.modules():
-        module.__dict__.pop("_no_split_modules", None)
+    _restore_no_split_modules(model)
     record = getattr(model.config, CONFIG_KEY, None)
     if record is not None:
         kept = {key: value for key, value in record.items() if key in KEPT_KEYS}

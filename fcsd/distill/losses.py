@@ -214,7 +214,8 @@ def hidden_l2(
         raise ValueError(f"hidden-state L2 needs matching layers: {len(student_hidden)} vs {len(teacher_hidden)}")
     total = student_hidden[0].new_zeros((), dtype=torch.float32)
     for o, t in zip(student_hidden, teacher_hidden, strict=True):
-        total = total + ((o[mask].float() - t[mask].float()) ** 2).sum()
+        # masked by multiplication, not by indexing: no data-dependent shapes (fcsd plan runs this on fake tensors)
+        total = total + (((o.float() - t.float()) ** 2).sum(-1) * mask).sum()
     return total
 
 

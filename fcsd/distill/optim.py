@@ -86,10 +86,17 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
 def fuse_on_gpu(optimizer) -> None:
     """torch's fused AdamW for every parameter group held on GPUs (the transformers Trainer's default there): one
     kernel per step, and none of the foreach implementation's temporaries, which hold a copy of the second moments
-    (4 bytes per parameter) at the end of every step, the peak of a sharded run (``fcsd plan`` counts it)."""
+    (4 bytes per parameter) at the end of every step, the peak of a sharded run (``fcsd plan`` counts it). Called
+    again after a checkpoint is restored (loading a state dict brings back the saved group settings); the fused
+    kernel wants its step counters as float32 on the parameters' device."""
+    state = getattr(optimizer, "optimizer", optimizer).state  # accelerate's wrapper or the optimizer itself
     for group in optimizer.param_groups:
         if group["params"] and all(p.device.type == "cuda" for p in group["params"]):
             group["fused"], group["foreach"] = True, False
+            for param in group["params"]:
+                step = state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    state[param]["step"] = step.to(param.device, torch.float32)
 
 
 class SpikeGuard:

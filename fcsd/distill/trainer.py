@@ -173,6 +173,8 @@ class TrainingSession:
         guard = (train_cfg.spike_factor, train_cfg.spike_window, train_cfg.max_bad_steps)
         ep_state = (self.model, self.optimizer) if self.expert_parallel else None
         saved = restore_checkpoint(accelerator, self.run, ep_state, train_cfg.resume_step) if train_cfg.resume else None
+        if saved and not deepspeed:
+            fuse_on_gpu(self.optimizer)  # a restored state dict brings back the saved group settings
         saved = saved or {"step": 0, "tokens": 0, "guard": {}, "eval_before": None, "early_stop": None}
         self.start_step, self.tokens_seen = saved["step"], saved["tokens"]
         self.guard = SpikeGuard(*guard, **saved["guard"], can_skip=not deepspeed)

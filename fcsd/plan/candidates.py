@@ -104,8 +104,18 @@ def static_floor(layout: Layout, counts: Counts) -> int:
     return floor + (2 * held if layout.teacher == "online" else 0)
 
 
-def search(model_config, fcsd_config, cluster: Cluster, counts: Counts, teacher_fits_one_gpu: bool) -> Search:
-    """Decide every candidate on ``cluster`` (see the module docstring)."""
+def loading_floor(layout: Layout, counts: Counts) -> int:
+    """A lower bound of a GPU's bytes while ``fcsd convert`` loads an FSDP2 run with the online teacher: the trainer
+    puts the whole bf16 teacher on every GPU and shards it only after accelerate has sharded the student (whose fp32
+    share is there by then). 0 for every other layout (expert parallelism loads each rank's experts only)."""
+    if layout.strategy != "fsdp2" or layout.teacher != "online":
+        return 0
+    return 2 * counts.total + 4 * counts.total // layout.processes
+
+
+def search(model_config, fcsd_config, cluster: Cluster, counts: Counts, cache_ok: bool | str) -> Search:
+    """Decide every candidate on ``cluster`` (see the module docstring). ``cache_ok``: whether the teacher cache may
+    be used (True), or why not (False: the teacher does not fit one GPU; a string: the reason)."""
     from fcsd.perfmodel import model_shape
 
     result = Search(cluster)
@@ -118,7 +128,7 @@ def search(model_config, fcsd_config, cluster: Cluster, counts: Counts, teacher_
             for gc in ([False, True] if strategy != "ep" else [False])
             for mb in reversed(micro_batches(share))
         ]
-        result.candidates += _decide(model_config, fcsd_config, layouts, cluster.budget, counts, teacher_fits_one_gpu)
+        result.candidates += _decide(model_config, fcsd_config, layouts, cluster.budget, counts, cache_ok)
     return result
 
 
@@ -133,18 +143,24 @@ def lighter(a: Layout, b: Layout) -> bool:
     )
 
 
-def _decide(model_config, fcsd_config, layouts: list[Layout], budget: int, counts: Counts, cache_ok: bool):
+def _decide(model_config, fcsd_config, layouts: list[Layout], budget: int, counts: Counts, cache_ok: bool | str):
     """Decide ``layouts`` (one strategy, fastest first): the heaviest and the lightest are simulated first, then
     every candidate not implied by a simulated one (a lighter one fits when a heavier one does, a heavier one does
     not when a lighter one does not)."""
     decided: dict[Layout, Candidate] = {}
     for layout in layouts:
         floor = static_floor(layout, counts)
-        if layout.teacher == "cache" and not cache_ok:
-            note = "fcsd cache-teacher holds the whole bf16 teacher on one GPU, which it does not fit"
+        if layout.teacher == "cache" and cache_ok is not True:
+            note = cache_ok or "fcsd cache-teacher holds the whole bf16 teacher on one GPU, which it does not fit"
             decided[layout] = Candidate(layout, "invalid", note=note)
         elif floor > budget:
             note = f"its fp32 weights, gradients and AdamW (and teacher) take at least {floor / GIB:.1f} GiB"
+            decided[layout] = Candidate(layout, "static", note=note)
+        elif loading_floor(layout, counts) > budget:
+            note = (
+                f"loading: the trainer holds the whole bf16 teacher ({2 * counts.total / GIB:.1f} GiB) on every GPU "
+                "until it shards it, after the student"
+            )
             decided[layout] = Candidate(layout, "static", note=note)
     pending = [layout for layout in layouts if layout not in decided]
     for layout in pending[:1] + pending[-1:] + pending[1:-1]:  # heaviest, lightest, then the fastest first

@@ -33,6 +33,7 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
         "train.gradient_checkpointing": str(layout.gradient_checkpointing).lower(),
         "train.batch_tokens": config.train.batch_tokens,
         "train.max_tokens": config.train.max_tokens,
+        "train.warmup_steps": config.train.warmup_steps,
         "data.seq_len": config.data.seq_len,
     }
     current = {
@@ -40,6 +41,7 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
         "train.gradient_checkpointing": str(defaults.train.gradient_checkpointing).lower(),
         "train.batch_tokens": defaults.train.batch_tokens,
         "train.max_tokens": defaults.train.max_tokens,
+        "train.warmup_steps": defaults.train.warmup_steps,
         "data.seq_len": defaults.data.seq_len,
     }
     args += [f"{key}={value}" for key, value in settings.items() if current[key] != value]
@@ -59,6 +61,8 @@ def launch_prefix(layout: Layout, cluster: Cluster) -> list[str]:
     configs = ACCELERATE_CONFIGS.get(layout.strategy)
     if configs is not None:
         args += ["--config_file", configs[cluster.nodes > 1]]
+    else:  # DDP: said outright, so that a default accelerate config (FSDP, DeepSpeed) is not picked up instead
+        args.append("--multi_gpu")
     if configs is None or layout.processes != CONFIG_PROCESSES or cluster.nodes > 1:
         args += ["--num_processes", str(layout.processes)]
     if cluster.nodes > 1:
@@ -83,7 +87,11 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
     train += [a for a in extra if a.split("=")[0] not in ours]  # the user's overrides, unless the plan sets them
     commands = {}
     if layout.teacher == "cache":
-        keep = [a for a in train[1:] if a.split("=")[0] in ("data.seq_len", "train.batch_tokens", "train.max_tokens")]
+        keep = [
+            a
+            for a in train[1:]
+            if a.split("=")[0] in ("data.seq_len", "train.batch_tokens", "train.max_tokens", "train.warmup_steps")
+        ]
         cache = ["fcsd", "cache-teacher", model, *keep, *extra, f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
         commands["cache_teacher"] = _line(cache)
     commands["train"] = _line(launch_prefix(layout, cluster) + ["convert", *train])

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from fcsd.plan.tracker import CUDA_BLOCK
+
 
 @dataclass
 class Measured:
@@ -127,7 +129,7 @@ def _measure_cuda(model_config, fcsd_config, layout, device, steps: int, group) 
     run.step()
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    return Measured(torch.cuda.max_memory_allocated() - outside, seconds, *_static(run))
+    return Measured(torch.cuda.max_memory_allocated() - outside, seconds, *_static(run, CUDA_BLOCK))
 
 
 def _build(model_config, fcsd_config, layout, target, device, group):
@@ -145,12 +147,17 @@ def _mesh(layout, device):
     return init_device_mesh(torch.device(device).type, (layout.processes,), mesh_dim_names=("dp_shard",))
 
 
-def _static(run) -> tuple[int, int]:
+def _static(run, block: int = 1) -> tuple[int, int]:
+    """Bytes of this process's student weights (and buffers) and AdamW states, each storage rounded up to the
+    allocator's ``block`` as the estimate rounds it (CUDA: 512 bytes)."""
     from fcsd.plan.simulate import _local, _optimizer_tensors
 
+    def size(tensor) -> int:
+        return -(-tensor.untyped_storage().nbytes() // block) * block
+
     tensors = [_local(t) for t in (*run.unwrapped.parameters(), *run.unwrapped.buffers())]
-    weights = sum({id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}.values())
-    optimizer = sum(t.untyped_storage().nbytes() for t in _optimizer_tensors(run.optimizer))
+    weights = sum({id(t.untyped_storage()): size(t) for t in tensors}.values())
+    optimizer = sum(size(t) for t in _optimizer_tensors(run.optimizer))
     return weights, optimizer
 
 

@@ -9,7 +9,6 @@ twice as many nodes, then four times, ... and the plan says which size fits.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, search
@@ -88,7 +87,7 @@ def make_plan(
         probe(source.name, probe_data, options)
     choice, reason = recommend(options, tokens, max_kl)
     config.farskip.layers = choice.spec
-    cache_ok = _teacher_fits_one_gpu(summary, cluster)
+    cache_ok = _cache_ok(summary, cluster, config)
     counts = parameter_counts(source.config)
     result = search(source.config, config, cluster, counts, cache_ok)
     converted = set(choice.layers)
@@ -143,17 +142,24 @@ def _names_data(override: str) -> bool:
     return override.split("=")[0].lstrip("+") in ("data", "data.path", "data.split", "data.eval_path")
 
 
-def _teacher_fits_one_gpu(summary, cluster: Cluster) -> bool:
-    """``fcsd cache-teacher`` runs the bf16 teacher on one GPU: its weights (and a tenth for activations) must fit."""
+def _cache_ok(summary, cluster: Cluster, config) -> bool | str:
+    """Whether the teacher cache can serve this run: ``fcsd cache-teacher`` runs the bf16 teacher on one GPU (its
+    weights and a tenth for activations must fit: False otherwise), and the cache holds the top-k of the forward KL
+    (another objective or divergence: the reason, as ``fcsd convert`` would refuse it)."""
+    train = config.train
+    if train.objective != "kl" or train.divergence != "forward_kl":
+        return (
+            f"the teacher cache holds the forward KL's top-k only (train.objective={train.objective}, "
+            f"train.divergence={train.divergence} need the online teacher)"
+        )
     return summary.total_params * 2 * 1.1 <= cluster.budget
 
 
 def _larger_cluster(source, config, cluster: Cluster, shape, counts, converted, cache_ok, notes) -> Search | None:
-    """The search on more nodes (same GPUs per node) until a candidate fits: twice as many, or up to four times as
-    many when the FSDP2 candidate that came closest would fit there (its sharded static bytes shrink with the GPUs,
-    the rest of its peak does not, as long as every GPU holds a whole expert). It stops at :data:`MAX_NODES`, when
-    no number of nodes can help, or when the closest peak stops shrinking (FSDP2 pads the fused expert weights
-    once the GPUs outnumber the experts); the last search is returned either way."""
+    """The search on twice as many nodes (same GPUs per node), again and again, until a candidate fits: so the first
+    size that fits is the smallest power-of-two multiple of the nodes asked for. It stops at :data:`MAX_NODES`, when
+    no number of nodes can help (:func:`_more_nodes_cannot_help`), or when the closest peak stops shrinking (FSDP2
+    pads the fused expert weights once the GPUs outnumber the experts); the last search is returned either way."""
     nodes, previous, result = cluster.nodes * 2, None, None
     while nodes <= MAX_NODES:
         bigger = cluster.with_nodes(nodes)
@@ -161,23 +167,19 @@ def _larger_cluster(source, config, cluster: Cluster, shape, counts, converted, 
         result = search(source.config, sized, bigger, counts, cache_ok)
         if choose(result, source.config, sized, shape, converted) is not None:
             notes += extra
-            config.train.batch_tokens = sized.train.batch_tokens
+            config.train.batch_tokens, config.train.warmup_steps = sized.train.batch_tokens, sized.train.warmup_steps
             return result
         peaks = [c.estimate.peak for c in result.candidates if c.estimate is not None]
-        needed = _nodes_needed(result, nodes)
-        if needed is None or (previous is not None and peaks and min(peaks) >= previous):
+        if _more_nodes_cannot_help(result) or (previous is not None and peaks and min(peaks) >= previous):
             return result
         previous = min(peaks) if peaks else previous
-        step = max(nodes * 2, min(needed, nodes * 4))
-        nodes = MAX_NODES if nodes < MAX_NODES < step else step
+        nodes *= 2
     return result
 
 
-def _nodes_needed(result: Search, nodes: int) -> int | None:
-    """Nodes at which the closest simulated FSDP2 candidate would fit (a power-of-two multiple of ``nodes``; 0 when
-    none was simulated), or None when no number of nodes can help: every simulated candidate needs more than a GPU
-    holds even without its static bytes (the unsharded layers in flight, the activations), which more GPUs do not
-    shrink."""
+def _more_nodes_cannot_help(result: Search) -> bool:
+    """Whether every simulated candidate needs more than a GPU holds even without its static bytes (the unsharded
+    layers in flight, the activations), which more GPUs do not shrink (each such candidate's note says so)."""
     budget = result.cluster.budget
     simulated = [c for c in result.candidates if c.estimate is not None]
     for candidate in simulated:
@@ -185,33 +187,34 @@ def _nodes_needed(result: Search, nodes: int) -> int | None:
         rest = e.peak - (e.weights + e.gradients + e.optimizer + e.teacher)
         if rest >= budget:
             candidate.note = f"{rest / GIB:.1f} GiB of its peak are not static: more GPUs cannot make it fit"
-    hopeless = simulated and all("more GPUs cannot" in c.note for c in simulated)
-    fsdp2 = [c for c in simulated if c.layout.strategy == "fsdp2" and "more GPUs cannot" not in c.note]
-    if hopeless:
-        return None
-    if not fsdp2:
-        return 0
-    e = min(fsdp2, key=lambda c: c.estimate.peak).estimate
-    static = e.weights + e.gradients + e.optimizer + e.teacher
-    factor = 2 ** math.ceil(math.log2(max(1.0, static / (budget - (e.peak - static)))))
-    return nodes * factor
+    return bool(simulated) and all("more GPUs cannot" in c.note for c in simulated)
 
 
 def run_config_for(config, cluster: Cluster):
-    """``config`` with a step's sequences raised to a multiple of ``cluster``'s GPUs (and the note saying so)."""
+    """``config`` made runnable on ``cluster``, with a note for each change: a step's sequences raised to a multiple
+    of its GPUs, and the LR warm-up shortened to a tenth of a run shorter than it (``fcsd convert`` refuses a
+    warm-up longer than the run)."""
     import copy
 
-    sized = copy.deepcopy(config)
+    from fcsd.distill.config import schedule_steps
+
+    sized, notes = copy.deepcopy(config), []
     sequences = sized.train.batch_tokens // sized.data.seq_len
-    if sequences % cluster.gpus == 0:
-        return sized, []
-    raised = sized.data.seq_len * cluster.gpus * -(-sequences // cluster.gpus)
-    note = (
-        f"train.batch_tokens raised from {config.train.batch_tokens} to {raised}: {sequences} sequences of "
-        f"{sized.data.seq_len} tokens do not split over {cluster.gpus} GPUs"
-    )
-    sized.train.batch_tokens = raised
-    return sized, [note]
+    if sequences % cluster.gpus:
+        raised = sized.data.seq_len * cluster.gpus * -(-sequences // cluster.gpus)
+        notes.append(
+            f"train.batch_tokens raised from {config.train.batch_tokens} to {raised}: {sequences} sequences of "
+            f"{sized.data.seq_len} tokens do not split over {cluster.gpus} GPUs"
+        )
+        sized.train.batch_tokens = raised
+    steps = schedule_steps(sized.train)
+    if sized.train.warmup_steps > steps:
+        warmup = max(1, steps // 10)
+        notes.append(
+            f"train.warmup_steps lowered from {sized.train.warmup_steps} to {warmup}: the run has {steps} steps"
+        )
+        sized.train.warmup_steps = warmup
+    return sized, notes
 
 
 def _rate(cluster: Cluster) -> float:

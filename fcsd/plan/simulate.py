@@ -6,16 +6,17 @@ laid out as the trainer lays them out for the candidate (one process; DDP; exper
 :func:`fcsd.parallel.training.make_expert_parallel`, the teacher in mode ``regular``; FSDP2 through accelerate's own
 ``fsdp2_prepare_model`` with the teacher sharded for inference by :func:`fcsd.parallel.inference_shard
 .shard_for_inference`; or a teacher cache), and a step runs the trainer's calls: per micro-batch
-:func:`fcsd.distill.objectives.micro_batch_loss` under autocast (the fused chunked KL loss) and its backward, without
-gradient synchronisation until the last micro-batch as accelerate does, then the gradient reduction and clipping and
-AdamW from :func:`fcsd.distill.optim.build_optimizer`.
+:func:`fcsd.distill.objectives.micro_batch_loss` under autocast (the fused chunked KL loss) and its backward (DDP
+synchronises the last micro-batch only, FSDP2 reduce-scatters every one, as the trainer configures accelerate), then
+the clipping and AdamW from :func:`fcsd.distill.optim.build_optimizer`.
 
 With ``fake=True`` everything runs under ``FakeTensorMode`` (shapes and dtypes only) on a fake process group of the
 candidate's size, as rank 0: that is how the planner sizes a 671B model on a CPU. Two things the fake run decides
 where a real run reads data: the expert-parallel token counts are perfectly balanced (each rank sends and receives
 ``tokens x top_k / P`` rows per MoE layer: the planner's routing assumption, as in Appendix B), and the optimizer
 states exist before the tracked step (the steady state of every step after the first). ``target="cuda"`` applies a
-GPU run's choices on the CPU (bf16 autocast and teacher, torch's foreach AdamW, 512-byte allocator blocks);
+GPU run's choices on the CPU (bf16 autocast and teacher, fused AdamW, 512-byte allocator blocks, the CUDA
+flash-attention backward's scratch);
 ``target="cpu"`` those of a CPU run (fp32, no autocast), which is what the CPU measurements compare against.
 """
 
