@@ -168,6 +168,7 @@ def test_qwen3_30b_fits_one_node_of_8_h100():
     text = format_plan(plan)
     for part in ("which layers", "memory on 1 x 8 H100", "GPU-hours", "accelerate launch", "vllm serve"):
         assert part in text, part
+    assert (plan.chosen.layout.teacher == "cache") == ("1.02 TB of disk" in text)  # 2e9 tokens x top 64 x 8 bytes
     layout = plan.chosen.layout
     config = accepted_by_convert(plan.commands["train"])
     assert config.train.micro_batch_size == layout.micro_batch and config.farskip.layers == plan.choice.spec

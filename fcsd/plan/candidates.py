@@ -219,8 +219,11 @@ def why_none_fits(result: Search, counts: Counts) -> list[str]:
             f"the routed experts whole, about {16 * replicated / GIB:.0f} GiB of fp32 weights, gradients and AdamW "
             "at any EP size"
         )
-    fsdp2 = [c for c in result.candidates if c.layout.strategy == "fsdp2" and c.estimate is not None]
-    if fsdp2:
+    every_fsdp2 = [c for c in result.candidates if c.layout.strategy == "fsdp2"]
+    fsdp2 = [c for c in every_fsdp2 if c.estimate is not None]
+    if not fsdp2:  # none simulated: the reasons they were ruled out before any step
+        lines += [f"FSDP2: {note}" for note in dict.fromkeys(c.note for c in every_fsdp2)]
+    else:
         lightest = min(fsdp2, key=lambda c: c.estimate.peak)
         e = lightest.estimate
         unsharded = e.peak - (e.weights + e.gradients + e.optimizer + e.teacher)

@@ -109,6 +109,14 @@ def format_plan(plan) -> str:
             if plan.cache_pass_hours
             else ""
         ),
+    ]
+    if plan.cache_pass_hours:
+        disk = plan.tokens * plan.config.teacher.top_k * 8 / 1e12  # fp32 log-probabilities and int32 ids
+        lines.append(
+            f"           the teacher cache takes about {disk:.2f} TB of disk for these tokens (top "
+            f"{plan.config.teacher.top_k} per token; it covers the whole dataset, which may hold more)"
+        )
+    lines += [
         "",
         "commands",
     ]
