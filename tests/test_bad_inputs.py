@@ -474,6 +474,31 @@ CASES = [
     ),
     ("plan_dense_model", lambda w: ["plan", str(w / "dense")], "does not support model type 'llama'", None),
     (
+        "plan_max_kl_without_probe",
+        lambda w: ["plan", str(w / "model"), "--max-kl", "0.1"],
+        "--max-kl bounds the KL that --probe DATA measures",
+        None,
+    ),
+    ("plan_override_not_key_value", lambda w: ["plan", str(w / "model"), "seqlen"], "'seqlen' is not KEY=VALUE", None),
+    (
+        "plan_memory_below_reserve",
+        lambda w: ["plan", str(w / "model"), "--gpu-memory", "1GB"],
+        "0.93 GiB is not more than the 2 GiB a GPU keeps",
+        None,
+    ),
+    (
+        "plan_layers_convert_nothing",
+        lambda w: ["plan", str(w / "model"), "--layers", "first:0"],
+        "converts no layer",
+        None,
+    ),
+    (
+        "plan_probe_missing",
+        lambda w: ["plan", str(w / "model"), "--probe", str(w / "missing.jsonl")],
+        "missing.jsonl: no such file",
+        None,
+    ),
+    (
         "plan_cluster_too_small",
         lambda w: ["plan", "deepseek-v3", "--gpu", "h100", "--gpu-memory", "8GB"],
         "nothing fits on 8 GPUs of 7.45058 GiB, nor on 128 nodes",

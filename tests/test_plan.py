@@ -239,3 +239,22 @@ def test_plan_commands_name_what_accelerate_and_convert_need(tmp_path, capsys):
     cached = [c for c in plan["candidates"] if c["layout"]["teacher"] == "cache"]
     assert cached and all(c["status"] == "invalid" and "train.objective=kl_l2" in c["note"] for c in cached)
     assert accepted_by_convert(plan["commands"]["train"]).train.objective == "kl_l2"
+
+    # the user's farskip.layers is the spec planned, their output_dir kept, a setting the plan chooses is noted
+    out = tmp_path / "my-run"
+    argv = ["plan", str(tmp_path / "model"), "--gpus-per-node", "2", "--tokens", "1e6", "--json"]
+    assert main([*argv, "farskip.layers=last:1", f"output_dir={out}", "train.micro_batch_size=7"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [o["spec"] for o in plan["layers"]] == ["last:1"]
+    config = accepted_by_convert(plan["commands"]["train"])
+    assert config.output_dir == str(out) and plan["commands"]["serve"].startswith(f"vllm serve {out}/export")
+    assert any(n.startswith("train.micro_batch_size=7 replaced by the plan's") for n in plan["notes"])
+
+
+def test_the_serving_size_is_one_vllm_accepts():
+    from fcsd.plan.commands import serving_size
+
+    assert serving_size(8, heads=32, kv_heads=4, experts=128) == 8  # Qwen3-30B-A3B on one node
+    assert serving_size(8, heads=4, kv_heads=2, experts=4) == 4  # a tiny model: not more than its heads and experts
+    assert serving_size(8, heads=12, kv_heads=12, experts=64) == 4
+    assert serving_size(3, heads=32, kv_heads=4, experts=128) == 1

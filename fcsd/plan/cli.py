@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from fcsd.plan.cluster import GPUS
 
@@ -20,7 +21,11 @@ def add_parser(sub) -> None:
         "overrides", nargs="*", help="fcsd convert overrides, e.g. train.batch_tokens=131072 data.seq_len=2048"
     )
     p.add_argument("--gpu", default="h100", help=f"GPU preset: {', '.join(GPUS)} (default h100)")
-    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB, 141GiB (default: the preset's)")
+    p.add_argument(
+        "--gpu-memory",
+        help="memory per GPU as the driver reports it, e.g. 79.6GiB or 141GiB (GB = 10^9 bytes: an H100's "
+        "'80 GB' is 79.6 GiB; default: the preset's)",
+    )
     p.add_argument("--gpu-tflops", type=float, help="peak dense bf16 TFLOP/s per GPU (default: the preset's)")
     p.add_argument("--intra-gbps", type=float, help="bus bandwidth inside a node, GB/s (default: the preset's)")
     p.add_argument("--inter-gbps", type=float, help="bus bandwidth between nodes per GPU, GB/s")
@@ -37,11 +42,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
+def _looks_like_a_file(data: str) -> bool:
+    """A local path rather than a ``datasets`` hub name (which ``--probe`` also takes)."""
+    return Path(data).suffix in (".jsonl", ".json", ".parquet", ".txt", ".csv") or data.startswith(("/", ".", "~"))
+
+
 def run_plan(args) -> int:
     from fcsd.plan.cluster import make_cluster
     from fcsd.plan.planner import make_plan
     from fcsd.plan.report import format_plan, plan_dict
 
+    if args.max_kl is not None and args.probe is None:
+        raise ValueError("--max-kl bounds the KL that --probe DATA measures: add --probe DATA, or leave --max-kl out")
+    for override in args.overrides:
+        if "=" not in override:
+            raise ValueError(f"override {override!r} is not KEY=VALUE, e.g. data.seq_len=2048 (fcsd convert's keys)")
+    if args.probe is not None and _looks_like_a_file(args.probe) and not Path(args.probe).expanduser().exists():
+        raise ValueError(f"--probe {args.probe}: no such file; give held-out chat data (.jsonl, .json, .parquet)")
     if args.tokens is not None and args.tokens <= 0:
         raise ValueError(f"--tokens {args.tokens:g}: the training budget must be more than 0 tokens, e.g. 2e9")
     cluster = make_cluster(

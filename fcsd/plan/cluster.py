@@ -117,8 +117,15 @@ def make_cluster(
         "intra_gbps": intra_gbps,
         "inter_gbps": inter_gbps,
     }
+    options = {"memory_gib": "--gpu-memory", "tflops": "--gpu-tflops", "intra_gbps": "--intra-gbps"}
     for key, value in changes.items():
         if value is not None and value <= 0:
-            raise ValueError(f"--{key.replace('_', '-')} {value}: it must be more than 0")
+            raise ValueError(f"{options.get(key, '--inter-gbps')} {value}: it must be more than 0")
     chosen = replace(base, **{k: v for k, v in changes.items() if v is not None})
-    return Cluster(chosen, gpus_per_node, nodes, mfu, margin=margin)
+    cluster = Cluster(chosen, gpus_per_node, nodes, mfu, margin=margin)
+    if chosen.memory_gib <= cluster.reserve_gib:
+        raise ValueError(
+            f"--gpu-memory {gpu_memory}: {chosen.memory_gib:.2f} GiB is not more than the {cluster.reserve_gib:g} GiB "
+            "a GPU keeps for the CUDA context, NCCL and the allocator; give the GPU's whole memory, e.g. 80GiB"
+        )
+    return cluster

@@ -1,8 +1,8 @@
 """The commands a plan prints: the teacher cache (when the plan uses one), the training launch with the accelerate
 config shipped in ``recipes/accelerate/`` for its strategy, and serving the export.
 
-Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export); the serving command is written in one place,
-:func:`serve_command`, so that it follows the plugin's options as they settle.
+Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes to
+the plugin's own command (``fcsd.serving.vllm.families.serve_command``, which ``fcsd export`` prints too).
 """
 
 from __future__ import annotations
@@ -71,19 +71,44 @@ def launch_prefix(layout: Layout, cluster: Cluster) -> list[str]:
     return args + ["-m", "fcsd.cli"]
 
 
-def serve_command(export_dir: str, gpus: int, expert_parallel: bool) -> list[str]:
-    """vLLM serving of the export on one node (the FarSkip plugin registers the export's architecture)."""
-    args = ["vllm", "serve", export_dir, "--tensor-parallel-size", str(gpus)]
-    return args + (["--enable-expert-parallel"] if expert_parallel else [])
+def serving_size(gpus: int, heads: int, kv_heads: int, experts: int) -> int:
+    """The largest tensor-parallel size dividing ``gpus`` that vLLM accepts for the model: it divides the attention
+    heads, it and the KV heads divide one another, and (the experts split over the same GPUs) it divides the
+    experts."""
+    for size in range(gpus, 0, -1):
+        if gpus % size or heads % size or experts % size or (kv_heads % size and size % kv_heads):
+            continue
+        return size
+    return 1
 
 
-def plan_commands(model: str, layout: Layout, spec: str, config, defaults, cluster: Cluster, extra: list[str]):
-    """``{"cache_teacher", "train", "serve"}`` shell lines (``cache_teacher`` only with a cached teacher)."""
+def serve_line(export_dir: str, model_type: str, size: int) -> str | None:
+    """vLLM serving of the export on ``size`` GPUs of one node, the experts split over them (the command fcsd's
+    plugin prints, :func:`fcsd.serving.vllm.families.serve_command`, with the parallel sizes); None when vLLM has
+    no FarSkip class for ``model_type``."""
+    from fcsd.serving.vllm.families import serve_command
+
+    base = serve_command(shlex.quote(export_dir), model_type)
+    if base is None or size == 1:
+        return base
+    return f"{base} --tensor-parallel-size {size} --enable-expert-parallel"
+
+
+def plan_commands(model: str, layout: Layout, spec: str, config, defaults, cluster: Cluster, extra: list[str], serving):
+    """``({"cache_teacher", "train", "serve"}, notes)``: the shell lines (``cache_teacher`` only with a cached
+    teacher, ``serve`` only where vLLM has the family; ``serving`` is ``(model_type, GPUs)``) and a note for each
+    of the user's overrides the plan replaced with its own choice. The user's ``output_dir`` is kept."""
     from fcsd.sources import display_name
 
-    output_dir = f"runs/{(display_name(model) or 'model').split('/')[-1]}-farskip"
+    given = dict(a.split("=", 1) for a in extra)
+    output_dir = given.get("output_dir") or f"runs/{(display_name(model) or 'model').split('/')[-1]}-farskip"
     train = convert_overrides(model, layout, spec, config, output_dir, defaults)
-    ours = {a.split("=")[0] for a in train[1:]}
+    ours = dict(a.split("=", 1) for a in train[1:])
+    notes = [
+        f"{key}={value} replaced by the plan's {key}={ours[key]}: the plan chooses it (the fastest way that fits)"
+        for key, value in given.items()
+        if key in ours and key != "output_dir" and ours[key] != value
+    ]
     train += [a for a in extra if a.split("=")[0] not in ours]  # the user's overrides, unless the plan sets them
     commands = {}
     if layout.teacher == "cache":
@@ -92,12 +117,14 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
             for a in train[1:]
             if a.split("=")[0] in ("data.seq_len", "train.batch_tokens", "train.max_tokens", "train.warmup_steps")
         ]
-        cache = ["fcsd", "cache-teacher", model, *keep, *extra, f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
+        others = [a for a in extra if a.split("=")[0] != "output_dir"]
+        cache = ["fcsd", "cache-teacher", model, *keep, *others, f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
         commands["cache_teacher"] = _line(cache)
     commands["train"] = _line(launch_prefix(layout, cluster) + ["convert", *train])
-    experts_split = layout.strategy == "ep" or cluster.gpus_per_node > 1
-    commands["serve"] = _line(serve_command(f"{output_dir}/export", cluster.gpus_per_node, experts_split))
-    return commands
+    serve = serve_line(f"{output_dir}/export", *serving)
+    if serve is not None:
+        commands["serve"] = serve
+    return commands, notes
 
 
 def _line(args: list[str]) -> str:

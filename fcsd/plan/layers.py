@@ -53,6 +53,8 @@ def layer_options(shape, specs, cluster: Cluster, batch_tokens: int, seq_len: in
     options = []
     for spec in dict.fromkeys(specs):
         layers = parse_layer_spec(spec, len(shape.layers))
+        if not layers:
+            raise ValueError(f"layer spec {spec!r} converts no layer: nothing to plan; e.g. last:50% or all")
         chosen = set(layers)
         options.append(
             LayerOption(

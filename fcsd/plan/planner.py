@@ -82,7 +82,9 @@ def make_plan(
     shape = pm.model_shape(source.config)  # a dense or unsupported model is refused here, in one line
     config, defaults, notes = run_config(source, overrides or [], tokens, cluster)
     tokens = float(config.train.max_tokens)
-    options = layer_options(shape, specs or DEFAULT_SPECS, cluster, config.train.batch_tokens, config.data.seq_len)
+    given = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("farskip.layers=")]
+    specs = specs or given[-1:] or DEFAULT_SPECS  # the user's farskip.layers is the one spec planned
+    options = layer_options(shape, specs, cluster, config.train.batch_tokens, config.data.seq_len)
     if probe_data is not None:
         probe(source.name, probe_data, options)
     choice, reason = recommend(options, tokens, max_kl)
@@ -108,7 +110,18 @@ def make_plan(
         has_data = any(_names_data(o) for o in user) or defaults.data.path != "plan"
         extra = user if has_data else [DEFAULT_DATA, *user]
         target = fallback.cluster if fallback is not None else cluster
-        plan.commands = plan_commands(source.name, chosen.layout, choice.spec, config, defaults, target, extra)
+        from fcsd.connectivity.families import text_config
+        from fcsd.plan.commands import serving_size
+
+        text = text_config(source.config)
+        heads = text.num_attention_heads
+        size = serving_size(
+            target.gpus_per_node, heads, getattr(text, "num_key_value_heads", None) or heads, shape.num_experts
+        )
+        plan.commands, replaced = plan_commands(
+            source.name, chosen.layout, choice.spec, config, defaults, target, extra, (text.model_type, size)
+        )
+        plan.notes += replaced
     return plan
 
 
