@@ -296,6 +296,22 @@ def compose(overrides: list[str], recipe: str = "fcsd"):
         return hydra_compose(config_name=recipe, overrides=list(overrides))
 
 
+def cache_refusal(train: TrainConfig) -> str | None:
+    """Why the teacher cache (top-k log-probabilities of the forward KL) cannot serve ``train``'s loss, or None
+    (design §3); ``fcsd convert`` refuses such a run and ``fcsd plan`` does not offer it."""
+    if train.objective != "kl":
+        return (
+            f"teacher.mode=cache holds logits only: it works with train.objective=kl, not "
+            f"train.objective={train.objective} (use teacher.mode=online)"
+        )
+    if train.divergence != "forward_kl":
+        return (
+            f"teacher.mode=cache trains the top-k forward KL only; train.divergence={train.divergence} needs the "
+            "full teacher distribution: use teacher.mode=online, or train.divergence=forward_kl"
+        )
+    return None
+
+
 def to_config(cfg) -> FCSDConfig:
     """The typed config object, after checking the values the schema cannot express."""
     from omegaconf import OmegaConf
@@ -317,15 +333,7 @@ def to_config(cfg) -> FCSDConfig:
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
         (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
-        (
-            config.teacher.mode == "online" or config.train.objective == "kl",
-            "teacher.mode=cache holds logits only: it works with train.objective=kl (use online for kl_l2)",
-        ),
-        (
-            config.teacher.mode == "online" or train.divergence == "forward_kl",
-            f"teacher.mode=cache trains the top-k forward KL only; train.divergence={train.divergence} needs the "
-            "full teacher distribution: use teacher.mode=online, or train.divergence=forward_kl",
-        ),
+        (config.teacher.mode == "online" or cache_refusal(train) is None, cache_refusal(train)),
         (train.lr > 0, f"train.lr={train.lr}: it must be > 0 (e.g. train.lr=2e-5)"),
         (0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio={train.min_lr_ratio}: it must lie in [0, 1]"),
         (train.batch_tokens > 0, f"train.batch_tokens={train.batch_tokens}: it must be > 0"),

@@ -44,7 +44,9 @@ def add_parser(sub) -> None:
 
 def _looks_like_a_file(data: str) -> bool:
     """A local path rather than a ``datasets`` hub name (which ``--probe`` also takes)."""
-    return Path(data).suffix in (".jsonl", ".json", ".parquet", ".txt", ".csv") or data.startswith(("/", ".", "~"))
+    from fcsd.sources import looks_local
+
+    return Path(data).suffix in (".jsonl", ".json", ".parquet", ".txt", ".csv") or looks_local(data)
 
 
 def run_plan(args) -> int:

@@ -120,7 +120,7 @@ def make_cluster(
     options = {"memory_gib": "--gpu-memory", "tflops": "--gpu-tflops", "intra_gbps": "--intra-gbps"}
     for key, value in changes.items():
         if value is not None and value <= 0:
-            raise ValueError(f"{options.get(key, '--inter-gbps')} {value}: it must be more than 0")
+            raise ValueError(f"{options.get(key, '--' + key.replace('_', '-'))} {value}: it must be more than 0")
     chosen = replace(base, **{k: v for k, v in changes.items() if v is not None})
     cluster = Cluster(chosen, gpus_per_node, nodes, mfu, margin=margin)
     if chosen.memory_gib <= cluster.reserve_gib:

@@ -159,13 +159,9 @@ def _cache_ok(summary, cluster: Cluster, config) -> bool | str:
     """Whether the teacher cache can serve this run: ``fcsd cache-teacher`` runs the bf16 teacher on one GPU (its
     weights and a tenth for activations must fit: False otherwise), and the cache holds the top-k of the forward KL
     (another objective or divergence: the reason, as ``fcsd convert`` would refuse it)."""
-    train = config.train
-    if train.objective != "kl" or train.divergence != "forward_kl":
-        return (
-            f"the teacher cache holds the forward KL's top-k only (train.objective={train.objective}, "
-            f"train.divergence={train.divergence} need the online teacher)"
-        )
-    return summary.total_params * 2 * 1.1 <= cluster.budget
+    from fcsd.distill.config import cache_refusal
+
+    return cache_refusal(config.train) or summary.total_params * 2 * 1.1 <= cluster.budget
 
 
 def _larger_cluster(source, config, cluster: Cluster, shape, counts, converted, cache_ok, notes) -> Search | None:
