@@ -60,22 +60,60 @@ def make_expert_parallel(model: nn.Module, group, mode: str, placement: str | No
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
-    """Clip the gradients of an expert-parallel model to a global 2-norm of ``max_norm`` (``inf``: measure only);
-    returns the norm before clipping. Replicated gradients count once, each expert shard once per expert-parallel
-    group: the norm equals the single-process model's."""
-    state = model.fcsd_expert_parallel
-    grads = [(p.grad, getattr(p, "fcsd_expert_shard", False)) for p in model.parameters() if p.grad is not None]
+    """Clip the gradients of an expert-parallel or FSDP2-sharded model to a global 2-norm of ``max_norm`` (``inf``:
+    measure only); returns the norm before clipping, equal to the single-process model's.
+
+    Without FSDP, replicated gradients count once and each expert shard once per expert-parallel group. Under FSDP2
+    (:mod:`fcsd.parallel.layout`) each element of every gradient lives on exactly one process (dense shards over
+    the dense mesh, expert slices over ``ep`` x ``efsdp``): one sum of local squares over all processes, whatever
+    mesh each gradient is on (a norm of DTensors of two meshes at once is what torch's clipping refuses)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     device = next(model.parameters()).device  # a rank without gradients still takes part, on the group's device
-    squares = torch.zeros(2, device=device, dtype=torch.float64)
-    for grad, is_expert in grads:
-        squares[int(is_expert)] += grad.detach().double().pow(2).sum()
-    expert_sq = squares[1:].clone()
-    dist.all_reduce(expert_sq, group=state.group)  # the shards of one expert-parallel group make the whole experts
-    norm = float(torch.sqrt(squares[0] + expert_sq[0]))
+    if getattr(getattr(model, "fcsd_layout", None), "dims", None) is not None and model.fcsd_layout.dims.fsdp:
+        squares = torch.zeros(1, device=device, dtype=torch.float64)
+        for grad in grads:
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            squares += local.detach().double().pow(2).sum()
+        dist.all_reduce(squares)
+        norm = float(torch.sqrt(squares[0]))
+    else:
+        state = model.fcsd_expert_parallel
+        kinds = [getattr(p, "fcsd_expert_shard", False) for p in model.parameters() if p.grad is not None]
+        squares = torch.zeros(2, device=device, dtype=torch.float64)
+        for grad, is_expert in zip(grads, kinds):
+            squares[int(is_expert)] += grad.detach().double().pow(2).sum()
+        expert_sq = squares[1:].clone()
+        dist.all_reduce(expert_sq, group=state.group)  # the shards of one expert-parallel group make the experts
+        norm = float(torch.sqrt(squares[0] + expert_sq[0]))
     if math.isfinite(max_norm) and norm > max_norm:
-        for grad, _ in grads:
+        for grad in grads:
             grad.mul_(max_norm / (norm + 1e-6))
     return norm
+
+
+def reduce_and_clip(model: nn.Module, max_norm: float) -> float:
+    """What the trainer does after a step's backward under a parallel layout: without FSDP the gradients are
+    all-reduced (DP over every process, experts over their copies; FSDP2 reduce-scatters them during the
+    backward), then :func:`clip_grad_norm_`."""
+    from fcsd.parallel.grads import reduce_gradients
+
+    if not model.fcsd_layout.dims.fsdp:
+        reduce_gradients(model, op="mean")  # the DDP convention the trainer's loss scale assumes
+    return clip_grad_norm_(model, max_norm)
+
+
+def parameter_groups(params: list) -> list[dict]:
+    """``params`` in one optimizer group per device mesh (plain tensors together): torch's fused and foreach AdamW
+    run one kernel over a group's tensors, which DTensors of two meshes cannot share."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for param in params:
+        mesh = param.device_mesh if isinstance(param, DTensor) else None
+        groups.setdefault(id(mesh), []).append(param)
+    return [{"params": group} for group in groups.values()]
 
 
 def save_training_state(model: nn.Module, optimizer, folder: Path, is_main: bool) -> None:
