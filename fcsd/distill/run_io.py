@@ -26,7 +26,6 @@ RESUME_KEYS = (
     "train.micro_batch_size",
     "train.seed",
     "teacher.mode",
-    "parallel.ep_size",  # checkpoints hold one optimizer state per expert-parallel process
     "parallel.placement",  # the weights are permuted by it
 )
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+
 import torch
 
 

@@ -95,9 +95,9 @@ def write_weights(
     return weight_map
 
 
-def save_config(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """The files ``save_pretrained`` writes besides the weights: ``config.json`` (with ``dtype`` the weights are
-    saved in and the class as architecture) and ``generation_config.json``."""
+def save_config(model: nn.Module, folder: Path) -> None:
+    """The files ``save_pretrained`` writes besides the weights: ``config.json`` (the class as architecture) and
+    ``generation_config.json``."""
     config = model.config
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
     config.save_pretrained(folder)

@@ -49,6 +49,54 @@ def expert_parallel_group(ep_size: int):
     return mine
 
 
+def run_meshes(config, accelerator):
+    """The device meshes of a run's ``parallel.*`` settings (:mod:`fcsd.parallel.layout`), or None when it has no
+    parallel layout (one process, DDP, accelerate's FSDP / ZeRO-3 configs)."""
+    from accelerate.utils import DistributedType
+
+    from fcsd.parallel.layout import ParallelDims, build_meshes
+
+    parallel = config.parallel
+    if parallel.ep_size == 1 and not parallel.fsdp:
+        return None
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ValueError(
+            "parallel.ep_size > 1 and parallel.fsdp=true run under plain torchrun / accelerate launch (fcsd lays the "
+            "model out itself), not under accelerate's FSDP / ZeRO-3 configs"
+        )
+    dims = ParallelDims(accelerator.num_processes, parallel.ep_size, parallel.fsdp)
+    return build_meshes(dims, accelerator.device.type)
+
+
+def teacher_meshes(accelerator):
+    """Under accelerate's FSDP2 (which shards the student), the meshes the frozen teacher is loaded sharded over:
+    FSDP2 over every process (design §4: no process loads the whole teacher)."""
+    from accelerate.utils import DistributedType
+
+    from fcsd.parallel.layout import ParallelDims, build_meshes
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    return build_meshes(ParallelDims(accelerator.num_processes, 1, True), accelerator.device.type)
+
+
+def laid_out_loader(config, meshes, role: str, device):
+    """``load(path, layers=None, text_only=False, **from_pretrained options)`` loading ``role`` laid out over
+    ``meshes`` as the run's config says (:func:`fcsd.parallel.load.from_pretrained_parallel`)."""
+    from fcsd.parallel.load import from_pretrained_parallel
+
+    parallel, train = config.parallel, config.train
+    options = {"mode": parallel.mode, "dispatcher": parallel.dispatcher, "placement": parallel.placement or None}
+    if role == "student":
+        bf16 = train.mixed_precision == "bf16" or (train.mixed_precision == "auto" and device.type == "cuda")
+        options.update(checkpointing=train.gradient_checkpointing, compute_dtype=torch.bfloat16 if bf16 else None)
+
+    def load(path, layers=None, text_only=False, **kwargs):
+        return from_pretrained_parallel(path, meshes, role, layers, text_only, device, options, **kwargs)
+
+    return load
+
+
 def make_expert_parallel(model: nn.Module, group, mode: str, placement: str | None = None) -> nn.Module:
     """Shard the routed experts of a model over ``group`` (see :func:`fcsd.parallel.expert_parallel`; a model loaded
     as shards is adopted); ``placement`` is a PLACEMENT.json applied first. A model without FarSkip layers (the
@@ -104,16 +152,16 @@ def reduce_and_clip(model: nn.Module, max_norm: float) -> float:
     return clip_grad_norm_(model, max_norm)
 
 
-def parameter_groups(params: list) -> list[dict]:
-    """``params`` in one optimizer group per device mesh (plain tensors together): torch's fused and foreach AdamW
-    run one kernel over a group's tensors, which DTensors of two meshes cannot share."""
-    from torch.distributed.tensor import DTensor
+def parameter_groups(model: nn.Module, params: list) -> list[dict]:
+    """``params`` in two optimizer groups, the routed experts' and the others': under FSDP2 each group's tensors are
+    on one device mesh (torch's fused and foreach AdamW run one kernel over a group, which DTensors of two meshes
+    cannot share), and the groups are the same in every layout, so that a resume in another layout finds the
+    scheduler's and optimizer's groups it saved."""
+    from fcsd.parallel.step_state import expert_names
 
-    groups: dict = {}
-    for param in params:
-        mesh = param.device_mesh if isinstance(param, DTensor) else None
-        groups.setdefault(id(mesh), []).append(param)
-    return [{"params": group} for group in groups.values()]
+    experts = {id(p) for p in (model.get_parameter(name) for name in expert_names(model))}
+    groups = [[p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]]
+    return [{"params": group} for group in groups if group]
 
 
 def save_training_state(model: nn.Module, optimizer, folder: Path, is_main: bool) -> None:
