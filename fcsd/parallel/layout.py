@@ -198,6 +198,13 @@ def expert_shard_dim(local_experts: int, efsdp: int, column: bool) -> int:
     return 0 if not column and local_experts % efsdp == 0 else 1
 
 
+def expert_divide_factor(dims: ParallelDims) -> float:
+    """What an expert shard's summed gradient is divided by: every process's tokens reach it (the ep group's through
+    the reverse all-to-all, the efsdp replicas' through the reduce-scatter), so the process count, as for a dense
+    gradient; FSDP2's default for the expert group, ``efsdp``, would leave it ``ep`` times too large."""
+    return float(dims.world)
+
+
 def shard_fully(model: nn.Module, layout: Layout, compute_dtype=None, column_experts: bool = False) -> None:
     """The FSDP2 part of :func:`parallelize` (see the module docstring for the units, factors and prefetch)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
@@ -238,8 +245,8 @@ def shard_fully(model: nn.Module, layout: Layout, compute_dtype=None, column_exp
             unit(experts, meshes.efsdp_mesh, shard_placement_fn=lambda p: Shard(layout.expert_dim))
             register_fsdp_forward_method(experts, "fcsd_rows")
             if student:
-                experts.set_gradient_divide_factor(float(dims.world))
-                experts.set_force_sum_reduction_for_comms(dims.efsdp > 1)
+                experts.set_gradient_divide_factor(expert_divide_factor(dims))
+                experts.set_force_sum_reduction_for_comms(dims.efsdp > 1)  # a size-1 group divides by itself
             router = family.router(mlp)
             for child in mlp.children():
                 if child is not experts and any(True for _ in child.parameters()):
