@@ -318,8 +318,10 @@ def exchange_counts(send_counts: torch.Tensor, group, serial: int) -> torch.Tens
     sends what it sent (:mod:`fcsd.parallel.recompute`)."""
     replay = recompute.replay_log()
     if replay is not None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
         sent, recv_counts = replay.take("counts")
-        if not torch.equal(sent, send_counts):
+        if not isinstance(sent, FakeTensor) and not torch.equal(sent, send_counts):  # fake: the planner's, no data
             raise RuntimeError(
                 "a checkpointed expert-parallel layer routed its tokens differently when it was recomputed: its "
                 "saved rows belong to the first routing (a non-deterministic router?); disable "

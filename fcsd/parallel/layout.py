@@ -176,11 +176,13 @@ def parallelize(
     if role not in ROLES:
         raise ValueError(f"role={role!r}: use one of {', '.join(ROLES)}")
     dims = meshes.dims
-    meta = any(p.is_meta for p in model.parameters())
+    meta = any(p.is_meta for p in model.parameters())  # the sharded loader's model, before its weights are read
     if role == "teacher" and not farskip_layers(model):
         mode = "regular"
     deferred = placement if meta else None
-    expert_parallel(model, meshes.ep_group, mode=mode, placement=None if meta else placement, dispatcher=dispatcher)
+    replicas = meshes.sparse.get_group("efsdp") if dims.efsdp > 1 else None
+    options = {"mode": mode, "placement": None if meta else placement, "dispatcher": dispatcher}
+    expert_parallel(model, meshes.ep_group, replica_group=replicas, **options)
     layout = Layout(meshes, role, placement=deferred)
     model.fcsd_layout = layout
     if checkpointing and role == "student":

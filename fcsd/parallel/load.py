@@ -186,6 +186,16 @@ def finish_loading(model: nn.Module, base_class: type) -> nn.Module:
     return model
 
 
+def concrete_class(name_or_path: str, text_only: bool, config, revision=None) -> type:
+    """The model class :func:`fcsd.loading.from_pretrained` loads ``name_or_path`` with, an auto class resolved."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+
+    from fcsd.loading import model_class_for
+
+    base = model_class_for(name_or_path, text_only, config, revision)
+    return _get_model_class(config, base._model_mapping) if issubclass(base, _BaseAutoModelClass) else base
+
+
 def from_pretrained_parallel(
     name_or_path: str,
     meshes,
@@ -200,18 +210,14 @@ def from_pretrained_parallel(
     keyword options), reading only this rank's slices (design §4: no rank ever holds a whole model, on device or
     host). ``layers``: the FarSkip selection (default: the checkpoint's recorded one). A collective: every process
     calls it. Raises ``ValueError`` when the expert-parallel size does not divide the expert count."""
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
-
     from fcsd.connectivity.patch import CONFIG_KEY
-    from fcsd.loading import _stock_config, check_weight_files, load_config, model_class_for
+    from fcsd.loading import _stock_config, check_weight_files, load_config
 
     revision = kwargs.get("revision")
     config = kwargs.pop("config", None) or _stock_config(name_or_path, revision) or load_config(name_or_path, revision)
     check_divisible(config, meshes.dims.ep)
     check_weight_files(name_or_path)
-    base = model_class_for(name_or_path, text_only, config, revision)
-    if issubclass(base, _BaseAutoModelClass):
-        base = _get_model_class(config, base._model_mapping)
+    base = concrete_class(name_or_path, text_only, config, revision)
     if layers is None:
         layers = (getattr(config, CONFIG_KEY, None) or {}).get("layers", [])
     device = torch.device(device) if device is not None else None
