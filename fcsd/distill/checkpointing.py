@@ -64,7 +64,8 @@ def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: 
     from fcsd.parallel import step_state
 
     trainer_state = json.loads((checkpoint / TRAINER_STATE).read_text())
-    step_state.check_resumable(trainer_state.get("layout"), checkpoint, expert_parallel and expert_parallel[0])
+    layout = expert_parallel[0].fcsd_layout.dims.name if expert_parallel is not None else None
+    step_state.check_resumable(trainer_state.get("layout"), checkpoint, layout)
     accelerator.load_state(str(checkpoint))
     if expert_parallel is not None:
         step_state.load(*expert_parallel, checkpoint)

@@ -172,6 +172,7 @@ def finish_loading(model: nn.Module, base_class: type) -> nn.Module:
         module._parameters[name] = param = nn.Parameter(data, requires_grad=kept.requires_grad)
         param.fcsd_expert_shard = True
     layout.loading = None
+    _compact(model)
     state.expert_params = [module._parameters[key.rsplit(".", 1)[1]] for key, module in experts.items()]
     state.gather.mode = "all"
     if not layout.dims.fsdp:
@@ -194,6 +195,28 @@ def concrete_class(name_or_path: str, text_only: bool, config, revision=None) ->
 
     base = model_class_for(name_or_path, text_only, config, revision)
     return _get_model_class(config, base._model_mapping) if issubclass(base, _BaseAutoModelClass) else base
+
+
+def _compact(model: nn.Module) -> None:
+    """Give every DTensor parameter a storage of its own slice: the loader may hand over a view of the whole
+    checkpoint tensor (a memory-mapped file's), which would keep it alive."""
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            local = param._local_tensor
+            if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+                data = DTensor.from_local(
+                    local.clone(),
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+                module._parameters[name] = nn.Parameter(data, requires_grad=param.requires_grad)
 
 
 def from_pretrained_parallel(

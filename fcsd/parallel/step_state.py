@@ -126,22 +126,30 @@ def load(model: nn.Module, optimizer, folder: Path) -> None:
         group.update(saved)
 
 
-def check_resumable(record: dict | None, checkpoint: Path, model: nn.Module | None) -> None:
+def check_resumable(record: dict | None, checkpoint: Path, layout: str | None) -> None:
     """Refuse in one line a checkpoint whose format the run cannot read: a DCP checkpoint resumed without a
-    parallel layout, or a one-process / DDP checkpoint (accelerate's full state) resumed with one. DCP checkpoints
-    reshard between layouts (other process counts, ``ep`` and ``fsdp``)."""
+    parallel layout, or a one-process / DDP checkpoint (accelerate's full state) resumed with one (``layout``: the
+    run's layout name, None without one). DCP checkpoints reshard between layouts (other process counts, ``ep``
+    and ``fsdp``)."""
     record = record or {}
-    layout = getattr(model, "fcsd_layout", None) if model is not None else None
     if record.get("format") == FORMAT and layout is None:
         raise ValueError(
-            f"{checkpoint} holds sharded checkpoint files of a {_describe(record)} run: resume it with "
+            f"--resume: {checkpoint} holds the sharded checkpoint of a {_describe(record)} run: resume it with "
             "parallel.ep_size > 1 or parallel.fsdp=true (any process count), or export it with `fcsd export`"
         )
     if record.get("format") != FORMAT and layout is not None:
         raise ValueError(
-            f"{checkpoint} was written by a run without parallel.ep_size / parallel.fsdp (the whole state in "
-            f"accelerate's files); resume it with that layout, not {layout.dims.name}"
+            f"--resume: {checkpoint} was written by a run without parallel.ep_size / parallel.fsdp (the whole state "
+            f"in accelerate's files): resume it without them, not as {layout}"
         )
+
+
+def config_layout(config) -> str | None:
+    """The name of the layout a run's ``parallel.*`` settings ask for, or None (one process, DDP, accelerate's)."""
+    parallel = config.parallel
+    if parallel.ep_size == 1 and not parallel.fsdp:
+        return None
+    return f"parallel.ep_size={parallel.ep_size} parallel.fsdp={str(parallel.fsdp).lower()}"
 
 
 def _describe(record: dict) -> str:

@@ -143,21 +143,26 @@ def planted_recompute():
         recompute.replay_log, recompute.replaying = saved
 
 
-def share_numel(shape, dims: ParallelDims, expert_dim=None) -> int:
+def share_numel(shape, dims: ParallelDims, expert_dim=None, padded=False) -> int:
     """Elements this rank holds of a tensor of ``shape``: a dense one chunked over all processes (dim 0, as FSDP2),
-    an expert one split over ep (dim 0) and then chunked over efsdp (``expert_dim``)."""
+    an expert one split over ep (dim 0) and then chunked over efsdp (``expert_dim``). ``padded``: FSDP2's storage,
+    every chunk as long as the first."""
     meta = torch.empty(shape, device="meta")
-    if expert_dim is None:
-        chunks = meta.chunk(dims.world, 0)
-        return chunks[RANK].numel() if RANK < len(chunks) else 0
-    ep_rank, efsdp_rank = RANK % dims.ep, RANK // dims.ep
-    mine = meta.chunk(dims.ep, 0)[ep_rank]
-    chunks = mine.chunk(dims.efsdp, expert_dim)
-    return chunks[efsdp_rank].numel() if efsdp_rank < len(chunks) else 0
+    if expert_dim is not None:
+        meta, parts, index, dim = meta.chunk(dims.ep, 0)[RANK % dims.ep], dims.efsdp, RANK // dims.ep, expert_dim
+    else:
+        parts, index, dim = dims.world, RANK, 0
+    chunks = meta.chunk(parts, dim)
+    if padded:
+        return chunks[0].numel()
+    return chunks[index].numel() if index < len(chunks) else 0
 
 
-def local_numel(model) -> int:
-    return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+def local_numel(model, storage=False) -> int:
+    """Elements of the parameters this process holds; ``storage``: counted by their storages (a view of a whole
+    checkpoint tensor counts whole; FSDP2's padding counts)."""
+    locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in model.parameters()]
+    return sum(t.untyped_storage().nbytes() // t.element_size() if storage else t.numel() for t in locals_)
 
 
 def loaded(folder):
@@ -169,9 +174,11 @@ def loaded(folder):
     teacher = from_pretrained_parallel(folder, meshes, "teacher", dtype=torch.float32)
     reference = fcsd.from_pretrained(folder, layers="all").eval()
     expert_dim = student.fcsd_layout.expert_dim
-    shares = sum(
-        share_numel(p.shape, dims, expert_dim if is_expert(name) else None) for name, p in reference.named_parameters()
-    )
+    params = list(reference.named_parameters())
+    shares = [
+        sum(share_numel(p.shape, dims, expert_dim if is_expert(name) else None, padded) for name, p in params)
+        for padded in (False, True)
+    ]
     ids = batch(reference)[RANK]
     with torch.no_grad():
         teacher_logits = teacher(input_ids=ids, use_cache=False).logits
@@ -191,8 +198,8 @@ def loaded(folder):
         reference.save_pretrained(f"{out}-reference")
         expected_files = load_file(f"{out}-reference/model.safetensors")
     return {
-        "student_local": local_numel(student),
-        "teacher_local": local_numel(teacher),
+        "student_local": [local_numel(student), local_numel(student, storage=True)],
+        "teacher_local": [local_numel(teacher), local_numel(teacher, storage=True)],
         "share": shares,
         "total": sum(p.numel() for p in reference.parameters()),
         "teacher_resharded": all(isinstance(p, DTensor) for p in teacher.parameters()),
