@@ -2,7 +2,8 @@
 launch (tests/workers/ep_fsdp.py): losses, global gradient norms and weights after two AdamW steps with and without
 activation checkpointing, EP 4 x FSDP 1, a placement with the deduplicating dispatcher; the planted factor-of-ep
 expert gradient and the planted recomputed collective caught; each process's student and teacher bytes equal to its
-share, the teacher resharded after its forward, generation and streamed saving of a model loaded laid out."""
+share, the teacher resharded after its forward, generation (MBPP+'s included) and streamed saving of a model loaded
+laid out; fcsd cache-teacher on the 4 processes, each writing its shards of the one-process cache."""
 
 import json
 from pathlib import Path
@@ -82,3 +83,15 @@ def test_generation_and_streamed_saving_of_a_laid_out_model(ranks):
         assert result["loaded"]["generate_equal"]  # greedy tokens of one process, each rank its own prompt
     assert ranks[0]["loaded"]["shards"] > 1  # several safetensors shards and an index
     assert ranks[0]["loaded"]["saved_equal"]  # the keys and values save_pretrained writes
+
+
+def test_mbpp_plus_generation_under_the_layout_is_one_process_s(ranks):
+    """What MBPP+ early stopping generates with the student laid out (each process its problems)."""
+    for result in ranks:
+        assert result["mbpp"]["problems"] > 0 and result["mbpp"]["equal"]
+
+
+def test_cache_teacher_on_four_processes_each_writing_its_share(ranks):
+    written = [result["cache"]["written"] for result in ranks]
+    assert all(written) and len({name for names in written for name in names}) == sum(map(len, written))
+    assert ranks[0]["cache"]["equal"]  # shard for shard the one-process cache

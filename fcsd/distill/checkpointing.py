@@ -119,7 +119,7 @@ def set_saved_dtype(folder: Path, dtype: torch.dtype) -> None:
 def load_step_checkpoint(checkpoint: Path):
     """The student of a step checkpoint (``checkpoints/step-N``) and its tokenizer, rebuilt from the run's config
     (model, revision, layers, placement) with the checkpoint's weights (expert-parallel shards consolidated, see
-    :func:`fcsd.parallel.training.consolidated_state_dict`), in the checkpoint's source dtype: what ``fcsd export``
+    :func:`fcsd.parallel.step_state.stock_tensors`), in the checkpoint's source dtype: what ``fcsd export``
     takes from a run that never reached ``final/``."""
     from omegaconf import OmegaConf
     from safetensors.torch import load_file

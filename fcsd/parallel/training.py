@@ -1,27 +1,22 @@
-"""What a trainer needs to train an expert-parallel student (paper Sec. 4.1; design §4 "Training with EP"):
-expert-parallel groups, the global gradient norm, and checkpoints.
+"""What the FCSD trainer needs under ``parallel.ep_size`` > 1 or ``parallel.fsdp`` (paper Sec. 4.1; design §4 "EP
+at scale"): the run's device meshes, the laid-out loading of student and teacher, the gradient reduction, the global
+gradient norm over both meshes and the optimizer's parameter groups.
 
-The FCSD trainer (:mod:`fcsd.distill.trainer`) calls these when ``parallel.ep_size`` > 1; with them the student is
-*not* wrapped in DDP/FSDP (:func:`fcsd.parallel.reduce_gradients` does the data-parallel part, per parameter kind).
-
-Step checkpoints are per rank, so no rank ever holds the whole model: the main process writes the replicated
-(non-expert) weights once, the first expert-parallel group writes one file of expert shards per rank, and every
-process its own optimizer state (its experts' moments differ). A resume reads the same files back (same
-``parallel.ep_size``, which the run folder enforces). ``final/`` and ``best/`` keep the stock layout: the experts are
-gathered to the main process only (:func:`fcsd.parallel.full_state_dict` with ``dst=0``).
+The FCSD trainer (:mod:`fcsd.distill.trainer`) calls these; the student is then not wrapped in DDP or accelerate's
+FSDP (:mod:`fcsd.parallel.layout` lays it out). Step checkpoints: :mod:`fcsd.parallel.step_state`; ``final/`` and
+``best/``: :mod:`fcsd.parallel.stream_save`. :func:`expert_parallel_group` and :func:`make_expert_parallel` lay out
+expert parallelism alone on a process group (what ``fcsd plan`` models).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fcsd.parallel.apply import expert_parallel
-from fcsd.parallel.grads import local_state_dict
 
 OPTIMIZER_SHARD = "optimizer_ep_rank{rank}.pt"  # each process's optimizer state (its experts' moments differ)
 DENSE_FILE = "model_replicated.pt"  # the non-expert weights, written by the main process
@@ -162,42 +157,3 @@ def parameter_groups(model: nn.Module, params: list) -> list[dict]:
     experts = {id(p) for p in (model.get_parameter(name) for name in expert_names(model))}
     groups = [[p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]]
     return [{"params": group} for group in groups if group]
-
-
-def save_training_state(model: nn.Module, optimizer, folder: Path, is_main: bool) -> None:
-    """Per-rank model files (see the module docstring) and every process's optimizer state; no collective."""
-    state = model.fcsd_expert_parallel
-    if is_main:
-        torch.save(local_state_dict(model, experts=False), folder / DENSE_FILE)
-    if dist.get_rank() < state.size:  # the first expert-parallel group holds every expert once
-        torch.save(local_state_dict(model, experts=True), folder / EXPERT_SHARD.format(rank=state.rank))
-    torch.save(optimizer.state_dict(), folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()))
-
-
-def load_training_state(model: nn.Module, optimizer, folder: Path) -> None:
-    """Inverse of :func:`save_training_state`: the replicated weights, this rank's expert shards and optimizer."""
-    state = model.fcsd_expert_parallel
-    weights = torch.load(folder / DENSE_FILE, map_location="cpu")
-    weights.update(torch.load(folder / EXPERT_SHARD.format(rank=state.rank), map_location="cpu"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not match the model (missing {missing}, unexpected {unexpected})")
-    state_dict = torch.load(
-        folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()), map_location="cpu", weights_only=False
-    )
-    optimizer.load_state_dict(state_dict)
-
-
-def consolidated_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """The whole model of a step checkpoint written by :func:`save_training_state`, in the unsharded layout: the
-    replicated weights and each expert tensor concatenated over the expert-parallel ranks' shards (dim 0, rank
-    order). No process group is needed: this is the consolidation step of per-rank checkpoints."""
-    state = torch.load(folder / DENSE_FILE, map_location="cpu")
-    shards = []
-    while (folder / EXPERT_SHARD.format(rank=len(shards))).exists():
-        shards.append(torch.load(folder / EXPERT_SHARD.format(rank=len(shards)), map_location="cpu"))
-    if not shards:
-        raise ValueError(f"{folder}: no {EXPERT_SHARD.format(rank=0)}; the checkpoint is incomplete")
-    for key in shards[0]:
-        state[key] = torch.cat([shard[key] for shard in shards])
-    return state

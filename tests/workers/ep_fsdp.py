@@ -211,6 +211,83 @@ def loaded(folder):
     }
 
 
+def chat_assets(root):
+    """A tiny Qwen3-MoE with its locally trained tokenizer and chat data (rank 0 writes them)."""
+    from pathlib import Path
+
+    from tiny_models import save_chat_model
+
+    from fcsd.distill.synthetic import make_dataset, write_jsonl
+
+    root = Path(root)
+    if RANK == 0:
+        rows = make_dataset(60, seed=5)
+        save_chat_model(root / "model", rows, "qwen3_moe")
+        write_jsonl(rows, root / "train.jsonl")
+    dist.barrier()
+    return root
+
+
+def mbpp_generation(root):
+    """MBPP+ early stopping's generation (every process its problems, stepping together) with the student laid out
+    EP 2 x FSDP 2: the same solutions as one process."""
+    from pathlib import Path
+
+    from fcsd.evaluate.mbpp_plus import generate_solutions, load_problems
+    from fcsd.loading import tokenizer_from_pretrained
+
+    fixture = Path(__file__).resolve().parents[2] / "eval" / "fixtures" / "mbpp_plus_mini.jsonl"
+    # each process its own share, as many on each (every generate call is collective, as early stopping pads)
+    problems = dict(list(load_problems(str(fixture)).items())[:4][RANK % 2 :: 2])
+    tokenizer = tokenizer_from_pretrained(str(root / "model"))
+    meshes = build_meshes(ParallelDims(WORLD, 2, True), "cpu")
+    student = from_pretrained_parallel(str(root / "model"), meshes, "student", layers="all").eval()
+    reference = fcsd.from_pretrained(str(root / "model"), layers="all").eval()
+    options = {"max_new_tokens": 12, "batch_size": 2}
+    got = generate_solutions(student, tokenizer, problems, synced_gpus=True, **options)
+    return {"problems": len(problems), "equal": got == generate_solutions(reference, tokenizer, problems, **options)}
+
+
+def cache_share(root):
+    """``fcsd cache-teacher`` on 4 processes (teacher EP 2 x FSDP 2, 8-row shards): each process writes its shards
+    and the cache equals the one a single process writes."""
+    from fcsd.distill import teacher_cache
+    from fcsd.distill.config import compose, to_config
+    from fcsd.distill.models import load_tokenizer
+    from fcsd.distill.run_data import all_rows, load_run_data
+
+    overrides = [f"model.name={root / 'model'}", f"data.path={root / 'train.jsonl'}", f"data.cache_dir={root / 'p'}"]
+    overrides += ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=256", "progress=false"]
+    overrides += ["parallel.ep_size=2", "parallel.fsdp=true", "teacher.top_k=8", f"teacher.cache_dir={root / 'c4'}"]
+    config = to_config(compose(overrides))
+    saved, teacher_cache.SHARD_ROWS = teacher_cache.SHARD_ROWS, 8
+    written, write_shard = [], teacher_cache.write_shard
+    teacher_cache.write_shard = lambda *a, **k: written.append(a[4].name) or write_shard(*a, **k)
+    try:
+        teacher_cache.cache_teacher(config)
+        equal = True
+        if RANK == 0:  # the one-process cache of the same rows, with the plain teacher
+            from safetensors.torch import load_file
+
+            teacher_cache.write_shard = write_shard
+            tokenizer = load_tokenizer(config)
+            rows = all_rows(*load_run_data(config, tokenizer)[:2])
+            teacher = fcsd.from_pretrained(str(root / "model")).eval()
+            meta = teacher_cache.run_meta(teacher, rows, config)
+            teacher_cache.build_cache(teacher, rows, root / "c1", meta, progress=False)
+            names = sorted(p.name for p in (root / "c1").glob("shard-*"))
+            equal = names == sorted(p.name for p in (root / "c4").glob("shard-*")) and all(
+                torch.equal(a["ids"], b["ids"]) and rel(a["logp"], b["logp"]) < 1e-5
+                for a, b in ((load_file(root / "c1" / n), load_file(root / "c4" / n)) for n in names)
+            )
+            equal = equal and json.loads((root / "c1/meta.json").read_text()) == json.loads(
+                (root / "c4/meta.json").read_text()
+            )
+    finally:
+        teacher_cache.SHARD_ROWS, teacher_cache.write_shard = saved, write_shard
+    return {"written": written, "equal": equal}
+
+
 results = {"cases": {}}
 cases = {
     "deepseek_v3/ep2xfsdp2": ("deepseek_v3", 2, {}),
@@ -230,6 +307,9 @@ if RANK == 0:
     prepare("deepseek_v3", "regular").save_pretrained(folder)
 dist.barrier()
 results["loaded"] = loaded(folder)
+chat = chat_assets(f"{sys.argv[1]}.chat")
+results["mbpp"] = mbpp_generation(chat)
+results["cache"] = cache_share(chat)
 with open(f"{sys.argv[1]}.{RANK}.json", "w") as handle:
     json.dump(results, handle, indent=1)
 dist.destroy_process_group()
