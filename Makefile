@@ -12,7 +12,7 @@ VLLM_TORCH ?= torch==2.13.0
 VLLM_DROP ?= torchvision torchaudio torchcodec
 
 # CPU defaults; on a GPU node: make serve-env VLLM_PACKAGE=vllm==0.33.0 VLLM_TORCH= VLLM_DROP=
-serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd's model plugin, see README "Serving"
+serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd's model plugin, see docs/serving.md
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(if $(VLLM_TORCH),$(VLLM_VENV)/bin/python -m pip install $(VLLM_TORCH))
 	$(VLLM_VENV)/bin/python -m pip install $(VLLM_PACKAGE)
