@@ -31,16 +31,18 @@ JOBS = (
     "fcsd.demo.run_demo",  # fcsd convert demo
     "fcsd.distill.teacher_cache.cache_teacher",  # fcsd cache-teacher
     "fcsd.distill.sweep.run_sweep",  # fcsd sweep
-    "fcsd.evaluate.report.evaluate_and_report",  # fcsd eval (after its suite, --limit and --batch-size checks)
+    "fcsd.evaluate.harness.evaluate_checkpoints",  # fcsd eval: lm-eval (after the suite, option and code-execution
+    # opt-in checks; resolving the model, below, comes first)
     "fcsd.export.save.export_checkpoint",  # fcsd export
     "fcsd.export.push.push",  # fcsd push
     "fcsd.evaluate.probe.probe_checkpoint",  # fcsd probe
     "fcsd.perfmodel.load_config",  # fcsd perfmodel (after its option checks)
     "fcsd.plan.planner.make_plan",  # fcsd plan (after its option and cluster checks)
-    "fcsd.parallel.bench.run_overlap_benchmark",  # fcsd bench overlap
-    "fcsd.sources.resolve_model",  # fcsd inspect, fcsd routes record: resolving the model (`demo` builds it)
+    "fcsd.sources.resolve_model",  # inspect, eval, routes record, bench --model: resolving the model (`demo` builds it)
     "fcsd.placement.commands.load_routes",  # fcsd routes stats / place: reading the routes file
 )
+LAUNCH = "torch.distributed.run"  # a command that starts processes of this (fcsd bench overlap's ranks, after its
+# --ranks and --link checks) has reached its job too
 
 # values of the shell variables examples use (a node's rank and address in a multi-node launch)
 ENVIRONMENT = {"NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"}
@@ -138,11 +140,17 @@ def check_fcsd(words: list[str], argv: list[str], cwd: Path | None = None) -> Ch
 
         return reached
 
-    stderr = io.StringIO()
+    def run(command, *args, **kwargs):  # other processes (a library's probe of the system) still run
+        if LAUNCH in command:
+            raise Reached(LAUNCH, (command, *args), kwargs)
+        return real_run(command, *args, **kwargs)
+
+    real_run, stderr = subprocess.run, io.StringIO()
     with contextlib.ExitStack() as stack:
         for job in JOBS:
             module, name = job.rsplit(".", 1)
             stack.enter_context(mock.patch.object(importlib.import_module(module), name, stub(job)))
+        stack.enter_context(mock.patch.object(subprocess, "run", run))
         stack.enter_context(_working_directory(cwd or ROOT))
         stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
         stack.enter_context(contextlib.redirect_stderr(stderr))

@@ -222,6 +222,8 @@ def test_a_broken_command_is_caught(sandbox):
         "fcsd convert demo train.lrr=1e-3",  # an unknown key
         "fcsd convert Qwen/Qwen3-30B-A3B --resume",  # no data.path
         "fcsd eval runs/x --limit 0",
+        "fcsd eval runs/x --suite paper",  # it runs model-written code: --allow-code-execution is required
+        "fcsd bench overlap --link fast",
         "accelerate launch --config_file recipes/accelerate/none.yaml -m fcsd.cli convert demo",
         "torchrun --nproc_per_node 2 -m fcsd.cli convert demo train.lr=-1",
         "make no-such-target",
