@@ -258,7 +258,10 @@ def main() -> None:
         results = {}
         for name in args.runs.split(","):
             started = time.perf_counter()
-            results[name] = {"ranks": run(folder, name, args.seq_len), "plan": plan_estimate(folder, name, args.seq_len)}
+            results[name] = {
+                "ranks": run(folder, name, args.seq_len),
+                "plan": plan_estimate(folder, name, args.seq_len),
+            }
             results[name]["seconds"] = time.perf_counter() - started
     print(
         f"expert parameters {sizes['expert_params'] / 1e6:.1f}M ({sizes['expert_params'] * 4 / mib:.0f} MiB fp32), "
@@ -269,12 +272,16 @@ def main() -> None:
     for name, result in results.items():
         for rank, values in enumerate(result["ranks"]):
             cells = " | ".join(f"{values[k] / mib:.1f}" for k in KINDS)
-            print(f"| {name} | {rank} | {cells} | {values['loading_rss'] / mib:.0f} | {values['final_rss'] / mib:.0f} |")
+            print(
+                f"| {name} | {rank} | {cells} | {values['loading_rss'] / mib:.0f} | {values['final_rss'] / mib:.0f} |"
+            )
         if result["plan"] is not None:
             cells = " | ".join(f"{result['plan'][k] / mib:.1f}" for k in KINDS)
             print(f"| {name} | plan | {cells} | | |")
-    print("(MiB; tensor bytes by kind of the second optimizer step, per process; RSS: host peak while loading and "
-          "while writing final/)")
+    print(
+        "(MiB; tensor bytes by kind of the second optimizer step, per process; RSS: host peak while loading and "
+        "while writing final/)"
+    )
     print(json.dumps({"sizes": sizes, "results": results}))
 
 
