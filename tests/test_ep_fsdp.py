@@ -3,7 +3,9 @@ launch (tests/workers/ep_fsdp.py): losses, global gradient norms and weights aft
 activation checkpointing, EP 4 x FSDP 1, a placement with the deduplicating dispatcher; the planted factor-of-ep
 expert gradient and the planted recomputed collective caught; each process's student and teacher bytes equal to its
 share, the teacher resharded after its forward, generation (MBPP+'s included) and streamed saving of a model loaded
-laid out; fcsd cache-teacher on the 4 processes, each writing its shards of the one-process cache."""
+laid out; fcsd cache-teacher on the 4 processes, each writing its shards of the one-process cache. And the same
+layout on fake tensors over a fake process group (what `fcsd plan` models): rank 0 holds what it holds in the real
+launch."""
 
 import json
 from pathlib import Path
@@ -61,6 +63,11 @@ def test_planted_factor_of_ep_expert_gradient_is_caught(ranks):
             _same_training(planted)
 
 
+def test_step_checkpoint_reads_back_exactly_into_a_fresh_layout(ranks):
+    for result in ranks:
+        assert result["dcp"]["tensors"] > 0 and result["dcp"]["equal"]
+
+
 def test_planted_recomputed_collective_is_caught(ranks):
     for result in ranks:
         assert "exchange was issued during the backward pass" in result["planted_recompute"]
@@ -95,3 +102,39 @@ def test_cache_teacher_on_four_processes_each_writing_its_share(ranks):
     written = [result["cache"]["written"] for result in ranks]
     assert all(written) and len({name for names in written for name in names}) == sum(map(len, written))
     assert ranks[0]["cache"]["equal"]  # shard for shard the one-process cache
+
+
+def test_layout_runs_on_fake_tensors_over_a_fake_process_group(ranks):
+    """What `fcsd plan` needs to model the layout: parallelize on fake tensors over a fake 4-process group (this
+    process as rank 0), then a checkpointed training forward and backward with the planner's balanced routing."""
+    import contextlib
+
+    import torch
+    from tiny_models import CONFIGS
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor
+
+    from fcsd.distill.config import FCSDConfig
+    from fcsd.parallel.layout import ParallelDims, build_meshes, parallelize
+    from fcsd.plan.run import _text_model
+    from fcsd.plan.simulate import balanced_routing, fake_process_group, meshes_outside_fake_mode
+    from fcsd.plan.tracker import MemoryTracker
+
+    _, config = CONFIGS["deepseek_v3"]()
+    config._attn_implementation = "eager"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fake_process_group(4))
+        meshes = build_meshes(ParallelDims(4, 2, True), "cpu")
+        stack.enter_context(balanced_routing(16, config.num_experts_per_tok))
+        stack.enter_context(meshes_outside_fake_mode())
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        tracker = stack.enter_context(MemoryTracker("cpu"))
+        model = _text_model(config, torch.float32, FCSDConfig(), "all", subset=tuple(range(config.num_hidden_layers)))
+        parallelize(model, meshes, "student", checkpointing=True)
+        logits = model(input_ids=torch.randint(0, 90, (1, 16)), use_cache=False).logits
+        logits.sum().backward()
+        local = sum(p._local_tensor.numel() for p in model.parameters() if isinstance(p, DTensor))
+        grads = all(p.grad is not None for p in model.parameters())
+    assert tuple(logits.shape) == (1, 16, config.vocab_size) and grads
+    assert local == ranks[0]["loaded"]["student_local"][0]  # rank 0's share, as the real 4-process layout holds
+    assert tracker.peak > 0

@@ -30,6 +30,7 @@ from fcsd.parallel.training import parameter_groups, reduce_and_clip
 from fcsd.placement import Placement, apply_placement
 
 STEPS, LR, CLIP = 2, 1e-2, 0.5
+SINGLE: dict = {}  # family -> the one-process run of single()
 
 
 def placement_for(model, ep):
@@ -52,7 +53,10 @@ def step_batch(model, step):
 
 
 def single(family, placement=None):
-    """One process on every share: per step (loss per token, gradient norm), then the weights."""
+    """One process on every share: per step (loss per token, gradient norm), then the weights (computed once per
+    family without a placement: several cases compare with the same run)."""
+    if placement is None and family in SINGLE:
+        return SINGLE[family]
     model = prepare(family, "farskip_overlap").train()
     if placement is not None:
         apply_placement(model, placement)
@@ -68,7 +72,9 @@ def single(family, placement=None):
         optimizer.step()
         optimizer.zero_grad()
         records.append([float(total), float(norm), expert_norm])
-    return records, model.state_dict()
+    if placement is not None:
+        return records, model.state_dict()
+    return SINGLE.setdefault(family, (records, model.state_dict()))
 
 
 def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain"):
@@ -97,13 +103,13 @@ def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain"
         dist.all_reduce(total)
         records.append([float(total) / tokens, norm, float(squares.sqrt())])
     state = {key: gather(value) for key, value in model_state(model).items()}
-    return records, state, events, len(optimizer.param_groups)
+    return records, state, events, len(optimizer.param_groups), (model, optimizer)
 
 
 def compare(family, ep, **options):
     placement = options.get("placement")
     expected, weights = single(family, placement)
-    got, state, events, groups = laid_out(family, ep, **options)
+    got, state, events, groups, _ = laid_out(family, ep, **options)
     return {
         "loss": max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(got, expected)),
         "grad_norm": max(abs(a[1] - b[1]) / b[1] for a, b in zip(got, expected)),
@@ -113,6 +119,25 @@ def compare(family, ep, **options):
         "backward_events": sorted(set(events)),
         "param_groups": groups,
     }
+
+
+def dcp_round_trip(folder):
+    """A step checkpoint of EP 2 x FSDP 2 (:func:`fcsd.parallel.step_state.save`, each process its shards) read
+    back into a fresh layout of the same model: every weight and AdamW state exactly as saved."""
+    from fcsd.parallel import step_state
+
+    *_, (model, optimizer) = laid_out("qwen3_moe", 2)
+    step_state.save(model, optimizer, folder)
+    fresh = parallelize(
+        prepare("qwen3_moe", "farskip_overlap").train(), build_meshes(ParallelDims(WORLD, 2, True), "cpu")
+    )
+    again = torch.optim.AdamW(parameter_groups(fresh, list(fresh.parameters())), lr=LR, fused=True)
+    step_state.load(fresh, again, folder)
+    saved, loaded = step_state.optimizer_state(model, optimizer), step_state.optimizer_state(fresh, again)
+    pairs = [(model_state(model)[k], v) for k, v in model_state(fresh).items()]
+    pairs += [(saved["state"][k][n], v) for k, states in loaded["state"].items() for n, v in states.items()]
+    equal = [torch.equal(gather(a), gather(b)) for a, b in pairs]  # a list: every rank runs every gather
+    return {"tensors": len(pairs), "equal": all(equal)}
 
 
 def error_of(fn) -> str:
@@ -302,6 +327,7 @@ for name, (family, ep, options) in cases.items():
     results["cases"][name] = compare(family, ep, **options)
 results["planted_ep_factor"] = planted_ep_factor()
 results["planted_recompute"] = planted_recompute()
+results["dcp"] = dcp_round_trip(f"{sys.argv[1]}.dcp")  # the same path on every rank
 folder = f"{sys.argv[1]}.model"  # the same path on every rank
 if RANK == 0:
     prepare("deepseek_v3", "regular").save_pretrained(folder)
