@@ -1,19 +1,24 @@
-"""Peak host memory of an FCSD training run: one process vs 2 expert-parallel processes (paper Sec. 4.1).
+"""Per-process memory of an FCSD training run under the parallel layouts (paper Sec. 4.1; design §4 "EP at scale").
 
-A Qwen3-MoE whose routed experts dominate (default: 4 layers x 64 experts of hidden 512 / intermediate 512, ~201M
-expert parameters, ~5M others) is saved with a locally trained tokenizer; then the same short run (online teacher,
-2 optimizer steps, fp32 on CPU) is made three ways, each process reporting its own peak RSS:
+A Qwen3-MoE whose routed experts dominate (default: 4 layers x 32 experts of hidden 512 / intermediate 512) is saved
+with a locally trained tokenizer; then the same short run (online teacher, 2 optimizer steps, fp32 on CPU) is made
+in one process and on 4 gloo processes in four layouts:
 
-- ``single``: one process (teacher, student, gradients and AdamW moments of every expert);
-- ``ep2``: ``torchrun --nproc_per_node 2 ... parallel.ep_size=2``: each process loads only its experts (student and
-  teacher), so it should hold about half the experts plus the non-expert weights;
-- ``ep2_full_load``: the same, but each process first loads the whole checkpoint and then keeps its half (how
-  expert parallelism loaded before the sharded loader), for comparison.
+- ``single``: one process (reference);
+- ``ep2``: ``parallel.ep_size=2`` (experts over 2 processes, everything else replicated: two expert-parallel groups);
+- ``ep2_fsdp2``: ``parallel.ep_size=2 parallel.fsdp=true`` (EP x FSDP2 on one mesh: nothing whole anywhere);
+- ``ep2_fsdp2_ckpt``: the same with ``train.gradient_checkpointing=true`` (exchanges saved and replayed);
+- ``fsdp4``: ``parallel.fsdp=true`` (FSDP2 over the 4 processes, no expert parallelism).
 
-Each process reports its peak RSS so far after loading (models, data, optimizer), after training (before ``final/``)
-and at the end (the main process gathers the experts to write ``final/`` in the stock layout).
+Each process reports: its host peak RSS while loading (student, teacher, data) and while writing ``final/`` (the
+streamed stock-layout save), sampled every 10 ms; and, for the second optimizer step (a steady-state step: the
+AdamW states exist), its tensor bytes by kind, counted op by op with ``fcsd plan``'s tracker
+(:class:`fcsd.plan.tracker.MemoryTracker`): weights, gradients and optimizer states it holds, the teacher's
+weights, the largest amount of activations alive, and the step's peak of everything together. Beside each layout the
+plan's estimate of the same step (:func:`fcsd.plan.simulate.estimate_step` on fake tensors, ``target="cpu"``) where
+``fcsd plan`` models the layout.
 
-    python benchmarks/ep_memory.py [--experts 64] [--layers 4] [--hidden 512]
+    python benchmarks/ep_memory.py [--experts 32] [--layers 4] [--hidden 512] [--seq-len 256]
 
 Results are recorded in BENCHMARKS.md.
 """
@@ -23,12 +28,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
+
+RUNS = {  # name -> (processes, overrides, plan layout or None)
+    "single": (1, [], ("single", 1, 1, False)),
+    "ep2": (4, ["parallel.ep_size=2"], ("ep", 4, 2, False)),
+    "ep2_fsdp2": (4, ["parallel.ep_size=2", "parallel.fsdp=true"], None),
+    "ep2_fsdp2_ckpt": (4, ["parallel.ep_size=2", "parallel.fsdp=true", "train.gradient_checkpointing=true"], None),
+    "fsdp4": (4, ["parallel.fsdp=true"], ("fsdp2", 4, 1, False)),
+}
+KINDS = ("weights", "gradients", "optimizer", "teacher", "activations", "peak")
 
 
 def build_assets(folder: Path, args) -> None:
@@ -51,7 +66,7 @@ def build_assets(folder: Path, args) -> None:
         head_dim=args.hidden // 8,
         num_experts=args.experts,
         num_experts_per_tok=4,
-        max_position_embeddings=256,
+        max_position_embeddings=max(256, args.seq_len),
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
@@ -64,41 +79,15 @@ def build_assets(folder: Path, args) -> None:
     (folder / "sizes.json").write_text(json.dumps({"expert_params": experts, "other_params": others}))
 
 
-def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def worker(args) -> None:
-    """One process of a run: train, then write this process's peak RSS after loading, after training (before
-    final/ is written) and at the end."""
-    from fcsd.distill import trainer
-    from fcsd.distill.config import compose, to_config
-    from fcsd.distill.convert import convert
-
-    peaks = {}
-    session_init, finish = trainer.TrainingSession.__init__, trainer.TrainingSession.finish
-
-    def init_then_measure(self, *a, **k):
-        session_init(self, *a, **k)
-        peaks["loaded"] = _peak()
-
-    def measure_then_finish(self, *a, **k):
-        peaks["trained"] = _peak()
-        return finish(self, *a, **k)
-
-    trainer.TrainingSession.__init__, trainer.TrainingSession.finish = init_then_measure, measure_then_finish
-
-    if args.full_load:  # load everything, then keep this process's experts (the loader before sharded loading)
-        load_models = trainer.load_models
-        trainer.load_models = lambda *a, expert_group=None, **k: load_models(*a, **k)
-    overrides = [
-        f"model.name={args.folder}/model",
-        f"data.path={args.folder}/train.jsonl",
-        f"data.cache_dir={args.folder}/cache",
-        f"output_dir={args.out}",
-        "data.seq_len=64",
-        "data.eval_sequences=2",
-        "train.batch_tokens=256",
+def overrides(folder: Path, out: Path, seq_len: int, extra: list[str]) -> list[str]:
+    return [
+        f"model.name={folder}/model",
+        f"data.path={folder}/train.jsonl",
+        f"data.cache_dir={folder}/cache",
+        f"output_dir={out}",
+        f"data.seq_len={seq_len}",
+        "data.eval_sequences=4",
+        f"train.batch_tokens={8 * seq_len}",
         "train.micro_batch_size=2",
         "train.max_steps=2",
         "train.warmup_steps=1",
@@ -106,67 +95,194 @@ def worker(args) -> None:
         "export=false",
         "progress=false",
         "early_stop.enabled=false",
-        f"parallel.ep_size={args.ep}",
+        *extra,
     ]
-    convert(to_config(compose(overrides)))
-    peaks["end"] = _peak()
-    Path(f"{args.out}.rss{os.environ.get('RANK', '0')}").write_text(json.dumps(peaks))
 
 
-def run(folder: Path, name: str, ranks: int, full_load: bool = False) -> list[dict]:
+class RSSPeak:
+    """The largest resident set size of this process while the block runs (sampled every 10 ms)."""
+
+    def __init__(self):
+        self.peak = 0
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    @contextmanager
+    def sampling(self):
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.01):
+                self.peak = max(self.peak, self.now())
+
+        thread = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            done.set()
+            thread.join()
+            self.peak = max(self.peak, self.now())
+
+
+def _local(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def tracked_step(session, step: int, forward_backward) -> tuple:
+    """Run ``forward_backward`` of ``step`` under the plan's tracker; returns its result and the bytes by kind."""
+    from types import SimpleNamespace
+
+    from fcsd.plan.simulate import _phases
+    from fcsd.plan.tracker import MemoryTracker
+
+    tracker = MemoryTracker("cpu")
+    model = session.unwrapped
+    weights = [_local(t) for t in (*model.parameters(), *model.buffers())]
+    teacher = [] if session.teacher is None else [_local(t) for t in (*session.teacher.parameters(),)]
+    states = [_local(v) for s in session.optimizer.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
+    for tensors, kind in ((weights, "weights"), (teacher, "teacher"), (states, "optimizer")):
+        for tensor in tensors:
+            tracker.track(tensor, kind)
+    run = SimpleNamespace(teacher=session.teacher, head_in_forward=session.head_in_forward, unwrapped=model)
+    with _phases(run, tracker), tracker:
+        result = forward_backward(session, step)
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    kinds = {
+        "weights": tracker.bytes_of(weights),
+        "gradients": tracker.bytes_of(grads),
+        "optimizer": tracker.bytes_of(states),
+        "teacher": tracker.bytes_of(teacher),
+        "activations": tracker.largest.get("activations", 0) + tracker.largest.get("backward", 0),
+        "peak": tracker.peak,
+    }
+    return result, kinds
+
+
+def worker(args) -> None:
+    """One process of a run: train (the second step tracked), write what it measured."""
+    from fcsd.distill import checkpointing, trainer
+    from fcsd.distill.config import compose, to_config
+    from fcsd.distill.convert import convert
+
+    measured = {"loading": RSSPeak(), "final": RSSPeak()}
+    session_init, forward_backward = trainer.TrainingSession.__init__, trainer.TrainingSession.forward_backward
+    save_model = checkpointing.save_model
+
+    def init_measured(self, *a, **k):
+        with measured["loading"].sampling():
+            session_init(self, *a, **k)
+
+    def forward_backward_tracked(self, step):
+        if step != 1:
+            return forward_backward(self, step)
+        result, measured["step"] = tracked_step(self, step, forward_backward)
+        return result
+
+    def save_measured(*a, **k):
+        if a[4].name != "final":
+            return save_model(*a, **k)
+        with measured["final"].sampling():
+            return save_model(*a, **k)
+
+    trainer.TrainingSession.__init__ = init_measured
+    trainer.TrainingSession.forward_backward = forward_backward_tracked
+    trainer.save_model = save_measured
+    convert(to_config(compose(overrides(Path(args.folder), Path(args.out), args.seq_len, args.extra))))
+    result = {"loading_rss": measured["loading"].peak, "final_rss": measured["final"].peak, **measured["step"]}
+    Path(f"{args.out}.mem{os.environ.get('RANK', '0')}").write_text(json.dumps(result))
+
+
+def run(folder: Path, name: str, seq_len: int) -> list[dict]:
+    processes, extra, _ = RUNS[name]
     out = folder / name
-    command = [__file__, "--worker", "--folder", str(folder), "--out", str(out), "--ep", str(ranks)]
-    command += ["--full-load"] if full_load else []
+    command = [__file__, "--worker", "--folder", str(folder), "--out", str(out), "--seq-len", str(seq_len)]
+    command += [f"--extra={item}" for item in extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    if ranks == 1:
+    if processes == 1:
         subprocess.run([sys.executable, *command], check=True, env=env)
     else:
+        import socket
+
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}"]
-        subprocess.run([*launcher, *command], check=True, env=env)
-    return [json.loads(Path(f"{out}.rss{rank}").read_text()) for rank in range(ranks)]
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}"]
+        subprocess.run([*launcher, f"--master_port={port}", *command], check=True, env=env)
+    return [json.loads(Path(f"{out}.mem{rank}").read_text()) for rank in range(processes)]
+
+
+def plan_estimate(folder: Path, name: str, seq_len: int) -> dict | None:
+    """The plan's estimate of the tracked step for this layout (bytes by kind), or None where it has no model."""
+    layout = RUNS[name][2]
+    if layout is None:
+        return None
+    from transformers import AutoConfig
+
+    from fcsd.distill.config import compose, to_config
+    from fcsd.plan.run import Layout
+    from fcsd.plan.simulate import estimate_step
+
+    strategy, processes, ep, checkpointing = layout
+    config = to_config(compose(overrides(folder, folder / "plan", seq_len, [])))
+    plan_layout = Layout(strategy, processes, ep, "online", 2, checkpointing)
+    estimate = estimate_step(AutoConfig.from_pretrained(folder / "model"), config, plan_layout, target="cpu")
+    return {kind: getattr(estimate, kind) for kind in KINDS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ", ".join(RUNS))
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--folder")
     parser.add_argument("--out")
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--full-load", action="store_true")
+    parser.add_argument("--extra", action="append", default=[])
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    mib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_assets(folder, args)
         sizes = json.loads((folder / "sizes.json").read_text())
-        peaks = {
-            "single": run(folder, "single", 1),
-            "ep2": run(folder, "ep2", 2),
-            "ep2_full_load": run(folder, "ep2_full_load", 2, full_load=True),
-        }
-    gib = 2**30
-    experts_gib, others_gib = sizes["expert_params"] * 4 / gib, sizes["other_params"] * 4 / gib
+        results = {}
+        for name in args.runs.split(","):
+            started = time.perf_counter()
+            results[name] = {
+                "ranks": run(folder, name, args.seq_len),
+                "plan": plan_estimate(folder, name, args.seq_len),
+            }
+            results[name]["seconds"] = time.perf_counter() - started
     print(
-        f"expert parameters {sizes['expert_params'] / 1e6:.1f}M ({experts_gib:.2f} GiB fp32), others "
-        f"{sizes['other_params'] / 1e6:.1f}M ({others_gib:.2f} GiB)"
+        f"expert parameters {sizes['expert_params'] / 1e6:.1f}M ({sizes['expert_params'] * 4 / mib:.0f} MiB fp32), "
+        f"others {sizes['other_params'] / 1e6:.1f}M ({sizes['other_params'] * 4 / mib:.0f} MiB)"
     )
-    single = peaks["single"][0]
-    print("| run | process | peak RSS after loading | after training | at the end (final/ written) | vs single |")
-    print("|---|---|---:|---:|---:|---:|")
-    for name, per_rank in peaks.items():
-        for rank, values in enumerate(per_rank):
-            cells = " | ".join(f"{values[k] / gib:.2f} GiB" for k in ("loaded", "trained", "end"))
-            ratios = "/".join(f"{values[k] / single[k]:.2f}" for k in ("loaded", "trained", "end"))
-            print(f"| {name} | {rank} | {cells} | {ratios} |")
-    print(json.dumps({"sizes": sizes, "peak_bytes": peaks}))
+    print("| run | process | " + " | ".join(KINDS) + " | RSS loading | RSS writing final/ |")
+    print("|---|---|" + "---:|" * (len(KINDS) + 2))
+    for name, result in results.items():
+        for rank, values in enumerate(result["ranks"]):
+            cells = " | ".join(f"{values[k] / mib:.1f}" for k in KINDS)
+            print(
+                f"| {name} | {rank} | {cells} | {values['loading_rss'] / mib:.0f} | {values['final_rss'] / mib:.0f} |"
+            )
+        if result["plan"] is not None:
+            cells = " | ".join(f"{result['plan'][k] / mib:.1f}" for k in KINDS)
+            print(f"| {name} | plan | {cells} | | |")
+    print(
+        "(MiB; tensor bytes by kind of the second optimizer step, per process; RSS: host peak while loading and "
+        "while writing final/)"
+    )
+    print(json.dumps({"sizes": sizes, "results": results}))
 
 
 if __name__ == "__main__":

@@ -232,7 +232,10 @@ def _cache_teacher(args) -> int:
     config = to_config(_run_config(args))
     safe_io.check_not_in_use(cache_dir(config).parent, "the folder that holds teacher.cache_dir,")  # a run's
     folder = cache_teacher(config)
-    print(f"teacher cache ready at {folder}; train from it with teacher.mode=cache teacher.cache_dir={folder}")
+    from fcsd.parallel.processes import is_main_process
+
+    if is_main_process():  # under torchrun every process cached its share
+        print(f"teacher cache ready at {folder}; train from it with teacher.mode=cache teacher.cache_dir={folder}")
     return 0
 
 

@@ -209,11 +209,14 @@ CASES = [
         "is a different run (model.name",
         None,
     ),
-    # ... or with another expert-parallel size (its checkpoints hold one optimizer state per process)
+    # ... or with a parallel layout when its checkpoints are a one-process run's (sharded ones reshard, these cannot)
     (
-        "resume_other_ep_size",
-        lambda w: [*run_convert(w, f"output_dir={w / 'runs/x'}", "parallel.ep_size=2"), "--resume"],
-        "parallel.ep_size: run 1 vs now 2",
+        "resume_with_a_layout",
+        lambda w: [
+            *run_convert(w, f"output_dir={w / 'runs/unfinished'}", "train.max_steps=9", "parallel.fsdp=true"),
+            "--resume",
+        ],
+        "was written by a run without parallel.ep_size / parallel.fsdp",
         None,
     ),
     # 12. each command replaces only a folder of its own kind, and never what fcsd did not write (issue 19)

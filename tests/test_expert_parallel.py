@@ -98,7 +98,7 @@ def test_gathered_state_dict_equals_the_original(two, four):
         ("indivisible", "cannot be split evenly"),
         ("bad_dispatcher", "use one of plain, dedup"),
         ("placement_ep", "computed for EP 4 but the expert-parallel group has 2 ranks"),
-        ("checkpointing", "activation checkpointing is not supported"),
+        ("checkpointing", "enable it with fcsd.parallel.recompute.enable(model)"),
     ],
 )
 def test_errors_are_clear(two, case, words):

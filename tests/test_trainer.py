@@ -175,24 +175,45 @@ def test_killed_run_resumes_exactly(assets, tmp_path):
     assert resumed == uninterrupted
 
 
+def _killed_at_checkpoint(command: list[str], run: Path, env: dict) -> None:
+    """Start a multi-process run and SIGKILL all its processes once its first step checkpoint is published."""
+    from launch import kill_tree
+
+    job = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and job.poll() is None and not list(run.glob("checkpoints/step-*")):
+            time.sleep(0.05)
+        assert job.poll() is None, "the run ended before it could be killed"
+    finally:
+        kill_tree(job.pid)  # the workers too: torchrun starts each in a session of its own
+        job.wait()
+    assert not (run / "final").exists()
+
+
 @pytest.fixture(scope="module")
 def parallel_runs(assets, tmp_path_factory):
-    """The same 3-step run (gradient clipping active) in one process, in 2 DDP processes and in 2 expert-parallel
-    processes (experts sharded 2 ways), plus the expert-parallel run resumed from its step-2 checkpoint."""
+    """The same 3-step run (gradient clipping active) in one process, in 2 DDP processes, and EP 2 x FSDP 2 on 4
+    processes with activation checkpointing (``ep-fsdp``), killed after its first step checkpoint and resumed on 2
+    expert-parallel processes (``ep``: experts sharded 2 ways, the rest replicated, with its export; DCP reshards),
+    which is also the expert-parallel run the later tests use. (A resume into the same layout is
+    tests/test_ep_fsdp.py's DCP round trip: a third 4-process launch here would cost minutes of CI.)"""
+    from launch import free_port
+
     root = tmp_path_factory.mktemp("parallel")
     args = ["-m", "fcsd.cli", "convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}"]
     args += [f"data.cache_dir={assets / 'cache'}", *FAST, "train.max_steps=3", "train.micro_batch_size=4"]
     args += ["train.save_every=2", "train.grad_clip=0.05"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     one = [sys.executable, *args, "export=false", f"output_dir={root / 'one'}"]
     subprocess.run(one, env=env, check=True, capture_output=True)
     torchrun(2, *args, "export=false", f"output_dir={root / 'ddp'}")
-    torchrun(2, *args, "parallel.ep_size=2", f"output_dir={root / 'ep'}")
-    shutil.copytree(root / "ep", root / "ep-resumed")
-    for name in ("final", "export", "run_summary.json"):
-        path = root / "ep-resumed" / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    torchrun(2, *args, "parallel.ep_size=2", f"output_dir={root / 'ep-resumed'}", "--resume")
+    folded = [*args, "parallel.ep_size=2", "parallel.fsdp=true", "train.gradient_checkpointing=true", "export=false"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}"]
+    killed = root / "ep-fsdp"
+    _killed_at_checkpoint([*launcher, *folded, "train.save_every=1", f"output_dir={killed}"], killed, env)
+    shutil.copytree(killed, root / "ep")
+    torchrun(2, *args, "parallel.ep_size=2", f"output_dir={root / 'ep'}", "--resume")
     return root
 
 
@@ -204,27 +225,42 @@ def test_two_gloo_processes_match_one(parallel_runs):
     assert {p.name for p in checkpoint.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
 
 
-def test_expert_parallel_training_matches_one_process_and_resumes_exactly(parallel_runs):
-    """parallel.ep_size=2: same losses, global gradient norms and final/ (unsharded layout) as one process; the
-    export loads with stock shapes; a resume from the step-2 checkpoint (unsharded weights, per-process optimizer
-    state) continues exactly."""
+def _chunks(checkpoint: Path, key: str) -> tuple[list, list]:
+    """The global shape of a tensor of a DCP step checkpoint and its ``(offsets, sizes)`` chunks."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata[key]
+    return list(metadata.size), [(list(chunk.offsets), list(chunk.sizes)) for chunk in metadata.chunks]
+
+
+def test_expert_parallel_training_matches_one_process(parallel_runs):
+    """parallel.ep_size=2 (resumed from EP 2 x FSDP 2's step 1): same losses, global gradient norms and final/
+    (stock layout, streamed) as one process; the export loads with stock shapes; its step-2 checkpoint holds each
+    process's own shards (DCP), each expert tensor as its two halves."""
     ep = parallel_runs / "ep"
     assert_same_training(ep, parallel_runs / "one")
     assert (ep / "export" / "config.json").exists()
     checkpoint = ep / "checkpoints" / "step-2"
-    assert {p.name for p in checkpoint.glob("optimizer_ep_rank*.pt")} == {
-        "optimizer_ep_rank0.pt",
-        "optimizer_ep_rank1.pt",
+    assert {p.name for p in checkpoint.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    expert = "model.model.layers.0.mlp.experts.gate_up_proj"
+    _, halves = _chunks(checkpoint, expert)
+    assert sorted(offsets[0] for offsets, _ in halves) == [0, 4] and all(sizes[0] == 4 for _, sizes in halves)
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["layout"] == {
+        "format": "torch.distributed.checkpoint",
+        "world": 2,
+        "ep": 2,
+        "fsdp": False,
     }
-    # no file (and no process) holds every expert: the replicated weights once, each process's experts apart
-    replicated = torch.load(checkpoint / "model_replicated.pt")
-    assert replicated and not any(".experts." in key for key in replicated)
-    shards = [torch.load(checkpoint / f"model_experts_ep{rank}.pt") for rank in (0, 1)]
-    assert shards[0].keys() == shards[1].keys() and shards[0]
-    assert all(value.shape[0] == 4 for value in shards[0].values())  # 4 of the 8 experts each
-    assert not any(torch.equal(shards[0][key], shards[1][key]) for key in shards[0])
-    assert records_of(parallel_runs / "ep-resumed", "train/loss") == records_of(ep, "train/loss")
-    assert records_of(parallel_runs / "ep-resumed", "train/grad_norm") == records_of(ep, "train/grad_norm")
+
+
+def test_ep_x_fsdp_killed_resumes_exactly_and_reshards_at_another_process_count(parallel_runs):
+    """EP 2 x FSDP 2 with activation checkpointing, SIGKILLed after its first step checkpoint, resumed on 2
+    expert-parallel processes without FSDP (DCP reshards): it trains exactly as one process did."""
+    assert_same_training(parallel_runs / "ep", parallel_runs / "one")  # step 1 on 4 processes, then 2 and 3 on 2
+    assert (parallel_runs / "ep" / "checkpoints" / "step-1" / "__3_0.distcp").exists()  # resumed from 4 processes
+    checkpoint = sorted((parallel_runs / "ep-fsdp" / "checkpoints").glob("step-*"))[-1]
+    shape, dense = _chunks(checkpoint, "model.model.embed_tokens.weight")  # 4 row blocks, one per process
+    assert len(dense) == 4 and sum(sizes[0] for _, sizes in dense) == shape[0]
 
 
 def test_step_checkpoints_export_with_the_expert_shards_consolidated(parallel_runs, tmp_path):

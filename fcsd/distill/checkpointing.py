@@ -25,8 +25,8 @@ def save_checkpoint(
     accelerator, run: RunFolder, step: int, trainer_state: dict, keep: int, expert_parallel=None
 ) -> Path:
     """``checkpoints/step-<step>/``, staged and renamed into place after every process has written its files.
-    ``expert_parallel``: ``(model, optimizer)`` of an expert-parallel student, whose unsharded weights and
-    per-process optimizer states are saved beside accelerate's state."""
+    ``expert_parallel``: ``(model, optimizer)`` of a student laid out by :mod:`fcsd.parallel.layout`, whose shards
+    every process writes with ``torch.distributed.checkpoint`` beside accelerate's state (scheduler, RNG)."""
     target = run.step_checkpoint(step)
     staging = target.with_name(f".{target.name}.partial")
     if accelerator.is_main_process:
@@ -37,9 +37,9 @@ def save_checkpoint(
     with safe_io.disk_full_reported(run.checkpoints_dir):
         accelerator.save_state(str(staging))
         if expert_parallel is not None:
-            from fcsd.parallel.training import save_training_state
+            from fcsd.parallel import step_state
 
-            save_training_state(*expert_parallel, staging, accelerator.is_main_process)
+            step_state.save(*expert_parallel, staging)
         accelerator.wait_for_everyone()  # every process's RNG file is in the staging folder before it is renamed
         if accelerator.is_main_process:
             # the files a resume needs, with their sizes: --resume refuses a checkpoint that lost one
@@ -61,26 +61,42 @@ def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: 
     if checkpoint is None:
         accelerator.print(f"--resume: {run.root} holds no checkpoint yet, so the run starts at step 0")
         return None
+    from fcsd.parallel import step_state
+
+    trainer_state = json.loads((checkpoint / TRAINER_STATE).read_text())
+    layout = expert_parallel[0].fcsd_layout.dims.name if expert_parallel is not None else None
+    step_state.check_resumable(trainer_state.get("layout"), checkpoint, layout)
     accelerator.load_state(str(checkpoint))
     if expert_parallel is not None:
-        from fcsd.parallel.training import load_training_state
-
-        load_training_state(*expert_parallel, checkpoint)
+        step_state.load(*expert_parallel, checkpoint)
     accelerator.print(f"resuming from {checkpoint}")
-    return json.loads((checkpoint / TRAINER_STATE).read_text())
+    return trainer_state
 
 
-def save_model(student, state_dict, tokenizer, config: FCSDConfig, folder: Path, record: dict) -> None:
+def save_model(
+    student, state_dict, tokenizer, config: FCSDConfig, folder: Path, record: dict, is_main: bool = True
+) -> None:
     """``final/`` (or ``best/``): the converted checkpoint in the source dtype (``config.dtype``, which
     :func:`~fcsd.distill.models.load_models` set to the checkpoint's) with its ``config.farskip`` record, the
-    tokenizer, the resolved run config and ``record`` (which step this is); atomic."""
+    tokenizer, the resolved run config and ``record`` (which step this is); atomic. ``state_dict=None``: a model
+    laid out by :mod:`fcsd.parallel.layout`, streamed by every process (``is_main``: the one that writes)."""
     from omegaconf import OmegaConf
 
     dtype = student.config.dtype or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    if state_dict is None:
+        from fcsd.parallel import stream_save
+
+        if not is_main:
+            stream_save.write_weights(student, None, dtype)
+            return
     with atomic_dir(folder) as staging:
-        student.save_pretrained(staging, state_dict=state_dict)
+        if state_dict is None:
+            stream_save.write_weights(student, staging, dtype)
+            stream_save.save_config(student, staging)
+        else:
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+            student.save_pretrained(staging, state_dict=state_dict)
         set_saved_dtype(staging, dtype)
         tokenizer.save_pretrained(staging)
         OmegaConf.save(OmegaConf.structured(config), staging / CONFIG)
@@ -103,7 +119,7 @@ def set_saved_dtype(folder: Path, dtype: torch.dtype) -> None:
 def load_step_checkpoint(checkpoint: Path):
     """The student of a step checkpoint (``checkpoints/step-N``) and its tokenizer, rebuilt from the run's config
     (model, revision, layers, placement) with the checkpoint's weights (expert-parallel shards consolidated, see
-    :func:`fcsd.parallel.training.consolidated_state_dict`), in the checkpoint's source dtype: what ``fcsd export``
+    :func:`fcsd.parallel.step_state.stock_tensors`), in the checkpoint's source dtype: what ``fcsd export``
     takes from a run that never reached ``final/``."""
     from omegaconf import OmegaConf
     from safetensors.torch import load_file
@@ -126,10 +142,10 @@ def load_step_checkpoint(checkpoint: Path):
         apply_placement(model, config.parallel.placement)
     if (checkpoint / "model.safetensors").exists():  # accelerate's save_state of a single or data-parallel run
         state = load_file(str(checkpoint / "model.safetensors"))
-    else:
-        from fcsd.parallel.training import consolidated_state_dict
+    else:  # the shards of a parallel layout, read back tensor by tensor in the stock layout
+        from fcsd.parallel.step_state import stock_tensors
 
-        state = consolidated_state_dict(checkpoint)
+        state = dict(stock_tensors(checkpoint))
     absent, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if model.config.get_text_config().tie_word_embeddings else set()
     if set(absent) - tied or unexpected:

@@ -18,6 +18,7 @@ OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
 SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
+EP_DISPATCHERS = ("plain", "dedup")
 EARLY_STOP_METRICS = ("plus", "base")
 
 
@@ -44,6 +45,9 @@ class ParallelConfig:
     ep_size: int = 1  # expert parallelism: routed experts sharded over groups of this many processes (1: off)
     mode: str = "farskip_overlap"  # farskip_overlap (the Sec. 4.1 overlapped schedule) | farskip_reference (blocking)
     placement: str | None = None  # PLACEMENT.json of `fcsd routes place`: experts permuted before sharding
+    fsdp: bool = False  # FSDP2 under torchrun: everything but the routed experts sharded over all processes, each
+    # expert shard over its world/ep_size replicas; the teacher laid out the same way (fcsd.parallel.layout)
+    dispatcher: str = "plain"  # expert-parallel all-to-all: plain (a row per token and expert) | dedup (per rank)
 
 
 @dataclass
@@ -361,14 +365,13 @@ def to_config(cfg) -> FCSDConfig:
             f"train.resume_step={train.resume_step} chooses the checkpoint --resume continues from: add --resume",
         ),
         (
-            config.parallel.ep_size == 1 or not train.gradient_checkpointing,
-            "train.gradient_checkpointing would recompute expert-parallel collectives out of order across processes: "
-            "turn it off with parallel.ep_size > 1",
+            config.parallel.dispatcher in EP_DISPATCHERS,
+            f"parallel.dispatcher={config.parallel.dispatcher!r}: choose {EP_DISPATCHERS}",
         ),
         (
-            config.parallel.ep_size == 1 or not config.early_stop.enabled,
-            "MBPP+ early stopping generates with the student, which is not supported under expert parallelism yet: "
-            "set early_stop.enabled=false with parallel.ep_size > 1 (score the export with `fcsd eval` instead)",
+            train.mixed_precision != "fp16" or (config.parallel.ep_size == 1 and not config.parallel.fsdp),
+            "train.mixed_precision=fp16 needs a loss scaler, which parallel.ep_size / parallel.fsdp runs do not use: "
+            "use bf16",
         ),
         (config.data.path is not None, "data.path is required: a local data file or folder, or a datasets name"),
         (config.train.batch_tokens >= config.data.seq_len, "train.batch_tokens must be at least data.seq_len"),

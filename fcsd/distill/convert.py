@@ -25,17 +25,26 @@ def convert(config: FCSDConfig) -> RunResult:
     with run_io.output_dir_claimed(config, state.is_main_process):  # one run per folder, for the whole run
         state.wait_for_everyone()
         result = train(config)
-        if config.export and state.is_main_process:  # after the summary: the export's model card reads it
+        if config.export and (config.parallel.ep_size > 1 or config.parallel.fsdp):  # no process loads it whole
+            from fcsd.parallel.export import export_laid_out
+            from fcsd.parallel.training import run_meshes
+
+            export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
+            source = result.best_dir or result.final_dir
+            export_laid_out(source, export_dir, run_meshes(config, state), overwrite=True)
+            if state.is_main_process:
+                print(f"exported {source.name}/ to {export_dir} (reload parity checked, laid out)")
+        elif config.export and state.is_main_process:  # after the summary: the export's model card reads it
             from fcsd.export.save import export_checkpoint
 
             export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
             source = result.best_dir or result.final_dir
             export_checkpoint(source, export_dir, overwrite=True)
             print(f"exported {source.name}/ to {export_dir} (reload parity checked)")
-            if config.push_to_hub:
-                from fcsd.export.push import push
+        if config.export and config.push_to_hub and state.is_main_process:
+            from fcsd.export.push import push
 
-                print(f"pushed to {config.push_to_hub}: {push(export_dir, config.push_to_hub)}")
+            print(f"pushed to {config.push_to_hub}: {push(export_dir, config.push_to_hub)}")
     # no barrier after the export: the other processes return once training is done (fcsd.parallel.processes), so
     # a long export or push never runs into a collective's timeout
     return result

@@ -68,22 +68,32 @@ def check_placement_file(config: FCSDConfig) -> None:
 
 
 def load_models(
-    config: FCSDConfig, tokenizer, device, need_teacher: bool = True, need_student: bool = True, expert_group=None
+    config: FCSDConfig,
+    tokenizer,
+    device,
+    need_teacher: bool = True,
+    need_student: bool = True,
+    meshes=None,
+    teacher_meshes=None,
 ):
     """Frozen teacher and FarSkip student (each ``None`` when not needed) from the same checkpoint.
 
     The student's master weights are fp32 (``model.dtype=auto``; bf16 compute comes from autocast) and its
     ``config.dtype`` is the checkpoint's, which is what ``final/`` is saved in. A multimodal checkpoint contributes
-    its text model (what FCSD trains and exports). ``expert_group`` (expert parallelism): both load with only this
-    process's routed experts (:func:`fcsd.parallel.load.from_pretrained_sharded`)."""
+    its text model (what FCSD trains and exports). ``meshes`` (``parallel.ep_size`` > 1 or ``parallel.fsdp``,
+    :func:`fcsd.parallel.training.run_meshes`): both are built on the meta device, laid out by
+    :func:`fcsd.parallel.layout.parallelize` and filled by reading only this process's slices
+    (:func:`fcsd.parallel.load.from_pretrained_parallel`); ``teacher_meshes`` lays out the teacher alone that way
+    (an FSDP2 run of accelerate, whose student accelerate shards)."""
     from fcsd.loading import from_pretrained, load_config
 
-    if expert_group is not None:
-        from functools import partial
+    student_load = teacher_load = from_pretrained
+    if meshes is not None or teacher_meshes is not None:
+        from fcsd.parallel.training import laid_out_loader
 
-        from fcsd.parallel.load import from_pretrained_sharded
-
-        from_pretrained = partial(from_pretrained_sharded, group=expert_group, device=device)
+        teacher_load = laid_out_loader(config, meshes or teacher_meshes, "teacher", device)
+        if meshes is not None:
+            student_load = laid_out_loader(config, meshes, "student", device)
 
     path = resolve_model(config.model.name)
     cuda = device.type == "cuda"
@@ -97,12 +107,12 @@ def load_models(
     teacher = student = None
     if need_teacher:
         dtype = _dtype(config.teacher.dtype, cuda, "float32", "bfloat16")
-        teacher = from_pretrained(path, dtype=dtype, **common)
+        teacher = teacher_load(path, dtype=dtype, **common)
         teacher.eval().requires_grad_(False).to(device)
     if need_student:
         source_dtype = load_config(path, revision=config.model.revision).dtype  # an export's: its stock config
         dtype = _dtype(config.model.dtype, cuda, "float32", "float32")
-        student = from_pretrained(path, layers=config.farskip.layers, dtype=dtype, **common)
+        student = student_load(path, layers=config.farskip.layers, dtype=dtype, **common)
         student.config.dtype = source_dtype
     model = student or teacher
     vocab = model.get_output_embeddings().out_features

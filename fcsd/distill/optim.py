@@ -76,6 +76,10 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
         student.get_input_embeddings().requires_grad_(False)
         student.get_output_embeddings().requires_grad_(False)
     params = [p for p in student.parameters() if p.requires_grad]
+    if hasattr(student, "fcsd_layout"):  # one group per device mesh (fused AdamW cannot mix them)
+        from fcsd.parallel.training import parameter_groups
+
+        params = parameter_groups(student, params)
     optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, train.warmup_steps, max(plan.schedule_steps, 1), min_lr_rate=train.min_lr_ratio

@@ -26,7 +26,6 @@ RESUME_KEYS = (
     "train.micro_batch_size",
     "train.seed",
     "teacher.mode",
-    "parallel.ep_size",  # checkpoints hold one optimizer state per expert-parallel process
     "parallel.placement",  # the weights are permuted by it
 )
 
@@ -191,6 +190,14 @@ def check_resume(run: RunFolder, config) -> None:
             f"step {step} of {checkpoint.relative_to(root)}, and resuming would overwrite its final/ with step {step}; "
             f"set train.max_steps above {step}"
         )
+    from fcsd.parallel.step_state import check_resumable, config_layout
+
+    try:  # a sharded checkpoint reshards between layouts; across formats it cannot
+        check_resumable(
+            run.trainer_state(checkpoint).get("layout"), checkpoint.relative_to(root), config_layout(config)
+        )
+    except ValueError as error:
+        raise safe_io.FolderError(str(error)) from None
     missing = run.missing_files(checkpoint)
     if missing:
         older = [c for c in run.checkpoints() if c != checkpoint and not run.missing_files(c)]

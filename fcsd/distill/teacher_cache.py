@@ -49,8 +49,12 @@ def model_fingerprint(model) -> str:
     bf16 checkpoint loaded in fp32 or in bf16 has one fingerprint)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in RUNTIME_CONFIG_KEYS}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    from torch.distributed.tensor import DTensor
+
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        digest.update(module.weight.detach().float().cpu().numpy().tobytes())
+        weight = module.weight.detach()
+        weight = weight.full_tensor() if isinstance(weight, DTensor) else weight  # FSDP2: a collective
+        digest.update(weight.float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -72,7 +76,9 @@ def run_meta(model, rows: Packed, config) -> dict:
 
 def cache_teacher(config, batch_size: int = 4) -> Path:
     """``fcsd cache-teacher``: run the teacher once over the run's packed rows (training, then held-out) and store
-    its top-k log-probabilities in ``teacher.cache_dir``."""
+    its top-k log-probabilities in ``teacher.cache_dir``. Under ``torchrun`` the teacher is laid out over the
+    processes as ``parallel.*`` says (FSDP2 over all of them when it says nothing) and each process caches its share
+    of the shards (:mod:`fcsd.parallel.cache_share`)."""
     from fcsd import safe_io
     from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.run_data import all_rows, load_run_data
@@ -82,12 +88,19 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
     safe_io.check_not_an_input(folder, "teacher.cache_dir", inputs)
     check_cache_folder(folder)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from fcsd.parallel.cache_share import cache_meshes, share_cache
+    from fcsd.parallel.processes import main_process_first
+
+    meshes = cache_meshes(config)
+    device = torch.device(meshes.device_type if meshes is not None else "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
-    train_rows, held_rows, _ = load_run_data(config, tokenizer)
-    teacher, _ = load_models(config, tokenizer, device, need_student=False)
+    with main_process_first():
+        train_rows, held_rows, _ = load_run_data(config, tokenizer)
+    teacher, _ = load_models(config, tokenizer, device, need_student=False, meshes=meshes)
     rows = all_rows(train_rows, held_rows)
     meta = run_meta(teacher, rows, config)
+    if meshes is not None:
+        return share_cache(teacher, rows, cache_dir(config), meta, batch_size, config.progress, config.overwrite)
     return build_cache(teacher, rows, cache_dir(config), meta, batch_size, config.progress, config.overwrite)
 
 
@@ -131,38 +144,74 @@ def build_cache(
     from fcsd import safe_io
 
     folder = Path(folder)
-    check_cache_folder(folder)
-    if not safe_io.is_empty(folder):
-        if not overwrite:
-            validate_cache(folder, meta, fix="add overwrite=true to this command to rebuild it")
-            return folder
-        try:
-            validate_cache(folder, meta)
-            return folder
-        except TeacherCacheError:
-            fix = "remove it by hand, or choose another teacher.cache_dir"
-            safe_io.check_replaceable(folder, "teacher-cache", "teacher.cache_dir", fix)
-    device = next(teacher.parameters()).device
-    from safetensors.torch import save_file
-
+    if reusable(folder, meta, overwrite):
+        return folder
     with safe_io.atomic_dir(folder, kind="teacher-cache") as staging:
         bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress)
-        for shard, start in enumerate(range(0, len(packed), SHARD_ROWS)):
-            logps, ids = [], []
-            for begin in range(start, min(start + SHARD_ROWS, len(packed)), batch_size):
-                rows = packed.rows(slice(begin, min(begin + batch_size, start + SHARD_ROWS, len(packed))))
-                rows = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
-                hidden, head, _ = teacher_targets(teacher, rows)
-                with torch.no_grad():
-                    logp, top = topk_teacher(head(hidden), meta["top_k"], meta["temperature"])
-                logps.append(logp.view(*rows.input_ids.shape, -1).cpu())
-                ids.append(top.view(*rows.input_ids.shape, -1).to(torch.int32).cpu())
-                bar.update(rows.input_ids.shape[0])
-            tensors = {"logp": torch.cat(logps), "ids": torch.cat(ids)}
-            save_file(tensors, staging / f"shard-{shard:05d}.safetensors")
+        for shard, batches in enumerate(shard_batches(len(packed), batch_size)):
+            write_shard(teacher, packed, batches, meta, staging / shard_name(shard), bar.update)
         bar.close()
         (staging / "meta.json").write_text(json.dumps(meta, indent=2))
     return folder
+
+
+def reusable(folder: Path, meta: dict, overwrite: bool) -> bool:
+    """Whether ``folder`` already holds the cache ``meta`` describes; a mismatched one is refused unless
+    ``overwrite`` and it is a teacher cache fcsd wrote holding nothing else (then False: it is rebuilt)."""
+    from fcsd import safe_io
+
+    check_cache_folder(folder)
+    if safe_io.is_empty(folder):
+        return False
+    if not overwrite:
+        validate_cache(folder, meta, fix="add overwrite=true to this command to rebuild it")
+        return True
+    try:
+        validate_cache(folder, meta)
+        return True
+    except TeacherCacheError:
+        fix = "remove it by hand, or choose another teacher.cache_dir"
+        safe_io.check_replaceable(folder, "teacher-cache", "teacher.cache_dir", fix)
+    return False
+
+
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}.safetensors"
+
+
+def shard_batches(rows: int, batch_size: int) -> list[list[tuple[int, int]]]:
+    """Per cache shard, the ``(begin, end)`` row ranges of its teacher forwards."""
+    return [
+        [
+            (begin, min(begin + batch_size, start + SHARD_ROWS, rows))
+            for begin in range(start, min(start + SHARD_ROWS, rows), batch_size)
+        ]
+        for start in range(0, rows, SHARD_ROWS)
+    ]
+
+
+def teacher_topk(teacher, packed: Packed, begin: int, end: int, meta: dict, head_in_forward: bool = False):
+    """The teacher's top-k ``(log-probabilities, int32 ids)`` of rows ``[begin, end)``, on the host."""
+    device = next(teacher.parameters()).device
+    rows = packed.rows(slice(begin, end))
+    rows = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
+    hidden, head, _ = teacher_targets(teacher, rows, head_in_forward=head_in_forward)
+    with torch.no_grad():
+        logp, top = topk_teacher(head(hidden), meta["top_k"], meta["temperature"])
+    return logp.view(*rows.input_ids.shape, -1).cpu(), top.view(*rows.input_ids.shape, -1).to(torch.int32).cpu()
+
+
+def write_shard(teacher, packed: Packed, batches, meta: dict, path: Path, progress, head_in_forward=False) -> None:
+    """Run the teacher over ``batches`` and write them as one cache shard."""
+    from safetensors.torch import save_file
+
+    logps, ids = [], []
+    for begin, end in batches:
+        logp, top = teacher_topk(teacher, packed, begin, end, meta, head_in_forward)
+        logps.append(logp)
+        ids.append(top)
+        progress(end - begin)
+    save_file({"logp": torch.cat(logps), "ids": torch.cat(ids)}, str(path))
 
 
 def validate_cache(folder: str | Path, expected: dict, fix: str | None = None) -> None:
@@ -199,7 +248,7 @@ class TeacherCache:
         self.folder = Path(folder)
         self.rows_total = expected["rows"]
         self._files = [
-            safe_open(str(self.folder / f"shard-{i:05d}.safetensors"), framework="pt")
+            safe_open(str(self.folder / shard_name(i)), framework="pt")
             for i in range((self.rows_total + SHARD_ROWS - 1) // SHARD_ROWS)
         ]
 

@@ -134,10 +134,17 @@ class TrainingSession:
 
             self.early = MBPPPlusEarlyStop(config.early_stop)
         online = config.teacher.mode == "online"
-        self.expert_parallel = config.parallel.ep_size > 1
-        group = self._expert_group(config) if self.expert_parallel else None  # experts are loaded as shards
+        from fcsd.parallel.training import run_meshes, teacher_meshes
+
+        meshes = run_meshes(config, accelerator)  # parallel.ep_size / parallel.fsdp: fcsd lays the models out
+        self.parallel = meshes is not None
         self.teacher, student = load_models(
-            config, self.tokenizer, accelerator.device, need_teacher=online, expert_group=group
+            config,
+            self.tokenizer,
+            accelerator.device,
+            need_teacher=online,
+            meshes=meshes,
+            teacher_meshes=teacher_meshes(accelerator) if online else None,
         )
         self.cache = None
         if not online:
@@ -145,33 +152,23 @@ class TrainingSession:
             self.cache = TeacherCache(cache_dir(config), run_meta(student, rows, config))
         if accelerator.is_main_process:  # only now: a run that fails on its inputs leaves no folder behind
             run_io.write_run_config(self.run, config)
-        if train_cfg.gradient_checkpointing:
+        if train_cfg.gradient_checkpointing and not self.parallel:  # a layout checkpoints its own way
             student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.expert_parallel:  # paper Sec. 4.1: the experts sharded, the student's collectives overlapped
-            from fcsd.parallel.training import make_expert_parallel
-
-            parallel = config.parallel
-            student = make_expert_parallel(student.to(accelerator.device), group, parallel.mode, parallel.placement)
-            if self.teacher is not None:
-                self.teacher = make_expert_parallel(self.teacher, group, parallel.mode, parallel.placement)
         self.optimizer, self.scheduler = build_optimizer(student, config, self.plan)
         _fill_deepspeed_config(accelerator, self.plan, train_cfg.grad_clip)
-        if self.expert_parallel:  # no DDP wrapper: fcsd.parallel reduces each gradient over the right processes
-            self.model, self.optimizer = student, accelerator.prepare(self.optimizer)
+        if self.parallel:  # no DDP wrapper: the layout reduces each gradient over the right processes
+            self.model = student
         else:
             self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
         if not deepspeed:
             fuse_on_gpu(self.optimizer)
-        self.head_in_forward = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
-        if self.teacher is not None and accelerator.distributed_type == DistributedType.FSDP:
-            from fcsd.parallel.inference_shard import shard_for_inference
-
-            shard_for_inference(self.teacher, accelerator)
+        sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+        self.head_in_forward = sharded or config.parallel.fsdp
         accelerator.register_for_checkpointing(self.scheduler)
         self.unwrapped = accelerator.unwrap_model(self.model)
 
         guard = (train_cfg.spike_factor, train_cfg.spike_window, train_cfg.max_bad_steps)
-        ep_state = (self.model, self.optimizer) if self.expert_parallel else None
+        ep_state = (self.model, self.optimizer) if self.parallel else None
         saved = restore_checkpoint(accelerator, self.run, ep_state, train_cfg.resume_step) if train_cfg.resume else None
         if saved and not deepspeed:
             fuse_on_gpu(self.optimizer)  # a restored state dict brings back the saved group settings
@@ -189,16 +186,6 @@ class TrainingSession:
         if self.early is not None and not self.early.scores:  # the baseline: step 0, or a resume without this state
             self.early_stop_check(self.start_step)
         self.model.train()
-
-    def _expert_group(self, config: FCSDConfig):
-        """This process's expert-parallel group, created before any model loads."""
-        from accelerate.utils import DistributedType
-
-        from fcsd.parallel.training import expert_parallel_group
-
-        if self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise ValueError("parallel.ep_size > 1 runs under plain torchrun / accelerate launch, not FSDP/ZeRO-3")
-        return expert_parallel_group(config.parallel.ep_size)
 
     def forward_backward(self, step: int) -> tuple[float, float, dict]:
         """Forward/backward of one optimizer step's micro-batches on this process, the loss normalised by the
@@ -236,14 +223,11 @@ class TrainingSession:
     def clip_gradients(self, max_norm: float) -> float:
         """Global gradient norm before clipping; under expert parallelism the gradients are first reduced over the
         processes holding each parameter (as DDP would for a replicated one)."""
-        if not self.expert_parallel:
+        if not self.parallel:
             return float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
-        from fcsd.parallel import reduce_gradients
-        from fcsd.parallel.training import clip_grad_norm_
+        from fcsd.parallel.training import reduce_and_clip
 
-        reduce_gradients(self.model, op="mean")  # the DDP convention the loss scale assumes
-        self.accelerator.unscale_gradients()
-        return clip_grad_norm_(self.model, max_norm)
+        return reduce_and_clip(self.model, max_norm)
 
     def throughput(self, done: int) -> float:
         return self.config.train.batch_tokens * (done - self.start_step) / (time.perf_counter() - self.started)
@@ -271,7 +255,8 @@ class TrainingSession:
         """MBPP+ at ``step``; saves ``best/`` on a new best; True when patience is exhausted."""
         accelerator, early = self.accelerator, self.early
         with accelerator.autocast():  # bf16 generation on GPU
-            decision = early.evaluate(accelerator, self.unwrapped, self.tokenizer, step, self.head_in_forward)
+            synced = self.head_in_forward or self.parallel  # sharded weights or collectives: ranks step together
+            decision = early.evaluate(accelerator, self.unwrapped, self.tokenizer, step, synced)
         scores = early.scores[str(step)]
         self.metrics.log({"step": step, "early_stop/mbpp_plus": scores["plus"], "early_stop/mbpp_base": scores["base"]})
         accelerator.print(
@@ -281,26 +266,26 @@ class TrainingSession:
             f"{early.config.min_delta} points"
         )
         if decision.new_best:
-            state_dict = self.student_state_dict()
-            if accelerator.is_main_process:
-                record = {"step": step, "mbpp_plus": scores["plus"], "mbpp_base": scores["base"]}
-                save_model(self.unwrapped, state_dict, self.tokenizer, self.config, self.run.best, record)
+            self.save_model(self.run.best, {"step": step, "mbpp_plus": scores["plus"], "mbpp_base": scores["base"]})
         return decision.stop
 
-    def student_state_dict(self) -> dict:
-        """The student's weights in the stock layout for ``final/`` and ``best/`` (a collective; under expert
-        parallelism the experts are gathered to the main process only, the others get ``{}``)."""
-        if self.expert_parallel:
-            from fcsd.parallel import full_state_dict
-
-            return full_state_dict(self.model, dst=0)
-        return self.accelerator.get_state_dict(self.model)
+    def save_model(self, folder: Path, record: dict) -> None:
+        """``final/`` or ``best/`` in the stock layout (a collective: under a parallel layout the weights are
+        streamed, one tensor gathered at a time, :mod:`fcsd.parallel.stream_save`)."""
+        main = self.accelerator.is_main_process
+        state_dict = None if self.parallel else self.accelerator.get_state_dict(self.model)
+        if self.parallel or main:
+            save_model(self.unwrapped, state_dict, self.tokenizer, self.config, folder, record, is_main=main)
 
     def save_checkpoint(self, done: int) -> None:
         state = {"step": done, "tokens": self.tokens_seen, "guard": self.guard.state(), "eval_before": self.eval_before}
         state["data"] = self.data_fingerprint
         state["early_stop"] = self.early.state() if self.early is not None else None
-        ep_state = (self.model, self.optimizer) if self.expert_parallel else None
+        ep_state = (self.model, self.optimizer) if self.parallel else None
+        if self.parallel:
+            from fcsd.parallel.step_state import layout_record
+
+            state["layout"] = layout_record(self.model)
         save_checkpoint(self.accelerator, self.run, done, state, self.config.train.keep_checkpoints, ep_state)
 
     def finish(self, done: int) -> RunResult:
@@ -313,7 +298,6 @@ class TrainingSession:
             f"final: held-out KL {kl_of(eval_after):.4f} (step 0: {kl_of(self.eval_before):.4f}), "
             f"NLL {eval_after['eval/nll']:.4f}"
         )
-        state_dict = self.student_state_dict()
         early_summary = self.early.summary() if self.early is not None else None
         if accelerator.is_main_process:
             summary = {"steps": done, "eval_before": self.eval_before, "eval_after": eval_after}
@@ -322,7 +306,7 @@ class TrainingSession:
                 summary["early_stop"] = early_summary
             run_io.write_summary(run, summary)
             run_io.plot_curves(self.metrics.records(), run.curves, f"FCSD: {self.config.model.name}")
-            save_model(self.unwrapped, state_dict, self.tokenizer, self.config, run.final, {"step": done})
+        self.save_model(run.final, {"step": done})
         self.metrics.close()
         accelerator.wait_for_everyone()
         best = run.best if self.early is not None else None

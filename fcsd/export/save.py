@@ -9,13 +9,7 @@ from pathlib import Path
 import torch
 
 from fcsd import safe_io
-from fcsd.connectivity.families import (
-    EXPORTED_PREFIX,
-    base_model_type,
-    family_for_config,
-    find_decoder_layers,
-    text_model,
-)
+from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type, text_config, text_model
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
 from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
@@ -44,24 +38,36 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
     with safe_io.atomic_dir(out_dir, kind="export") as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        auto_map = write_remote_code(staging, model.config, type(model))
-        config_path = staging / "config.json"
-        config = json.loads(config_path.read_text())
-        base_type = base_model_type(config["model_type"])
-        facts = run_facts(Path(source or "."))
-        config[CONFIG_KEY].update(base_model_type=base_type, base_architectures=config.get("architectures"))
-        config[CONFIG_KEY]["recipe"] = recipe_summary(facts)
-        # `architectures` names the class fcsd's vLLM plugin serves it with; transformers loads it through auto_map
-        served_by = farskip_architecture(base_type) or UNSERVED_ARCHITECTURE
-        config.update(model_type=EXPORTED_PREFIX + base_type, architectures=[served_by], auto_map=auto_map)
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
-        dtype = str(model.dtype).removeprefix("torch.")
-        (staging / "README.md").write_text(render_card(config[CONFIG_KEY], facts, num_layers, dtype))
+        farskip = complete_export(staging, model.config, type(model), source, model.dtype)
         difference = check_parity(model, staging)
-        record = {"parity_max_abs_diff": difference, "dtype": str(model.dtype), "farskip": config[CONFIG_KEY]}
-        (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        write_parity_record(staging, difference, model.dtype, farskip)
     return out_dir
+
+
+def complete_export(staging: Path, model_config, model_class: type, source, dtype: torch.dtype) -> dict:
+    """What an export adds to a saved checkpoint folder: the remote modeling code, the config's ``farskip`` record,
+    model type and ``auto_map``, the model card; returns the ``farskip`` record."""
+    auto_map = write_remote_code(staging, model_config, model_class)
+    config_path = staging / "config.json"
+    config = json.loads(config_path.read_text())
+    base_type = base_model_type(config["model_type"])
+    facts = run_facts(Path(source or "."))
+    config[CONFIG_KEY].update(base_model_type=base_type, base_architectures=config.get("architectures"))
+    config[CONFIG_KEY]["recipe"] = recipe_summary(facts)
+    # `architectures` names the class fcsd's vLLM plugin serves it with; transformers loads it through auto_map
+    served_by = farskip_architecture(base_type) or UNSERVED_ARCHITECTURE
+    config.update(model_type=EXPORTED_PREFIX + base_type, architectures=[served_by], auto_map=auto_map)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    num_layers = int(text_config(model_config).num_hidden_layers)
+    name = str(dtype).removeprefix("torch.")
+    (staging / "README.md").write_text(render_card(config[CONFIG_KEY], facts, num_layers, name))
+    return config[CONFIG_KEY]
+
+
+def write_parity_record(staging: Path, difference: float, dtype: torch.dtype, farskip: dict) -> None:
+    """The record ``fcsd push`` requires: written only once the reload-parity check passed."""
+    record = {"parity_max_abs_diff": difference, "dtype": str(dtype), "farskip": farskip}
+    (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def check_export_target(

@@ -1,14 +1,20 @@
 """Everything distributed lives here (design §1): model code stays single-device.
 
 - :func:`expert_parallel` (``apply.py``): shard routed experts, install the schedules of paper Sec. 4.1 / 4.2;
-- ``load.py``: load a checkpoint with only this rank's experts (:func:`~fcsd.parallel.load.from_pretrained_sharded`);
+- ``layout.py``: the whole layout of a run, EP x FSDP2 on one set of device meshes (:func:`~fcsd.parallel.layout
+  .parallelize`), ``recompute.py``: activation checkpointing that replays the exchanges, ``step_state.py``: sharded
+  step checkpoints (DCP) that reshard, ``stream_save.py``: ``final/``, ``best/`` streamed in the stock layout,
+  ``export.py``: the end-of-run export laid out, ``cache_share.py``: ``fcsd cache-teacher`` on several processes;
+- ``load.py``: load a checkpoint with only this rank's experts (:func:`~fcsd.parallel.load.from_pretrained_sharded`),
+  or laid out, reading only this rank's slices (:func:`~fcsd.parallel.load.from_pretrained_parallel`);
 - ``shards.py``: expert shards, their stock-layout state dicts, placements applied by exchanging experts;
 - ``dispatchers.py``: the dispatcher interface (local, all-to-all blocking / split-phase async, the deduplicating
   all-to-all of the expert-coupling paper, all-reduce);
 - ``collectives.py``: async-safe autograd all-to-all (Appendix C);
 - ``schedule.py``: the overlapped FarSkip layer schedule and the attention split;
 - ``grads.py``: :func:`reduce_gradients`, :func:`full_state_dict` for trainers;
-- ``training.py``: what the FCSD trainer needs under ``parallel.ep_size`` (groups, global gradient norm, checkpoints);
+- ``training.py``: what the FCSD trainer needs under ``parallel.ep_size`` / ``parallel.fsdp`` (meshes, loading,
+  gradient reduction, the global gradient norm over both meshes, optimizer groups);
 - ``generate.py``: ``generate`` under expert parallelism, correct by construction;
 - ``bench.py``, ``timeline.py``: overlap measurement (``fcsd bench overlap``) on GPUs and CPUs;
 - ``link.py``, ``overlap.py``, ``bench_link.py``, ``segments.py``, ``picture.py``: the schedules over a modelled link

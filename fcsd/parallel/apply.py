@@ -60,6 +60,7 @@ def expert_parallel(
     layout: str = "all_to_all",
     placement=None,
     dispatcher: str = "plain",
+    replica_group=None,
 ):
     """Shard ``model``'s routed experts over ``group`` (default: the whole job) and run it expert-parallel, in place.
 
@@ -83,6 +84,9 @@ def expert_parallel(
     - ``dispatcher`` (layout ``all_to_all``): ``"plain"``, one row per (token, expert); ``"dedup"``, one row per
       (token, destination rank) carrying that rank's expert ids and weights (second paper, Sec. V-A), the same
       outputs with fewer rows when a token's experts share ranks (most with a correlated ``placement``).
+
+    - ``replica_group``: the ranks holding the same experts as this one, when the caller has it (a device mesh's
+      group, :mod:`fcsd.parallel.layout`); else it is found with an object collective.
 
     Returns ``model``. Raises ``ValueError`` for an unknown mode, layout or dispatcher, a number of experts not
     divisible by the group size, a placement for another EP size, or a FarSkip mode on an unconverted model (and
@@ -148,7 +152,7 @@ def expert_parallel(
             layer._farskip_schedule = schedule
         layer.register_forward_pre_hook(lambda module, args: _refuse_checkpointing(module))
     model.fcsd_expert_parallel = ExpertParallelState(
-        mode, layout, group, size, rank, dispatcher, expert_params, _replica_group(group, size), gather
+        mode, layout, group, size, rank, dispatcher, expert_params, replica_group or _replica_group(group, size), gather
     )
     install_generate(model)
     return model

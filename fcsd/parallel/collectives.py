@@ -36,6 +36,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from fcsd.parallel import recompute
+
 _SEQUENCE_NR_MAX = 2**62  # above any sequence number a process creates, below uint64 overflow
 
 
@@ -190,9 +192,13 @@ class Exchange:
         self.sequence_nr = None  # of its launch node, before re-numbering (see launch_all_to_all)
 
     def start(self, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], phase: str):
+        if phase == "forward":
+            recompute.check_not_in_backward(self.kind)
         check_order(self.group, phase, self.kind, self.serial, send.device)
         send = send.contiguous()
         recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
+        if phase == "forward" and (log := recompute.recording_log()) is not None:
+            log.put(self.kind, recv)  # filled by the collective before anything reads it
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group, async_op=True)
         if LINK is not None:  # full duplex: the larger of what leaves and what arrives from other ranks
             row_bytes = send[:1].nbytes if send.shape[0] else recv[:1].nbytes
@@ -274,6 +280,12 @@ def launch_all_to_all(
     attention part b and the shared experts, and attention part a is left for the reverse Dispatch (paper Appendix
     C, Fig. 14), instead of the reverse Combine taking all of the layer's attention backward and the reverse
     Dispatch none."""
+    replay = recompute.replay_log()
+    if replay is not None:  # a checkpointed layer's recomputation: the rows it received the first time
+        exchange.chain = None
+        (recv,) = replay.take(exchange.kind)
+        record("replay", exchange.kind, exchange.serial)
+        return recv
     exchange.chain = chain
     token = chain.take(send.device) if chain is not None else None
     recv, token = _Launch.apply(send, exchange, token)
@@ -288,6 +300,8 @@ def launch_all_to_all(
 
 def wait_all_to_all(recv: torch.Tensor, exchange: Exchange) -> torch.Tensor:
     """Wait for the all-to-all started by :func:`launch_all_to_all`; returns the filled receive buffer."""
+    if recompute.replaying():  # its result is known; the recomputation's graph is never backpropagated
+        return recv.view_as(recv)
     chain = exchange.chain
     token = chain.take(recv.device) if chain is not None else None
     ready, token = _Wait.apply(recv, exchange, token)
@@ -299,7 +313,23 @@ def wait_all_to_all(recv: torch.Tensor, exchange: Exchange) -> torch.Tensor:
 
 
 def exchange_counts(send_counts: torch.Tensor, group, serial: int) -> torch.Tensor:
-    """The per-destination counts of an exchange, swapped between ranks (no autograd; no host sync by itself)."""
+    """The per-destination counts of an exchange, swapped between ranks (no autograd; no host sync by itself).
+    In a checkpointed layer's recomputation the recorded counts come back instead, after checking that this rank
+    sends what it sent (:mod:`fcsd.parallel.recompute`)."""
+    replay = recompute.replay_log()
+    if replay is not None:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        sent, recv_counts = replay.take("counts")
+        if not isinstance(sent, FakeTensor) and not torch.equal(sent, send_counts):  # fake: the planner's, no data
+            raise RuntimeError(
+                "a checkpointed expert-parallel layer routed its tokens differently when it was recomputed: its "
+                "saved rows belong to the first routing (a non-deterministic router?); disable "
+                "train.gradient_checkpointing"
+            )
+        record("replay", "counts", serial)
+        return recv_counts
+    recompute.check_not_in_backward("counts")
     check_order(group, "forward", "counts", serial, send_counts.device)
     recv_counts = torch.empty_like(send_counts)
     launched = LINK.now(send_counts.device) if LINK is not None else 0.0
@@ -307,6 +337,8 @@ def exchange_counts(send_counts: torch.Tensor, group, serial: int) -> torch.Tens
     if LINK is not None:
         share = 1 - 1 / dist.get_world_size(group)
         LINK.blocking("counts", "forward", serial, send_counts.nbytes * share, launched, send_counts.device)
+    if (log := recompute.recording_log()) is not None:
+        log.put("counts", send_counts, recv_counts)
     return recv_counts
 
 

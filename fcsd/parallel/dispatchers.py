@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fcsd.parallel import recompute
 from fcsd.parallel.collectives import (
     AllReduceHandle,
     Exchange,
@@ -71,11 +72,17 @@ class Pending:
 
     def __init__(self, wait_fn, state: Any = None):
         self._wait_fn, self._result, self.state = wait_fn, None, state
+        self._function = wait_fn
 
     def wait(self):
         if self._wait_fn is not None:
             self._result, self._wait_fn = self._wait_fn(), None
         return self._result
+
+    def rerun(self):
+        """Run the wait again, for the recomputation of a checkpointed layer (:mod:`fcsd.parallel.recompute`): the
+        collective is not waited twice, its post-processing is rebuilt."""
+        return self._function() if self._function is not None else self._result
 
     @classmethod
     def done(cls, result, state: Any = None) -> Pending:
@@ -123,11 +130,17 @@ class Dispatcher:
     routes_locally = False
 
     def _count(self, rows: int, row_bytes: int, dispatch: bool = False, extra_bytes: int = 0) -> None:
+        if recompute.replaying():  # a checkpointed layer's recomputation sends nothing
+            return
         self.rows_sent += rows
         self.bytes_sent += rows * row_bytes + extra_bytes
         if dispatch:
             self.dispatch_rows_sent += rows
             self.dispatch_bytes_sent += rows * row_bytes + extra_bytes
+
+    def _received(self, rows: int) -> None:
+        if not recompute.replaying():
+            self.rows_received += rows
 
     def reset_counters(self) -> None:
         self.rows_sent = self.bytes_sent = self.rows_received = 0
@@ -215,7 +228,7 @@ class AllToAllDispatcher(CollectiveDispatcher):
         send_counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         recv_counts = exchange_counts(send_counts, self.group, self._next())
         send_sizes, recv_sizes = _split_sizes(send_counts, recv_counts, num_ranks)
-        self.rows_received += sum(recv_sizes)
+        self._received(sum(recv_sizes))
         wire = wire_dtype(x_TD)
         weights_TK = topk_weights_TK.float()
         if scale_inputs:  # Llama-4: the expert input is the token scaled by its routing weight, in fp32
@@ -300,7 +313,7 @@ class DedupAllToAllDispatcher(CollectiveDispatcher):
         recv_counts = exchange_counts(counts.reshape(-1), self.group, self._next()).view(num_ranks, 2)
         sizes = torch.cat([counts, recv_counts], dim=1).t().tolist()  # the layer's one device-to-host copy
         send_rows, send_pairs, recv_rows, recv_pairs = sizes
-        self.rows_received += sum(recv_rows)
+        self._received(sum(recv_rows))
         num_rows = sum(send_rows)
         row_slot = torch.where(first, torch.cumsum(first, 0) - 1, num_rows)  # later pairs of a row: a spare slot
         token_of_row = token_sorted.new_empty(num_rows + 1).index_put((row_slot,), token_sorted)[:num_rows]

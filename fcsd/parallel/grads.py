@@ -99,12 +99,3 @@ def full_state_dict(model: nn.Module, dst: int | None = None) -> dict[str, torch
     if dst is not None and dist.get_rank() != dst:
         return {}
     return {key: value.detach().cpu() for key, value in state.items()}
-
-
-def local_state_dict(model: nn.Module, experts: bool) -> dict[str, torch.Tensor]:
-    """This rank's own part of the state dict, on CPU: its expert shards (``experts=True``) or everything else."""
-    shards = {id(p) for p in model.fcsd_expert_parallel.expert_params}
-    names = {name for name, p in model.named_parameters() if id(p) in shards}
-    with gathered(model, "local"):
-        state = model.state_dict()
-    return {k: v.detach().cpu() for k, v in state.items() if (k in names) == experts}

@@ -113,3 +113,137 @@ def from_pretrained_sharded(name_or_path: str, group, device=None, layers=None, 
 
     model = from_pretrained(name_or_path, layers, text_only, model_class=loader, **load_kwargs(group, device), **kwargs)
     return adopt_local_shards(model, base, group)
+
+
+def layout_class(model_class: type, meshes, role: str, layers, options: dict) -> type:
+    """A subclass of a transformers model class whose ``from_pretrained`` builds the model on the meta device,
+    converts ``layers`` to FarSkip, lays it out with :func:`fcsd.parallel.layout.parallelize` and then reads only
+    this rank's slice of every tensor: FSDP2 shards are DTensors already, and each rank's routed-expert slice is
+    exposed to the loader as its place in the stock ``(E, ...)`` tensor (:func:`expose_experts`) until
+    :func:`finish_loading` gives the runtime back its own tensors."""
+
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        from fcsd.connectivity.patch import apply_farskip
+        from fcsd.parallel.layout import parallelize
+
+        if layers:
+            apply_farskip(model, layers)
+        parallelize(model, meshes, role, **options)
+        model.fcsd_expert_parallel.gather.mode = "local"  # the loader reads the state dict of a meta model
+        expose_experts(model)
+        return model
+
+    return type(model_class.__name__, (model_class,), {"maybe_distribute_model": classmethod(maybe_distribute_model)})
+
+
+def expose_experts(model: nn.Module) -> None:
+    """Replace each sharded expert tensor by its stock-layout view (:func:`fcsd.parallel.step_state.expert_view`),
+    which the loader fills with this rank's slice; the runtime's tensors are kept for :func:`finish_loading`."""
+    from fcsd.parallel.step_state import expert_names, expert_view
+
+    kept = {}
+    for key, experts in expert_names(model).items():
+        name = key.rsplit(".", 1)[1]
+        param = experts._parameters[name]
+        kept[key] = param
+        experts._parameters[name] = nn.Parameter(expert_view(param.data, model), requires_grad=param.requires_grad)
+    model.fcsd_layout.loading = kept
+
+
+def finish_loading(model: nn.Module, base_class: type) -> nn.Module:
+    """After a :func:`layout_class` load: each expert tensor back in the runtime's layout (the rank's ``E/ep``
+    experts, FSDP2-sharded or plain) holding what was read, the class and state-dict mode restored, a deferred
+    placement applied (by exchanging experts between the ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    from fcsd.parallel.step_state import expert_names
+
+    layout, state = model.fcsd_layout, model.fcsd_expert_parallel
+    experts = expert_names(model)
+    for key, kept in layout.loading.items():
+        module, name = experts[key], key.rsplit(".", 1)[1]
+        local = module._parameters[name].data._local_tensor
+        if isinstance(kept, DTensor):
+            data = DTensor.from_local(
+                local, kept.device_mesh, kept.placements, run_check=False, shape=kept.shape, stride=kept.stride()
+            )
+        else:
+            data = local
+        module._parameters[name] = param = nn.Parameter(data, requires_grad=kept.requires_grad)
+        param.fcsd_expert_shard = True
+    layout.loading = None
+    _compact(model)
+    state.expert_params = [module._parameters[key.rsplit(".", 1)[1]] for key, module in experts.items()]
+    state.gather.mode = "all"
+    if not layout.dims.fsdp:
+        model.__class__ = base_class
+    if hasattr(model.config, "distributed_config"):
+        del model.config.distributed_config  # a stock save_pretrained afterwards (no distributed gather)
+    if layout.placement is not None:
+        from fcsd.parallel.apply import _apply_placement
+
+        _apply_placement(model, layout.placement, layout.dims.ep, layout.meshes.ep_group, True)
+        layout.placement = None
+    return model
+
+
+def concrete_class(name_or_path: str, text_only: bool, config, revision=None) -> type:
+    """The model class :func:`fcsd.loading.from_pretrained` loads ``name_or_path`` with, an auto class resolved."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+
+    from fcsd.loading import model_class_for
+
+    base = model_class_for(name_or_path, text_only, config, revision)
+    return _get_model_class(config, base._model_mapping) if issubclass(base, _BaseAutoModelClass) else base
+
+
+def _compact(model: nn.Module) -> None:
+    """Give every DTensor parameter a storage of its own slice: the loader may hand over a view of the whole
+    checkpoint tensor (a memory-mapped file's), which would keep it alive."""
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if not isinstance(param, DTensor):
+                continue
+            local = param._local_tensor
+            if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+                data = DTensor.from_local(
+                    local.clone(),
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
+                module._parameters[name] = nn.Parameter(data, requires_grad=param.requires_grad)
+
+
+def from_pretrained_parallel(
+    name_or_path: str,
+    meshes,
+    role: str = "student",
+    layers=None,
+    text_only: bool = False,
+    device=None,
+    layout: dict | None = None,
+    **kwargs,
+):
+    """Load a checkpoint laid out by :func:`fcsd.parallel.layout.parallelize` over ``meshes`` (``layout``: its
+    keyword options), reading only this rank's slices (design §4: no rank ever holds a whole model, on device or
+    host). ``layers``: the FarSkip selection (default: the checkpoint's recorded one). A collective: every process
+    calls it. Raises ``ValueError`` when the expert-parallel size does not divide the expert count."""
+    from fcsd.connectivity.patch import CONFIG_KEY
+    from fcsd.loading import _stock_config, check_weight_files, load_config
+
+    revision = kwargs.get("revision")
+    config = kwargs.pop("config", None) or _stock_config(name_or_path, revision) or load_config(name_or_path, revision)
+    check_divisible(config, meshes.dims.ep)
+    check_weight_files(name_or_path)
+    base = concrete_class(name_or_path, text_only, config, revision)
+    if layers is None:
+        layers = (getattr(config, CONFIG_KEY, None) or {}).get("layers", [])
+    device = torch.device(device) if device is not None else None
+    loader = layout_class(base, meshes, role, layers, layout or {})
+    model = loader.from_pretrained(name_or_path, config=config, **load_kwargs(None, device), **kwargs)
+    return finish_loading(model, base)

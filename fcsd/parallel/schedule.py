@@ -32,6 +32,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fcsd.connectivity.patch import HandOver
+from fcsd.parallel import recompute
 from fcsd.parallel.collectives import needs_backward, record
 from fcsd.parallel.dispatchers import Dispatcher
 from fcsd.parallel.segments import attention_core, segment
@@ -53,10 +54,16 @@ def run_routed(family, moe, dispatcher: Dispatcher, x_TD: torch.Tensor):
 
 
 def experts_then_combine(family, moe, dispatcher: Dispatcher, dispatch):
-    """Wait Dispatch, run this rank's experts on the rows it received, launch Combine; returns its pending."""
+    """Wait Dispatch, run this rank's experts on the rows it received, launch Combine; returns its pending. Experts
+    sharded by FSDP2 run through their ``fcsd_rows`` method (:func:`fcsd.parallel.layout.shard_fully`), which
+    gathers their weights around the call."""
     rows = dispatch.wait()
     with segment("routed experts"):
-        y_RD = family.experts(moe, rows.tokens, rows.expert_ids, rows.weights)
+        run = getattr(getattr(moe, family.experts_attr), "fcsd_rows", None)
+        if run is not None:
+            y_RD = run(rows.tokens, rows.expert_ids, rows.weights)
+        else:
+            y_RD = family.experts(moe, rows.tokens, rows.expert_ids, rows.weights)
         return dispatcher.combine_async(y_RD, dispatch)
 
 
@@ -107,12 +114,28 @@ def attention_split(attention: torch.nn.Module, step):
 
 
 def _refuse_checkpointing(layer) -> None:
-    if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+    if layer.training and torch.is_grad_enabled() and not recompute.replays(layer):
         raise RuntimeError(
-            "activation checkpointing is not supported under fcsd.parallel.expert_parallel: recomputing a layer "
-            "would re-issue its collectives out of order across ranks. Disable gradient checkpointing "
-            "(model.gradient_checkpointing_disable()) for the expert-parallel student."
+            "this activation checkpointing would recompute expert-parallel layers with their collectives, "
+            "re-issued out of order across ranks: enable it with fcsd.parallel.recompute.enable(model) (which saves "
+            "the exchanges' results and replays them) instead of model.gradient_checkpointing_enable()"
         )
+
+
+class ReplayableHandOver(HandOver):
+    """A :class:`~fcsd.connectivity.patch.HandOver` whose completion the recomputation of a checkpointed layer
+    runs again (the same operations, nothing written), so that it rebuilds what the first completion saved
+    (:mod:`fcsd.parallel.recompute`)."""
+
+    def __init__(self, full, partial, combine):
+        super().__init__(full, partial, combine.wait)
+        self.combine = combine
+
+    def complete(self) -> torch.Tensor:
+        if self.routed is None and recompute.replaying():
+            self.partial + self.combine.rerun().view(self.partial.shape)  # noqa: B018 (rebuilds the saved tensors)
+            return self.full
+        return super().complete()
 
 
 class FarSkipEPSchedule:
@@ -162,7 +185,7 @@ class FarSkipEPSchedule:
             record("shared", "", -1)
         if self.overlap and layer._farskip_feeds_next:
             full = torch.empty_like(partial)
-            return full, partial, HandOver(full, partial, combine.wait)
+            return full, partial, ReplayableHandOver(full, partial, combine)
         return partial + combine.wait().view(shape), partial, None
 
 

@@ -91,9 +91,12 @@ def install_state_dict_hooks(experts: nn.Module, shard: ExpertShard, group, gath
         mode = gather.mode
         if mode == "local":
             return
+        from torch.distributed.tensor import DTensor
+
         for name in shard.names:
             key = prefix + name
-            part = state_dict[key].detach().contiguous()
+            part = state_dict[key].detach()
+            part = (part.full_tensor() if isinstance(part, DTensor) else part).contiguous()  # FSDP2: its efsdp slices
             if mode == "all":
                 parts = [torch.empty_like(part) for _ in range(shard.size)]
                 dist.all_gather(parts, part, group=group)
@@ -140,8 +143,12 @@ def permute_sharded_experts(block: nn.Module, family, order: np.ndarray, group) 
         for r in range(shard.size)
     ]
     recv_slots = [[int(j) - rank * local for j in mine if owner[j] == r] for r in range(shard.size)]
+    from torch.distributed.tensor import DTensor
+
     for module, name in per_expert_tensors(block, family):
         tensor = getattr(module, name)
+        if isinstance(tensor, DTensor):  # FSDP2-sharded on another dim (fcsd.parallel.layout): every row is here
+            tensor = tensor._local_tensor
         if module is not experts:  # the router: replicated, permuted in place
             tensor.copy_(tensor.index_select(0, torch.as_tensor(order, device=tensor.device)))
             continue

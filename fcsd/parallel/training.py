@@ -1,27 +1,22 @@
-"""What a trainer needs to train an expert-parallel student (paper Sec. 4.1; design §4 "Training with EP"):
-expert-parallel groups, the global gradient norm, and checkpoints.
+"""What the FCSD trainer needs under ``parallel.ep_size`` > 1 or ``parallel.fsdp`` (paper Sec. 4.1; design §4 "EP
+at scale"): the run's device meshes, the laid-out loading of student and teacher, the gradient reduction, the global
+gradient norm over both meshes and the optimizer's parameter groups.
 
-The FCSD trainer (:mod:`fcsd.distill.trainer`) calls these when ``parallel.ep_size`` > 1; with them the student is
-*not* wrapped in DDP/FSDP (:func:`fcsd.parallel.reduce_gradients` does the data-parallel part, per parameter kind).
-
-Step checkpoints are per rank, so no rank ever holds the whole model: the main process writes the replicated
-(non-expert) weights once, the first expert-parallel group writes one file of expert shards per rank, and every
-process its own optimizer state (its experts' moments differ). A resume reads the same files back (same
-``parallel.ep_size``, which the run folder enforces). ``final/`` and ``best/`` keep the stock layout: the experts are
-gathered to the main process only (:func:`fcsd.parallel.full_state_dict` with ``dst=0``).
+The FCSD trainer (:mod:`fcsd.distill.trainer`) calls these; the student is then not wrapped in DDP or accelerate's
+FSDP (:mod:`fcsd.parallel.layout` lays it out). Step checkpoints: :mod:`fcsd.parallel.step_state`; ``final/`` and
+``best/``: :mod:`fcsd.parallel.stream_save`. :func:`expert_parallel_group` and :func:`make_expert_parallel` lay out
+expert parallelism alone on a process group (what ``fcsd plan`` models).
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fcsd.parallel.apply import expert_parallel
-from fcsd.parallel.grads import local_state_dict
 
 OPTIMIZER_SHARD = "optimizer_ep_rank{rank}.pt"  # each process's optimizer state (its experts' moments differ)
 DENSE_FILE = "model_replicated.pt"  # the non-expert weights, written by the main process
@@ -49,6 +44,54 @@ def expert_parallel_group(ep_size: int):
     return mine
 
 
+def run_meshes(config, accelerator):
+    """The device meshes of a run's ``parallel.*`` settings (:mod:`fcsd.parallel.layout`), or None when it has no
+    parallel layout (one process, DDP, accelerate's FSDP / ZeRO-3 configs)."""
+    from accelerate.utils import DistributedType
+
+    from fcsd.parallel.layout import ParallelDims, build_meshes
+
+    parallel = config.parallel
+    if parallel.ep_size == 1 and not parallel.fsdp:
+        return None
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        raise ValueError(
+            "parallel.ep_size > 1 and parallel.fsdp=true run under plain torchrun / accelerate launch (fcsd lays the "
+            "model out itself), not under accelerate's FSDP / ZeRO-3 configs"
+        )
+    dims = ParallelDims(accelerator.num_processes, parallel.ep_size, parallel.fsdp)
+    return build_meshes(dims, accelerator.device.type)
+
+
+def teacher_meshes(accelerator):
+    """Under accelerate's FSDP2 (which shards the student), the meshes the frozen teacher is loaded sharded over:
+    FSDP2 over every process (design §4: no process loads the whole teacher)."""
+    from accelerate.utils import DistributedType
+
+    from fcsd.parallel.layout import ParallelDims, build_meshes
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    return build_meshes(ParallelDims(accelerator.num_processes, 1, True), accelerator.device.type)
+
+
+def laid_out_loader(config, meshes, role: str, device):
+    """``load(path, layers=None, text_only=False, **from_pretrained options)`` loading ``role`` laid out over
+    ``meshes`` as the run's config says (:func:`fcsd.parallel.load.from_pretrained_parallel`)."""
+    from fcsd.parallel.load import from_pretrained_parallel
+
+    parallel, train = config.parallel, config.train
+    options = {"mode": parallel.mode, "dispatcher": parallel.dispatcher, "placement": parallel.placement or None}
+    if role == "student":
+        bf16 = train.mixed_precision == "bf16" or (train.mixed_precision == "auto" and device.type == "cuda")
+        options.update(checkpointing=train.gradient_checkpointing, compute_dtype=torch.bfloat16 if bf16 else None)
+
+    def load(path, layers=None, text_only=False, **kwargs):
+        return from_pretrained_parallel(path, meshes, role, layers, text_only, device, options, **kwargs)
+
+    return load
+
+
 def make_expert_parallel(model: nn.Module, group, mode: str, placement: str | None = None) -> nn.Module:
     """Shard the routed experts of a model over ``group`` (see :func:`fcsd.parallel.expert_parallel`; a model loaded
     as shards is adopted); ``placement`` is a PLACEMENT.json applied first. A model without FarSkip layers (the
@@ -60,58 +103,57 @@ def make_expert_parallel(model: nn.Module, group, mode: str, placement: str | No
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
-    """Clip the gradients of an expert-parallel model to a global 2-norm of ``max_norm`` (``inf``: measure only);
-    returns the norm before clipping. Replicated gradients count once, each expert shard once per expert-parallel
-    group: the norm equals the single-process model's."""
-    state = model.fcsd_expert_parallel
-    grads = [(p.grad, getattr(p, "fcsd_expert_shard", False)) for p in model.parameters() if p.grad is not None]
+    """Clip the gradients of an expert-parallel or FSDP2-sharded model to a global 2-norm of ``max_norm`` (``inf``:
+    measure only); returns the norm before clipping, equal to the single-process model's.
+
+    Without FSDP, replicated gradients count once and each expert shard once per expert-parallel group. Under FSDP2
+    (:mod:`fcsd.parallel.layout`) each element of every gradient lives on exactly one process (dense shards over
+    the dense mesh, expert slices over ``ep`` x ``efsdp``): one sum of local squares over all processes, whatever
+    mesh each gradient is on (a norm of DTensors of two meshes at once is what torch's clipping refuses)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     device = next(model.parameters()).device  # a rank without gradients still takes part, on the group's device
-    squares = torch.zeros(2, device=device, dtype=torch.float64)
-    for grad, is_expert in grads:
-        squares[int(is_expert)] += grad.detach().double().pow(2).sum()
-    expert_sq = squares[1:].clone()
-    dist.all_reduce(expert_sq, group=state.group)  # the shards of one expert-parallel group make the whole experts
-    norm = float(torch.sqrt(squares[0] + expert_sq[0]))
+    if getattr(getattr(model, "fcsd_layout", None), "dims", None) is not None and model.fcsd_layout.dims.fsdp:
+        squares = torch.zeros(1, device=device, dtype=torch.float64)
+        for grad in grads:
+            local = grad._local_tensor if isinstance(grad, DTensor) else grad
+            squares += local.detach().double().pow(2).sum()
+        dist.all_reduce(squares)
+        norm = float(torch.sqrt(squares[0]))
+    else:
+        state = model.fcsd_expert_parallel
+        kinds = [getattr(p, "fcsd_expert_shard", False) for p in model.parameters() if p.grad is not None]
+        squares = torch.zeros(2, device=device, dtype=torch.float64)
+        for grad, is_expert in zip(grads, kinds):
+            squares[int(is_expert)] += grad.detach().double().pow(2).sum()
+        expert_sq = squares[1:].clone()
+        dist.all_reduce(expert_sq, group=state.group)  # the shards of one expert-parallel group make the experts
+        norm = float(torch.sqrt(squares[0] + expert_sq[0]))
     if math.isfinite(max_norm) and norm > max_norm:
-        for grad, _ in grads:
+        for grad in grads:
             grad.mul_(max_norm / (norm + 1e-6))
     return norm
 
 
-def save_training_state(model: nn.Module, optimizer, folder: Path, is_main: bool) -> None:
-    """Per-rank model files (see the module docstring) and every process's optimizer state; no collective."""
-    state = model.fcsd_expert_parallel
-    if is_main:
-        torch.save(local_state_dict(model, experts=False), folder / DENSE_FILE)
-    if dist.get_rank() < state.size:  # the first expert-parallel group holds every expert once
-        torch.save(local_state_dict(model, experts=True), folder / EXPERT_SHARD.format(rank=state.rank))
-    torch.save(optimizer.state_dict(), folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()))
+def reduce_and_clip(model: nn.Module, max_norm: float) -> float:
+    """What the trainer does after a step's backward under a parallel layout: without FSDP the gradients are
+    all-reduced (DP over every process, experts over their copies; FSDP2 reduce-scatters them during the
+    backward), then :func:`clip_grad_norm_`."""
+    from fcsd.parallel.grads import reduce_gradients
+
+    if not model.fcsd_layout.dims.fsdp:
+        reduce_gradients(model, op="mean")  # the DDP convention the trainer's loss scale assumes
+    return clip_grad_norm_(model, max_norm)
 
 
-def load_training_state(model: nn.Module, optimizer, folder: Path) -> None:
-    """Inverse of :func:`save_training_state`: the replicated weights, this rank's expert shards and optimizer."""
-    state = model.fcsd_expert_parallel
-    weights = torch.load(folder / DENSE_FILE, map_location="cpu")
-    weights.update(torch.load(folder / EXPERT_SHARD.format(rank=state.rank), map_location="cpu"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not match the model (missing {missing}, unexpected {unexpected})")
-    state_dict = torch.load(
-        folder / OPTIMIZER_SHARD.format(rank=dist.get_rank()), map_location="cpu", weights_only=False
-    )
-    optimizer.load_state_dict(state_dict)
+def parameter_groups(model: nn.Module, params: list) -> list[dict]:
+    """``params`` in two optimizer groups, the routed experts' and the others': under FSDP2 each group's tensors are
+    on one device mesh (torch's fused and foreach AdamW run one kernel over a group, which DTensors of two meshes
+    cannot share), and the groups are the same in every layout, so that a resume in another layout finds the
+    scheduler's and optimizer's groups it saved."""
+    from fcsd.parallel.step_state import expert_names
 
-
-def consolidated_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """The whole model of a step checkpoint written by :func:`save_training_state`, in the unsharded layout: the
-    replicated weights and each expert tensor concatenated over the expert-parallel ranks' shards (dim 0, rank
-    order). No process group is needed: this is the consolidation step of per-rank checkpoints."""
-    state = torch.load(folder / DENSE_FILE, map_location="cpu")
-    shards = []
-    while (folder / EXPERT_SHARD.format(rank=len(shards))).exists():
-        shards.append(torch.load(folder / EXPERT_SHARD.format(rank=len(shards)), map_location="cpu"))
-    if not shards:
-        raise ValueError(f"{folder}: no {EXPERT_SHARD.format(rank=0)}; the checkpoint is incomplete")
-    for key in shards[0]:
-        state[key] = torch.cat([shard[key] for shard in shards])
-    return state
+    experts = {id(p) for p in (model.get_parameter(name) for name in expert_names(model))}
+    groups = [[p for p in params if id(p) not in experts], [p for p in params if id(p) in experts]]
+    return [{"params": group} for group in groups if group]

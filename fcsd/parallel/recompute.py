@@ -1,0 +1,139 @@
+"""Activation checkpointing under expert parallelism that never re-issues a collective (design §4 "EP at scale").
+
+A checkpointed decoder layer is run twice: in the forward, and again in the backward to rebuild what it saved. Its
+expert-parallel exchanges (the per-expert counts, the Dispatch and Combine all-to-alls) must not run again: a second
+exchange would have to be issued by every rank at the same point of its backward, and the rows it would carry are
+already known. So, as torchtitan's selective policy saves the all-to-all outputs, each checkpointed forward
+*records* the result of every exchange it issues (the received counts and the receive buffers) in a
+:class:`ReplayLog`, and the recomputation *replays* them: the dispatchers take the recorded tensors instead of
+communicating, in the same order, and check that the recomputed routing sends what was sent (else the saved rows
+would belong to other tokens). The backward's reverse exchanges are issued by the nodes of the original forward, as
+without checkpointing, so the overlapped backward and its order chain are unchanged.
+
+Memory: a layer keeps its inputs plus the rows its exchanges received (what torchtitan keeps), instead of every
+activation. The log is per layer call and freed with the checkpoint.
+
+Guard: a forward exchange issued while a backward runs (a recomputation that does not replay) raises at once
+(:func:`check_not_in_backward`), so a re-issued collective can never go unnoticed or hang a job.
+
+:func:`enable` installs it on every decoder layer of a model (``train.gradient_checkpointing`` under
+``parallel.ep_size`` > 1 or ``parallel.fsdp``).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import torch
+
+
+class ReplayLog:
+    """The exchanges of one checkpointed layer call, in issue order: ``(kind, tensors)``."""
+
+    def __init__(self):
+        self.entries: list[tuple[str, tuple]] = []
+        self.position = 0
+
+    def put(self, kind: str, *tensors) -> None:
+        self.entries.append((kind, tensors))
+
+    def take(self, kind: str) -> tuple:
+        if self.position >= len(self.entries):
+            raise RuntimeError(
+                f"the recomputation of a checkpointed expert-parallel layer issued more exchanges than its forward "
+                f"({len(self.entries)}, next: {kind}): the layer must run the same code when it is recomputed"
+            )
+        recorded, tensors = self.entries[self.position]
+        if recorded != kind:
+            raise RuntimeError(
+                f"the recomputation of a checkpointed expert-parallel layer issued a {kind} exchange where its "
+                f"forward issued a {recorded} one (exchange {self.position + 1})"
+            )
+        self.entries[self.position] = (recorded, ())  # released: the recomputation holds it now
+        self.position += 1
+        return tensors
+
+
+class _Active(threading.local):
+    log: ReplayLog | None = None
+    replaying: bool = False
+
+
+_ACTIVE = _Active()
+
+
+@contextmanager
+def _mode(log: ReplayLog, replaying: bool):
+    saved = (_ACTIVE.log, _ACTIVE.replaying)
+    _ACTIVE.log, _ACTIVE.replaying = log, replaying
+    try:
+        yield
+    finally:
+        _ACTIVE.log, _ACTIVE.replaying = saved
+
+
+def recording_log() -> ReplayLog | None:
+    """The log of the checkpointed forward in progress (its exchanges are recorded there), or None."""
+    return _ACTIVE.log if not _ACTIVE.replaying else None
+
+
+def replay_log() -> ReplayLog | None:
+    """The log being replayed by the recomputation in progress, or None."""
+    return _ACTIVE.log if _ACTIVE.replaying else None
+
+
+def replaying() -> bool:
+    return _ACTIVE.replaying
+
+
+def check_not_in_backward(kind: str) -> None:
+    """Refuse a forward exchange issued during a backward pass without replay: a checkpointed layer whose
+    recomputation would re-issue its collectives (each rank at its own moment of the backward)."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            f"an expert-parallel {kind} exchange was issued during the backward pass: a layer was recomputed "
+            "(activation checkpointing) without replaying its collectives. Enable checkpointing with "
+            "fcsd.parallel.recompute.enable(model) (train.gradient_checkpointing=true does it), not "
+            "model.gradient_checkpointing_enable()"
+        )
+
+
+class ReplayingCheckpoint:
+    """The checkpoint function installed in decoder layers (transformers' ``_gradient_checkpointing_func`` seam):
+    torch's non-reentrant checkpoint, with each call's exchanges recorded in the forward and replayed in the
+    recomputation."""
+
+    fcsd_replays = True
+
+    def __call__(self, function, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        log = ReplayLog()
+        pending = getattr(function, "keywords", {}).get("farskip_pending")
+        if pending is not None and args and args[0] is pending.full:
+            # o_{k-1} arrives empty and is completed in place inside the layer (the overlapped schedule): the
+            # recomputation reads it completed, so it is held by the closure, not saved at version 0 as an input
+            held, layer_forward = pending.full, function
+            function, args = (lambda *rest, **options: layer_forward(held, *rest, **options)), args[1:]
+        return checkpoint(
+            function, *args, use_reentrant=False, context_fn=lambda: (_mode(log, False), _mode(log, True)), **kwargs
+        )
+
+
+def replays(layer) -> bool:
+    """Whether ``layer`` is checkpointed by :class:`ReplayingCheckpoint` (or not checkpointed at all)."""
+    if not getattr(layer, "gradient_checkpointing", False):
+        return True
+    return getattr(getattr(layer, "_gradient_checkpointing_func", None), "fcsd_replays", False)
+
+
+def enable(model) -> None:
+    """Checkpoint every decoder layer of ``model`` with :class:`ReplayingCheckpoint` (the layer's inputs and its
+    exchanges' results are kept, the rest is recomputed in the backward)."""
+    from fcsd.connectivity.families import family_for_config, find_decoder_layers
+
+    function = ReplayingCheckpoint()
+    for layer in find_decoder_layers(model, family_for_config(model.config)):
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = function
