@@ -68,11 +68,13 @@ def losses_of(out) -> list[float]:
 
 def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, tmp_path):
     result = convert(
-        config_for(assets, tmp_path / "run", "train.max_steps=8", "farskip.layers=last:50%", "train.lr=1e-4")
+        config_for(assets, tmp_path / "run", "train.max_steps=8", "farskip.layers=all", "train.lr=3e-4")
     )
+    # every layer converted: a held-out KL (~0.6) far above the noise of 4 held-out sequences (last:50% starts at
+    # ~0.014, where 8 steps move it by less than that noise)
     assert result.eval_after["eval/kl"] < 0.85 * result.eval_before["eval/kl"]
     model = fcsd.from_pretrained(str(result.final_dir))
-    assert fcsd.farskip_layers(model) == [2, 3]
+    assert fcsd.farskip_layers(model) == [0, 1, 2, 3]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval/kl" in r] == list(range(9))  # a short run: every tenth, at least 1
     assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 9))
@@ -81,7 +83,7 @@ def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, t
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     recipe = json.loads((tmp_path / "run" / "export" / "config.json").read_text())["farskip"]["recipe"]
-    assert (recipe["objective"], recipe["steps"], recipe["tokens"], recipe["lr"]) == ("kl", 8, 8 * 256, 1e-4)
+    assert (recipe["objective"], recipe["steps"], recipe["tokens"], recipe["lr"]) == ("kl", 8, 8 * 256, 3e-4)
     # the final checkpoint holds the trained student: its held-out KL is the one the run reported
     from fcsd.distill.heldout import heldout_metrics
     from fcsd.distill.models import load_models, load_tokenizer
