@@ -73,14 +73,14 @@ def run_meta(model, rows: Packed, config) -> dict:
 def cache_teacher(config, batch_size: int = 4) -> Path:
     """``fcsd cache-teacher``: run the teacher once over the run's packed rows (training, then held-out) and store
     its top-k log-probabilities in ``teacher.cache_dir``."""
-    from fcsd import safe_io
+    from fcsd import ownership
     from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.run_data import all_rows, load_run_data
     from fcsd.distill.run_io import run_inputs
 
     folder = cache_dir(config)  # checked before anything is loaded
     inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
-    safe_io.check_not_an_input(folder, "teacher.cache_dir", inputs)
+    ownership.check_not_an_input(folder, "teacher.cache_dir", inputs)
     check_cache_folder(folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(config)
@@ -105,11 +105,11 @@ def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: 
 
 def check_cache_folder(folder: Path) -> None:
     """A ``teacher.cache_dir`` must be new, empty or a teacher cache; anything else is refused before any work."""
-    from fcsd import safe_io
+    from fcsd import ownership
 
-    marker = safe_io.read_marker(folder)
-    cache = (Path(folder) / "meta.json").exists() and (marker is None or marker.kind == "teacher-cache")
-    if not safe_io.is_empty(folder) and not cache:
+    marker = ownership.read_marker(folder)
+    cache = (Path(folder) / "meta.json").exists() and (marker is None or marker.is_kind("teacher-cache"))
+    if not ownership.is_empty(folder) and not cache:
         raise TeacherCacheError(
             f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new or "
             "empty folder"
@@ -127,12 +127,13 @@ def build_cache(
 ) -> Path:
     """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically (the old cache stays
     until the new one is complete). A matching cache is reused; a mismatched one is replaced only with
-    ``overwrite`` and only if it is a teacher cache fcsd wrote holding nothing else (:mod:`fcsd.safe_io`)."""
-    from fcsd import safe_io
+    ``overwrite`` and only if it is a teacher cache fcsd wrote holding nothing else (:mod:`fcsd.ownership`)."""
+    from fcsd import ownership
+    from fcsd.staging import atomic_dir
 
     folder = Path(folder)
     check_cache_folder(folder)
-    if not safe_io.is_empty(folder):
+    if not ownership.is_empty(folder):
         if not overwrite:
             validate_cache(folder, meta, fix="add overwrite=true to this command to rebuild it")
             return folder
@@ -141,11 +142,11 @@ def build_cache(
             return folder
         except TeacherCacheError:
             fix = "remove it by hand, or choose another teacher.cache_dir"
-            safe_io.check_replaceable(folder, "teacher-cache", "teacher.cache_dir", fix)
+            ownership.check_replaceable(folder, "teacher-cache", "teacher.cache_dir", fix)
     device = next(teacher.parameters()).device
     from safetensors.torch import save_file
 
-    with safe_io.atomic_dir(folder, kind="teacher-cache") as staging:
+    with atomic_dir(folder, kind="teacher-cache", replace=overwrite, what="teacher.cache_dir") as staging:
         bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress)
         for shard, start in enumerate(range(0, len(packed), SHARD_ROWS)):
             logps, ids = [], []
