@@ -1,9 +1,12 @@
-"""Starting gloo process groups from tests: ``torchrun`` on a free port, with this test environment."""
+"""Starting gloo process groups from tests: ``torchrun`` on a free port, with this test environment; whatever
+happens (a timeout included), torchrun and every worker it started are stopped before this returns."""
 
 import os
 import socket
 import subprocess
 import sys
+
+from processes import started
 
 
 def torchrun(nproc: int, *argv: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
@@ -14,4 +17,10 @@ def torchrun(nproc: int, *argv: str, check: bool = True, timeout: float | None =
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}"]
-    return subprocess.run([*command, *argv], env=env, check=check, capture_output=True, text=True, timeout=timeout)
+    options = dict(env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with started([*command, *argv], **options) as process:
+        out, err = process.communicate(timeout=timeout)
+    done = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done

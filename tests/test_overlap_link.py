@@ -209,8 +209,9 @@ def test_bench_overlap_link_end_to_end_prints_the_figures_and_draws_the_steps(tm
     monkeypatch.chdir(tmp_path)
     argv = ["bench", "overlap", "--config", "tiny", "--iters", "1", "--link", "1GB/s,5us", "--timeline", "t.png"]
     assert main([*argv, "--json"]) == 0
-    out = capsys.readouterr().out
-    result = json.loads(out[: out.rindex("}") + 1])
+    printed = capsys.readouterr()
+    result = json.loads(printed.out)  # --json: the JSON alone on stdout, messages on stderr
+    assert printed.err.strip().splitlines()[-1].startswith("timeline: ")
     assert result["link"]["bandwidth"] == 1e9 and result["link"]["latency"] == pytest.approx(5e-6)
     for layout, phases in (("all_to_all", ("forward", "backward")), ("all_reduce", ("prefill",))):
         modes = result["layouts"][layout]["modes"]
