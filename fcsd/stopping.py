@@ -31,12 +31,6 @@ _RECEIVED: list[int] = []  # the stop signals this process received
 
 
 def _stop(signum, frame):
-    import os as _os
-
-    if _os.environ.get("FCSD_DEBUG_STOP"):
-        import traceback
-
-        sys.stderr.write("STOP AT:\n" + "".join(traceback.format_stack(frame)[-12:]))
     _RECEIVED.append(signum)
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
@@ -49,6 +43,7 @@ def raise_terminated(signum, frame):
 def install() -> dict:
     """SIGINT -> ``KeyboardInterrupt``, SIGTERM -> :class:`Terminated`, both remembered (:func:`received`); returns
     the previous handlers for :func:`restore`. A SIGINT the shell set to be ignored (a background job) stays so."""
+    _RECEIVED.clear()  # a stop of an earlier command run in this process (tests call the CLI in-process)
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
