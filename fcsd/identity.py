@@ -54,10 +54,10 @@ def identify(values: dict, where: str = "config.json") -> str:
             )
         if not farskip_classes:
             expected = farskip_architecture(base) or f"{ARCHITECTURE_PREFIX}ForCausalLM"
+            named = f"architectures {architectures} names the stock class" if architectures else "no architectures"
             raise IdentityError(
-                f"{where}: architectures {architectures} names the stock class, but model type {model_type!r} and the "
-                f"`{CONFIG_KEY}` block say FarSkip (a serving engine would run it with stock wiring); set "
-                f'"architectures": ["{expected}"], or {REEXPORT}'
+                f"{where}: {named}, but model type {model_type!r} and the `{CONFIG_KEY}` block say FarSkip (a serving "
+                f'engine would run it with stock wiring); set "architectures": ["{expected}"], or {REEXPORT}'
             )
         return "export"
     if farskip_classes:

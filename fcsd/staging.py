@@ -32,7 +32,7 @@ def atomic_dir(target: Path, kind: str | None = None, replace: bool = True, what
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with ownership.folder_lock(target, what, beside=True, reentrant=True):  # one writer, from staging to the rename
-        _remove_stale_siblings(target)
+        restore_stale_siblings(target)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
         os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's private 0700 would make the folder unreadable to others
         try:
@@ -90,11 +90,15 @@ def _check_replaceable_now(target: Path, kind: str | None, replace: bool, what: 
     return entries
 
 
-def _remove_stale_siblings(target: Path) -> None:
-    """Staging leftovers of ``target`` (``.<name>.partial-*``, ``.<name>.old-*``) that a killed writer left beside
-    it; called under the target's lock, so no live writer uses them. An old copy is moved back where the target is
-    missing (the writer died between its two renames) and dropped only where an fcsd folder replaced it."""
+def restore_stale_siblings(target: Path) -> bool:
+    """Remove the staging leftovers of ``target`` (``.<name>.partial-*``, ``.<name>.old-*``) that a killed writer
+    left beside it; call it holding the target's lock, so that no live writer uses them. An old copy is moved back
+    where the target is missing (the writer died between its two renames) and dropped only where an fcsd folder
+    replaced it. Returns whether anything was there."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.(partial|old)-[A-Za-z0-9_]{{8}}")
+    found = False
+    if not target.parent.is_dir():
+        return found
     for entry in sorted(target.parent.iterdir()):
         if not pattern.fullmatch(entry.name):
             continue
@@ -105,6 +109,8 @@ def _remove_stale_siblings(target: Path) -> None:
         elif old_copy.exists() and target.is_dir() and ownership.is_empty(target):
             shutil.rmtree(target)  # an empty folder where the only copy belongs
         ownership.restore_or_remove_leftover(target.parent, entry)
+        found = True
+    return found
 
 
 def _umask() -> int:

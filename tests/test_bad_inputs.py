@@ -1264,6 +1264,23 @@ def test_an_export_another_command_finished_meanwhile_is_not_replaced_without_ov
     assert before is None and snapshot(out) == snapshot(other)
 
 
+def test_the_only_copy_a_killed_export_left_aside_comes_back_before_anything_is_decided(env, tmp_path, capsys):
+    """An export killed between its two renames leaves the only copy of OUT in `.OUT.old-*/OUT`: the next export into
+    OUT moves it back under the lock first, then refuses to replace it without --overwrite (it is an export)."""
+    source = converted_checkpoint(env, tmp_path / "a", 1)
+    out = tmp_path / "out"
+    assert main(["export", str(source), str(out)]) == 0
+    before = snapshot(out)
+    aside = tmp_path / ".out.old-k2j4ab9z"
+    aside.mkdir()
+    out.rename(aside / "out")
+    (tmp_path / ".out.partial-x7c0q2zz").mkdir()  # and a half-staged one
+    capsys.readouterr()
+    assert main(["export", str(source), str(out)]) == 2
+    assert "holds an export; pass --overwrite to replace it" in capsys.readouterr().err
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a", "out"]
+
+
 def test_zero_layer_conversion_is_refused_before_loading(env, monkeypatch, capsys):
     """Case 4: nothing loads and nothing trains when the spec converts no layer of the model."""
     import fcsd.loading

@@ -136,6 +136,7 @@ def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwr
     consolidated: the state of a run that never reached ``final/``) to ``out_dir``."""
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.run_folder import is_step_checkpoint
+    from fcsd.staging import restore_stale_siblings
 
     source = Path(run_or_checkpoint)
     if not (source / "config.json").exists() and not is_step_checkpoint(source):
@@ -146,7 +147,10 @@ def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwr
         )
     run_root = RunFolder.of_checkpoint(source).root
     check_export_target(out_dir, overwrite, [source], run_root=run_root)  # before loading anything
-    with ownership.folder_lock(Path(out_dir).expanduser().resolve(), "OUT_DIR", beside=True):  # one export at a time
+    target = Path(out_dir).expanduser().resolve()
+    with ownership.folder_lock(target, "OUT_DIR", beside=True):  # one export at a time, from now to the rename
+        if restore_stale_siblings(target):  # what a killed export left is back: check the target as it is now
+            check_export_target(out_dir, overwrite, [source], run_root=run_root)
         if is_step_checkpoint(source):
             from fcsd.distill.checkpointing import load_step_checkpoint
 
