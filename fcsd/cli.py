@@ -159,7 +159,7 @@ def _export(args) -> int:
     print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
     command = serve_command(str(out), json.loads((out / "config.json").read_text())["model_type"])
     if command:
-        print(f"serve it with vLLM (fcsd's plugin: `make serve-env`, README 'Serving'): {command}")
+        print(f"serve it with vLLM (fcsd's plugin: `make serve-env`, docs/serving.md): {command}")
     return 0
 
 

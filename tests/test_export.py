@@ -63,7 +63,7 @@ def test_stock_transformers_refuses_the_folder_without_remote_code(tmp_path, tok
     with pytest.raises(ValueError, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
     # the tokenizer is a stock one: it loads without running the shipped code, and without a prompt when the caller
-    # says either way (a bare call in an interactive session asks; see README, export section)
+    # says either way (a bare call in an interactive session asks; see docs/export-and-hub.md)
     from fcsd.loading import tokenizer_from_pretrained
 
     expected = tokenizer_from_pretrained(str(folder))("add 1 + 2")["input_ids"]

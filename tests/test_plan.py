@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from shell_commands import check_command
 from tiny_models import CONFIGS, save_chat_model
 
 from fcsd.distill.config import FCSDConfig
@@ -146,15 +147,11 @@ def test_fully_converted_layers_stay_wrappable_by_accelerate():
 
 
 def accepted_by_convert(line: str):
-    """The config ``fcsd convert`` builds from a printed command line (its parser, its overrides, its checks)."""
-    import shlex
-
-    from fcsd.cli import _run_config, build_parser
-    from fcsd.distill.config import to_config
-
-    words = shlex.split(line)
-    words = words[words.index("convert") :]
-    return to_config(_run_config(build_parser().parse_args(words)))
+    """The config ``fcsd convert`` hands its trainer for a printed command line: the launcher's parser, fcsd's
+    parser, overrides and checks (tests/shell_commands.py, which checks the manual's commands too)."""
+    checked = check_command(line)
+    assert checked.job == "fcsd.distill.convert.convert", checked.job
+    return checked.config
 
 
 def test_qwen3_30b_fits_one_node_of_8_h100():
