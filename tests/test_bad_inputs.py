@@ -998,22 +998,32 @@ def _stop_after_checkpoint(monkeypatch, step: int):
     monkeypatch.setattr(trainer.TrainingSession, "save_checkpoint", save_then_stop)
 
 
-def test_resume_checks_the_data_and_the_checkpoint_files_and_says_how_to_go_on(env, tmp_path, monkeypatch, capsys):
-    """A run stopped after step 3: --resume refuses changed data (same path, other content) and a checkpoint that
-    lost a file, naming the newest complete one and the command; that command resumes, and the metrics hold each
-    step once."""
+def test_resume_checks_its_inputs_and_the_checkpoint_files_and_says_how_to_go_on(env, tmp_path, monkeypatch, capsys):
+    """A run stopped after step 3: --resume refuses, each by its own name, other weights of the same shapes, another
+    tokenizer, another chat template (not "the training data changed": case 7 of issue 28) and changed data (same
+    paths, other content), and a checkpoint that lost a file, naming the newest complete one and the command; that
+    command resumes, and the metrics hold each step once."""
     import shlex
 
-    data = tmp_path / "train.jsonl"
+    model, data = tmp_path / "model", tmp_path / "train.jsonl"
+    shutil.copytree(env / "model", model)
     shutil.copyfile(env / "data" / "train.jsonl", data)
     out = tmp_path / "run"
     argv = run_convert(env, f"output_dir={out}", f"data.path={data}", "train.max_steps=4", "train.save_every=1")
-    argv += ["train.keep_checkpoints=3", "export=false"]
+    argv = [argv[0], str(model), *argv[2:], "train.keep_checkpoints=3", "export=false"]
     with monkeypatch.context() as patch:
         _stop_after_checkpoint(patch, 3)
         assert main(argv) == 130
     assert [p.name for p in (out / "checkpoints").iterdir()] and not (out / "final").exists()
     capsys.readouterr()
+    before = snapshot(out)
+    for name, edit in _input_edits(model, tmp_path):
+        restore = edit()
+        assert main([*argv, "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume: {name} changed since checkpoints/step-3 was saved" in err, err
+        restore()
+    assert snapshot(out) == before
     original = data.read_text()
     data.write_text(original.replace("add 7 and 8", "add 70 and 80"))
     before = snapshot(out)
@@ -1294,40 +1304,31 @@ def test_zero_layer_conversion_is_refused_before_loading(env, monkeypatch, capsy
     assert not (env / "new").exists()
 
 
-def _stopped_run(env, tmp_path, monkeypatch, model: Path, data: Path) -> list[str]:
-    """A run of ``model`` on ``data`` stopped after its step-3 checkpoint; the argv that resumes it."""
-    out = tmp_path / "run"
-    argv = run_convert(env, f"output_dir={out}", f"data.path={data}", "train.max_steps=4", "train.save_every=1")
-    argv = [argv[0], str(model), *argv[2:], "train.keep_checkpoints=3", "export=false"]
-    with monkeypatch.context() as patch:
-        _stop_after_checkpoint(patch, 3)
-        assert main(argv) == 130
-    return [*argv, "--resume"]
+def _input_edits(model: Path, tmp_path: Path):
+    """(how a refusal names it, an edit of ``model`` that returns its undo) for each model input a resume checks."""
 
+    def rewrite(path: Path, content: bytes):
+        def edit():
+            original = path.read_bytes()
+            path.write_bytes(content)
+            return lambda: path.write_bytes(original)
 
-def test_resume_names_the_input_that_changed_weights_tokenizer_chat_template(env, tmp_path, monkeypatch, capsys):
-    """Case 7 and its misleading line: other weights of the same shapes, another tokenizer, another chat template
-    are each refused by their own name (a new template is not "the training data changed")."""
-    model, data = tmp_path / "model", tmp_path / "train.jsonl"
-    shutil.copytree(env / "model", model)
-    shutil.copyfile(env / "data" / "train.jsonl", data)
-    resume = _stopped_run(env, tmp_path, monkeypatch, model, data)
-    capsys.readouterr()
-    original = (model / "model.safetensors").read_bytes()
+        return edit
+
     build("qwen3_moe", seed=7).save_pretrained(tmp_path / "other")  # same shapes, other values
-    other = fcsd_weights_resized(tmp_path / "other", model)
-    (model / "model.safetensors").write_bytes(other)
-    assert main(resume) == 2
-    assert "--resume: the model's weights changed since checkpoints/step-3 was saved" in capsys.readouterr().err
-    (model / "model.safetensors").write_bytes(original)
-    template = (model / "chat_template.jinja").read_text()
-    (model / "chat_template.jinja").write_text(template.replace("<|end|>", "\n<|end|>", 1))  # renders otherwise
-    assert main(resume) == 2
-    err = capsys.readouterr().err
-    assert "--resume: the chat template (how chats are rendered into training text) changed" in err, err
-    (model / "chat_template.jinja").write_text(template)
-    assert main(resume) == 0  # the run's own inputs again: it resumes and finishes
-    assert json.loads((tmp_path / "run" / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
+    weights = fcsd_weights_resized(tmp_path / "other", model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]  # two tokens swap their ids: same size, another vocabulary
+    first, second = list(vocab)[-2:]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    vocabulary = json.dumps(tokenizer).encode()
+    template = (model / "chat_template.jinja").read_text().replace("<|end|>", "\n<|end|>", 1)  # renders otherwise
+    return [
+        ("the model's weights", rewrite(model / "model.safetensors", weights)),
+        ("the tokenizer (its vocabulary or special tokens)", rewrite(model / "tokenizer.json", vocabulary)),
+        ("the chat template (how chats are rendered into training text)",
+         rewrite(model / "chat_template.jinja", template.encode())),
+    ]  # fmt: skip
 
 
 def fcsd_weights_resized(folder: Path, like: Path) -> bytes:
