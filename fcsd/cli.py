@@ -35,7 +35,8 @@ def _probe(args) -> int:
     from fcsd.evaluate.probe import probe_checkpoint
 
     options = {k: getattr(args, k) for k in ("data", "split", "grid", "seq_len", "num_sequences", "batch_size")}
-    probe_checkpoint(args.model, dtype=args.dtype, device=args.device, output_dir=args.output_dir, **options)
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    probe_checkpoint(args.model, dtype=args.dtype, device=device, output_dir=args.output_dir, **options)
     return 0
 
 
@@ -50,7 +51,7 @@ def _perfmodel(args) -> int:
     config = pm.load_config(args.model, args.preset)
     pm.model_shape(config)  # a dense or unsupported model is refused here, before the sparsity sweep
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
-    sparsities = [int(s) for s in args.sparsity.split(",")] if args.sparsity else pm.default_sparsities(config)
+    sparsities = _sparsities(args.sparsity) if args.sparsity else pm.default_sparsities(config)
     scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
     rows = pm.sweep(config, sparsities, scenarios, args.batch, args.context, args.tp, args.ep, hw)
     training = pm.training_moe_layer(pm.model_shape(config), args.train_batch, args.context, args.ep, hw)
@@ -64,12 +65,28 @@ def _perfmodel(args) -> int:
     return 0
 
 
+def _sparsities(text: str) -> list[int]:
+    """``--sparsity 4,8,16``: whole numbers of at least 1 (routed experts per active routed expert)."""
+    values = [part.strip() for part in text.split(",")]
+    if not all(v.isdigit() and int(v) >= 1 for v in values):
+        raise ValueError(
+            f"--sparsity {text}: give sparsity factors (routed experts / active routed experts) as whole numbers of at "
+            "least 1, e.g. --sparsity 4,8,16"
+        )
+    return [int(v) for v in values]
+
+
 def _run_overrides(args) -> list[str]:
     """The Hydra overrides of ``fcsd convert`` / ``cache-teacher`` / ``sweep``: MODEL (and the preset that names it,
     e.g. ``demo`` or ``Qwen/Qwen3-30B-A3B``), then the user's overrides."""
-    from fcsd.distill.config import hydra_override, preset_for
+    from fcsd.distill.config import PATH_KEYS, hydra_override, preset_for
 
     overrides, model = list(args.overrides), args.model  # args stay as parsed: this may be called twice
+    paths = {f"{section}.{key}" if section else key for section, key in PATH_KEYS}
+    for index, override in enumerate(overrides):  # `output_dir=~/x` as the shell passes it when quoted: a path
+        key, _, value = override.partition("=")
+        if key in paths and value.startswith("~"):
+            overrides[index] = hydra_override(key, value)
     if model is not None and "=" in model and not Path(model).exists():  # no MODEL: the first token is an override
         overrides.insert(0, model)
         model = None
@@ -77,6 +94,12 @@ def _run_overrides(args) -> list[str]:
         raise ValueError(
             f"MODEL is missing: `fcsd {args.command} MODEL [key=value ...]` takes a hub id, a local folder or 'demo' "
             f"(e.g. `fcsd {args.command} demo`)"
+        )
+    named = [o.split("=", 1)[1] for o in overrides if o.startswith("model.name=")]
+    if model is not None and named:
+        raise ValueError(
+            f"MODEL {model} and model.name={named[-1]} name two models; give the model once (as MODEL, or as "
+            "model.name without MODEL)"
         )
     if model is not None and "@" in model and not Path(model).exists():  # MODEL@REV: a hub revision
         model, revision = model.rsplit("@", 1)
@@ -127,11 +150,11 @@ def _convert(args) -> int:
 def _export(args) -> int:
     import json
 
-    from fcsd import safe_io
+    from fcsd import ownership
     from fcsd.export.save import export_checkpoint
     from fcsd.serving.vllm.families import serve_command
 
-    safe_io.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
+    ownership.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
     out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite)
     print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
     command = serve_command(str(out), json.loads((out / "config.json").read_text())["model_type"])
@@ -225,12 +248,12 @@ def _sweep(args) -> int:
 
 
 def _cache_teacher(args) -> int:
-    from fcsd import safe_io
+    from fcsd import ownership
     from fcsd.distill.config import to_config
     from fcsd.distill.teacher_cache import cache_dir, cache_teacher
 
     config = to_config(_run_config(args))
-    safe_io.check_not_in_use(cache_dir(config).parent, "the folder that holds teacher.cache_dir,")  # a run's
+    ownership.check_not_in_use(cache_dir(config).parent, "the folder that holds teacher.cache_dir,")  # a run's
     folder = cache_teacher(config)
     from fcsd.parallel.processes import is_main_process
 
@@ -258,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-sequences", type=int, default=32, help="held-out sequences to score (default: 32)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--output-dir", default="outputs/probe", help="where probe.csv and probe.png go")
     p.set_defaults(func=_probe)
 
@@ -394,30 +417,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args) -> int:
-    from fcsd import safe_io
+    from fcsd import ownership
     from fcsd.parallel import picture
     from fcsd.parallel.bench import format_result, run_overlap_benchmark
 
     if args.iters < 1:
         raise ValueError(f"--iters {args.iters}: it must be at least 1 timed iteration")
     if args.trace:
-        args.trace = str(safe_io.check_output_folder(args.trace, "trace", "--trace", {"model": args.model}))
+        args.trace = str(ownership.check_output_folder(args.trace, "trace", "--trace", {"model": args.model}))
     if args.timeline:
         png, chrome = picture.output_paths(args.timeline)
-        safe_io.check_output_file(png, "--timeline", "timeline picture", picture.is_own_png, {"model": args.model})
-        safe_io.check_output_file(chrome, "--timeline", "timeline trace", picture.is_own_trace, {"model": args.model})
+        ownership.check_output_file(png, "--timeline", "timeline picture", picture.is_own_png, {"model": args.model})
+        ownership.check_output_file(chrome, "--timeline", "timeline trace", picture.is_own_trace, {"model": args.model})
     options = dict(device=args.device, backend=args.backend, dtype=args.dtype)
     options.update(link=args.link, timeline=bool(args.timeline))
     result = run_overlap_benchmark(
         args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher, **options
     )
     if args.trace:  # every entry there now is a trace this run (or an earlier one) wrote
-        safe_io.mark(args.trace, "trace", [p.name for p in Path(args.trace).iterdir() if p.name != safe_io.MARKER])
+        ownership.mark(args.trace, "trace", [p.name for p in Path(args.trace).iterdir() if p.name != ownership.MARKER])
     if args.timeline:
         picture.write_timeline(result, png, chrome)
     print(json.dumps(result, indent=2) if args.json else format_result(result))
-    if args.timeline:
-        print(f"timeline: {png} (Chrome trace: {chrome})")
+    if args.timeline:  # with --json, stdout holds the JSON alone
+        print(f"timeline: {png} (Chrome trace: {chrome})", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -513,49 +536,91 @@ def _quiet_hub_retries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import signal
+    """The ``fcsd`` command (``argv``: its arguments; None: this process's own, and then a stop ends the process
+    with its status at once, see :func:`_exit_stopped`). Bad input: one line, status 2; Ctrl-C: 130; SIGTERM: 143."""
+    from fcsd import stopping
 
-    from fcsd import quiet, safe_io
-
-    quiet.install()
+    previous = stopping.install()  # first of all: a stop while fcsd imports or loads is one line too
+    whole_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    _quiet_hub_retries()
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
-        args.overrides += extra  # key=value after a flag (`fcsd convert M --resume train.lr=1e-5`)
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.argv = argv
-    safe_io.set_command(argv)
-    previous = signal.signal(signal.SIGTERM, safe_io.raise_terminated)  # SIGTERM ends a command as Ctrl-C does
+    args = None
     try:
+        from fcsd import ownership, quiet
+
+        quiet.install()
+        _quiet_hub_retries()
+        parser = build_parser()
+        args, extra = parser.parse_known_args(_joined_option_values(parser, argv))
+        if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+            args.overrides += extra  # key=value after a flag (`fcsd convert M --resume train.lr=1e-5`)
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.argv = argv
+        ownership.set_command(argv)
         return args.func(args)
-    except KeyboardInterrupt as stop:
-        terminated = isinstance(stop, safe_io.Terminated)
-        how = "terminated (SIGTERM)" if terminated else "interrupted"
-        print(f"fcsd {args.command}: {how}{_resume_hint(args)}", file=sys.stderr)
-        return 143 if terminated else 130
-    except _input_errors() as error:
-        print(f"fcsd {args.command}: error: {_one_line(error)}", file=sys.stderr)
-        return 2
+    except SystemExit:
+        raise
+    except BaseException as error:
+        name = getattr(args, "command", None) or next((a for a in argv if not a.startswith("-")), "")
+        code = stopping.was_stopped(error)
+        if code is not None:
+            how = "terminated (SIGTERM)" if code == 143 else "interrupted"
+            print(f"fcsd {name}: {how}{_resume_hint(args)}", file=sys.stderr)
+            if whole_process:
+                _exit_stopped(code)
+            return code
+        if isinstance(error, _input_errors()):
+            print(f"fcsd {name}: error: {_one_line(error)}", file=sys.stderr)
+            return 2
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        stopping.restore(previous)
+
+
+def _exit_stopped(code: int) -> None:
+    """End the process with ``code`` now. An interrupt that landed inside a string ``exec`` (dataclasses build their
+    ``__init__`` that way while a library imports) marks the interpreter as interrupted, and Python would then end
+    itself by SIGINT at exit whatever the command returned; the command's own cleanup has run by now."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _joined_option_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--link -1MB/s`` as ``--link=-1MB/s``: argparse takes a value that starts with a dash for an option and
+    answers "expected one argument"; an option that takes a value gets the next word whatever it starts with, so
+    that the value itself is checked (and refused in fcsd's words if wrong)."""
+    commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    actions = [a for group in commands for sub in group.choices.values() for a in sub._actions]
+    takes_value = {option for a in actions if a.nargs is None for option in a.option_strings}
+    joined, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in takes_value:
+            joined.append(f"{word}={argv[i + 1]}")
+            i += 2
+            continue
+        joined.append(word)
+        i += 1
+    return joined
 
 
 def _resume_hint(args) -> str:
     """For an interrupted ``convert``: the step of its newest checkpoint and the command that continues it; for a
     sweep, that the same command continues it."""
-    if args.command == "sweep":
+    if args is not None and args.command == "sweep":
         return "; run the same command again to continue: finished runs are kept, the stopped one resumes"
-    if args.command != "convert" or getattr(args, "cfg", None):
+    if args is None or args.command != "convert" or getattr(args, "cfg", None):
         return ""
     try:
         from fcsd.distill.config import to_config
         from fcsd.run_folder import RunFolder
 
         config = to_config(_run_config(args))
-    except Exception:  # the interrupt came before the config was valid: nothing to resume
+    except BaseException:  # the interrupt came before the config was valid (or came again): nothing to resume
         return ""
     checkpoints = RunFolder(config.output_dir).checkpoints()
     if not checkpoints:

@@ -17,8 +17,8 @@ def run_demo(config) -> dict:
     from pathlib import Path
 
     from fcsd.connectivity.patch import apply_farskip
+    from fcsd.demo_assets import prepare_demo
     from fcsd.distill.convert import convert
-    from fcsd.embedded import prepare_demo
     from fcsd.evaluate.exact_match import exact_match
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.parallel.processes import main_process_first, quiet_unless_main

@@ -75,42 +75,67 @@ def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):
     return AutoTokenizer.from_pretrained(name_or_path, revision=revision, **options)
 
 
+def check_tokenizer_fits(tokenizer, config, name: str) -> None:
+    """Refuse a tokenizer with more tokens than the model (``config``) predicts: its extra ids would index past the
+    embedding. Every command that tokenises for a model checks it before loading the weights."""
+    from fcsd.connectivity.families import text_config
+
+    vocab = getattr(text_config(config), "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ValueError(
+            f"vocabulary mismatch: the tokenizer has {len(tokenizer)} tokens but {name} predicts only {vocab}; use "
+            "the tokenizer saved with the checkpoint"
+        )
+
+
 def load_config(name_or_path: str, revision: str | None = None):
     """The transformers config of a checkpoint (an export's as its stock type; a hub repo at ``revision``), with an
     unreadable config.json as a one-line error."""
     from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoConfig
 
+    stock = _stock_config(name_or_path, revision)  # its own errors are one line already (JSON, identity, hub)
+    if stock is not None:
+        return stock
     try:
-        return _stock_config(name_or_path, revision) or AutoConfig.from_pretrained(name_or_path, revision=revision)
+        return AutoConfig.from_pretrained(name_or_path, revision=revision)
     except (ValueError, TypeError, KeyError, StrictDataclassFieldValidationError) as error:  # garbage or mistyped
         raise ValueError(f"{name_or_path}: config.json cannot be read ({str(error).splitlines()[0][:160]})") from None
 
 
 def _stock_config(name_or_path: str, revision: str | None = None):
-    """The stock transformers config of an exported FarSkip folder or hub repo, or None for anything else."""
+    """The stock transformers config of an exported FarSkip folder or hub repo, or None for anything else. Every
+    config fcsd loads passes here first: its FarSkip fields must agree (:func:`fcsd.identity.identify`), so that a
+    damaged export is refused in one line instead of loading with stock wiring."""
     import json
     from pathlib import Path
 
     from transformers import AutoConfig
 
-    from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type
+    from fcsd.connectivity.families import base_model_type
+    from fcsd.identity import identify
 
     path = Path(name_or_path) / "config.json"
     if not path.exists():
         path = hub_config_file(name_or_path, revision)
     if path is None:
         return None
-    values = json.loads(path.read_text())
+    try:
+        values = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} cannot be read as JSON ({str(error)[:120]}): copy or download it again") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} holds a JSON {type(values).__name__}, not an object")
-    if not str(values.get("model_type", "")).startswith(EXPORTED_PREFIX):
+    if identify(values, str(path)) != "export":
         return None
     for key in ("auto_map", "architectures"):
         values.pop(key, None)
     base_type = base_model_type(values.pop("model_type"))
     values["architectures"] = values.get(CONFIG_KEY, {}).get("base_architectures")
-    return AutoConfig.for_model(base_type, **values)
+    try:
+        return AutoConfig.for_model(base_type, **values)
+    except (ValueError, TypeError, KeyError) as error:  # a mistyped value of the stock config's
+        raise ValueError(f"{path} cannot be read ({str(error).splitlines()[0][:160]})") from None
 
 
 def hub_config_file(name: str, revision: str | None = None):
@@ -123,7 +148,15 @@ def hub_config_file(name: str, revision: str | None = None):
         return None
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(name, "config.json", revision=revision))
+    from fcsd.sources import SourceError, explain_error
+
+    try:
+        return Path(hf_hub_download(name, "config.json", revision=revision))
+    except Exception as error:  # the first hub access of any command: say which repo, in one line
+        message = explain_error(error, repo=name)
+        if message is None:
+            raise
+        raise SourceError(message) from None
 
 
 def _model_class(name_or_path: str, config=None, revision: str | None = None):

@@ -159,6 +159,9 @@ def with_sparsity(config, sparsity: int):
     setattr(decoder, width_attr, int(width))
     if hasattr(decoder, "n_group") and decoder.n_group:  # group-limited routing needs experts divisible by groups
         decoder.n_group = min(decoder.n_group, top_k * sparsity)
+        if getattr(decoder, "topk_group", None):  # ... and enough experts in the groups a token may use
+            per_group = top_k * sparsity // decoder.n_group
+            decoder.topk_group = min(decoder.n_group, max(decoder.topk_group, -(-top_k // per_group)))
     return config
 
 

@@ -14,7 +14,7 @@
       eval/, eval_table.md  ``fcsd eval`` of the run
       teacher-cache/        ``fcsd cache-teacher``'s default folder (kept when the run is replaced)
       .fcsd-output          the marker written first: kind "run" and the manifest of what fcsd wrote here
-      .fcsd-lock            held by the one command that writes the folder (see :mod:`fcsd.safe_io`)
+      .fcsd-lock            held by the one command that writes the folder (see :mod:`fcsd.ownership`)
 """
 
 from __future__ import annotations
@@ -88,21 +88,31 @@ class RunFolder:
         return chosen
 
     def trainer_state(self, checkpoint: Path) -> dict:
+        """The checkpoint's trainer state ({} when it is missing or cannot be read)."""
         path = checkpoint / TRAINER_STATE
-        return json.loads(path.read_text()) if path.exists() else {}
+        try:
+            state = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):
+            return {}
+        return state if isinstance(state, dict) else {}
 
-    def missing_files(self, checkpoint: Path) -> list[str]:
-        """Files ``checkpoint`` needs to resume exactly that are missing or truncated: those its trainer state lists
-        (with their sizes), else accelerate's standard set for one process."""
+    def checkpoint_problems(self, checkpoint: Path) -> list[str]:
+        """What ``checkpoint`` lacks to resume exactly, one entry per file (``optimizer.bin missing``,
+        ``model.safetensors truncated (1,000 of 4,096 bytes)``): the files its trainer state lists with their sizes,
+        else accelerate's standard set for one process."""
         state = self.trainer_state(checkpoint)
         if not state:
-            return [TRAINER_STATE]
+            return [f"{TRAINER_STATE} missing"]
         expected = state.get("files") or {name: None for name in LEGACY_CHECKPOINT_FILES}
-        return [
-            name
-            for name, size in expected.items()
-            if not (checkpoint / name).is_file() or (size is not None and (checkpoint / name).stat().st_size != size)
-        ]
+        problems = []
+        for name, size in expected.items():
+            path = checkpoint / name
+            if not path.is_file():
+                problems.append(f"{name} missing")
+            elif size is not None and path.stat().st_size != size:
+                problems.append(f"{name} {'truncated' if path.stat().st_size < size else 'of another size'} "
+                                f"({path.stat().st_size:,} of {size:,} bytes)")  # fmt: skip
+        return problems
 
     def prune_checkpoints(self, keep: int) -> None:
         for old in self.checkpoints()[:-keep] if keep > 0 else []:

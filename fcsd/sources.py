@@ -1,17 +1,12 @@
 """Where models and data come from: a hub id, a local folder, a run folder of ``fcsd convert``, or the embedded
-``demo`` (built on first use by :mod:`fcsd.embedded`). Every command resolves its inputs here."""
+``demo`` (built on first use by :mod:`fcsd.demo_assets`). Every command resolves its inputs' names here."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 DEMO_NAME = "demo"
-
-
-def cache_root() -> Path:
-    """fcsd's user cache: ``$FCSD_CACHE``, else ``~/.cache/fcsd`` (the demo assets, packed-token caches)."""
-    return Path(os.environ.get("FCSD_CACHE", Path.home() / ".cache" / "fcsd"))
+DEMO_DATA = {"demo": "train.jsonl", "demo-heldout": "heldout.jsonl"}  # data names -> files of the demo's data/
 
 
 def looks_local(name: str) -> bool:
@@ -49,7 +44,7 @@ def resolve_model(name: str) -> str:
     """``demo`` -> the demo checkpoint folder (built on first use); a local-looking path that does not exist is a
     clear error (not a hub lookup); anything else (a folder, a hub id) unchanged."""
     if name == DEMO_NAME:
-        from fcsd.embedded import prepare_demo
+        from fcsd.demo_assets import prepare_demo
 
         return str(prepare_demo() / "model")
     if looks_local(name) and not Path(name).expanduser().exists():
@@ -59,11 +54,9 @@ def resolve_model(name: str) -> str:
 
 def resolve_data(name: str | None) -> str | None:
     """``demo`` / ``demo-heldout`` -> the demo's training / held-out file; anything else unchanged."""
-    from fcsd.embedded import DEMO_DATA
-
     if name not in DEMO_DATA:
         return name
-    from fcsd.embedded import prepare_demo
+    from fcsd.demo_assets import prepare_demo
 
     return str(prepare_demo() / "data" / DEMO_DATA[name])
 
@@ -89,19 +82,24 @@ def resolve_checkpoint(ref: str) -> str:
     return str(checkpoint)
 
 
-def explain_error(error: BaseException) -> str | None:
+class SourceError(ValueError):
+    """A model or data source that cannot be used, already said in one line (:func:`explain_error`'s own)."""
+
+
+def explain_error(error: BaseException, repo: str | None = None) -> str | None:
     """One line for the loading and hub errors whose own messages run over many lines or name no fix: a model
-    the hub does not know, a hub that cannot be reached, a truncated weights file, an unreadable config.json."""
+    the hub does not know, a hub that cannot be reached, a truncated weights file, an unreadable config.json.
+    ``repo``: the hub id being fetched, named in the message when the error does not say it."""
     chain, seen = [], error
-    while seen is not None and len(chain) < 8:
+    while seen is not None and len(chain) < 8:  # what it was raised from (`from None`: nothing)
         chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e) for e in chain)
     local = "give a local checkpoint folder (e.g. ./models/my-model), a hub id, or 'demo'"
-    from fcsd.safe_io import FolderError, is_disk_full
+    from fcsd.staging import is_disk_full
 
-    if isinstance(error, FolderError):  # already one line naming the folder
+    if type(error).__module__.startswith("fcsd."):  # fcsd's own errors are one line naming the problem already
         return None
     if is_disk_full(error):
         return f"no space left on the disk ({_first_line(error)}): free space and run the command again"
@@ -117,11 +115,30 @@ def explain_error(error: BaseException) -> str | None:
     )
     unreachable = names & {"ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "TimeoutException"}
     if offline or unreachable or "couldn't connect to" in text or "Failed to resolve" in text:
-        why = "hub access is off (HF_HUB_OFFLINE=1)" if offline else "the Hugging Face hub cannot be reached"
-        return f"{why} and it is not in the local cache: check the network or HF_ENDPOINT, or {local}"
+        repo = repo or _repo_named(chain, text)
+        if offline:
+            return (
+                f"{repo} is not in the local hub cache and hub access is off (HF_HUB_OFFLINE=1): unset HF_HUB_OFFLINE "
+                f"to download it, or {local}"
+            )
+        return (
+            f"{repo}: the Hugging Face hub cannot be reached and it is not in the local cache: check the network or "
+            f"HF_ENDPOINT, or {local}"
+        )
     if "SafetensorError" in names or "header too large" in text or "incomplete metadata" in text:
         return f"a .safetensors file is truncated or corrupt ({_first_line(error)}): download or copy it again"
     return None
+
+
+def _repo_named(chain: list[BaseException], text: str) -> str:
+    """The hub repository an error is about (its ``repo_id``, or the one in the URL it names), or "the model"."""
+    import re
+
+    for error in chain:
+        if getattr(error, "repo_id", None):
+            return str(error.repo_id)
+    found = re.search(r"https?://[^/\s]+/(?:api/models/)?([\w.-]+/[\w.-]+)(?:/resolve|/revision|[\s'\"]|$)", text)
+    return found.group(1) if found else "the model"
 
 
 def _offline() -> bool:

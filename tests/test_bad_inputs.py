@@ -16,15 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from processes import started, wait_for
 from tiny_models import build, save_chat_model
 
 from fcsd.cli import main
 from fcsd.distill.config import compose, to_config
+from fcsd.ownership import MARKER
 from fcsd.run_folder import CONFIG, RunFolder
-from fcsd.safe_io import MARKER
 
 FAST = ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=64", "train.micro_batch_size=2"]
 FAST += ["train.warmup_steps=0", "progress=false", "early_stop.enabled=false"]
+# what `fcsd export` writes into config.json to say what the folder is (fcsd.identity)
+EXPORT_IDENTITY = {"model_type": "farskip_qwen3_moe", "farskip": {"layers": [1]}}
+EXPORT_IDENTITY["architectures"] = ["FarSkipQwen3MoeForCausalLM"]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +97,37 @@ def world(tmp_path_factory):
     (root / "runs" / "broken" / "final").mkdir(parents=True)
     for path in broken.iterdir():
         (root / "runs" / "broken" / "final" / path.name).write_bytes(path.read_bytes())
+    add_round_three(root)
     return root
+
+
+def add_round_three(root: Path) -> None:
+    """Folders of the third hostile probe (issue 28): markers that lie or cannot be read, a truncated checkpoint
+    file, configs of impossible shapes, a tokenizer larger than its model."""
+    (fake_run(root, "runs/marked_export", steps=[2]) / MARKER).write_text(
+        json.dumps({"kind": "export", "written": ["checkpoints", CONFIG, "metrics.jsonl"]})
+    )
+    (fake_run(root, "runs/no_marker", steps=[2]) / MARKER).unlink()
+    (fake_run(root, "runs/bad_marker", steps=[2]) / MARKER).write_text("{kind: ru")
+    (fake_run(root, "runs/list_marker", steps=[2]) / MARKER).write_text("[1, 2]")
+    truncated = fake_run(root, "runs/truncated", steps=[4]) / "checkpoints" / "step-4" / "optimizer.bin"
+    truncated.write_bytes(b"x")  # its trainer state lists 4 bytes
+    for name, change in (("topk16", {"num_experts_per_tok": 16}), ("no_layers", {"num_hidden_layers": 0})):
+        (root / name).mkdir()
+        values = json.loads((root / "model" / "config.json").read_text())
+        (root / name / "config.json").write_text(json.dumps({**values, **change}))
+    big = root / "big_tokenizer"
+    shutil.copytree(root / "model", big)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(big)
+    vocab = json.loads((big / "config.json").read_text())["vocab_size"]
+    tokenizer.add_tokens([f"extra{i}" for i in range(vocab - len(tokenizer) + 5)])
+    tokenizer.save_pretrained(big)
+    assert len(tokenizer) > vocab
+    damaged = root / "export_no_block"  # an export whose config.json lost its farskip block
+    damaged.mkdir()
+    (damaged / "config.json").write_text(json.dumps({k: v for k, v in EXPORT_IDENTITY.items() if k != "farskip"}))
+    (damaged / "fcsd_export.json").write_text("{}")
+    (damaged / MARKER).write_text(json.dumps({"kind": "export", "written": ["config.json", "fcsd_export.json"]}))
 
 
 def fake_run(root: Path, name: str, steps: list[int], final: bool = False) -> Path:
@@ -260,13 +294,14 @@ CASES = [
     (
         "resume_a_finished_run",
         lambda w: [*run_convert(w, f"output_dir={w / 'runs/x'}", "train.max_steps=3"), "--resume"],
-        "finished (step 1; final/ and export/ hold it), and resuming would overwrite them",
+        "finished (step 1; final/ holds it), and resuming would write over it",
         None,
     ),
     (
         "resume_to_fewer_steps",
         lambda w: [*run_convert(w, f"output_dir={w / 'runs/unfinished'}", "train.max_steps=3"), "--resume"],
-        "the run would end at step 3 (train.max_steps / max_tokens / stop_after), at or below step 4",
+        "the run would end at step 3 (train.max_steps / max_tokens / stop_after), at or below step 4 of "
+        "checkpoints/step-4: there is nothing left to train",
         None,
     ),
     (
@@ -277,13 +312,13 @@ CASES = [
     ),
     (
         "resume_missing_rng_state",
-        lambda w: [*run_convert(w, f"output_dir={w / 'runs/no_rng'}", "train.max_steps=9"), "--resume"],
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/no_rng'}"), "--resume"],
         "checkpoints/step-4 is incomplete (random_states_0.pkl missing); continue from step-2: `fcsd convert",
         None,
     ),
     (
         "resume_missing_optimizer_state",
-        lambda w: [*run_convert(w, f"output_dir={w / 'runs/no_optimizer'}", "train.max_steps=9"), "--resume"],
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/no_optimizer'}"), "--resume"],
         "(optimizer.bin missing); no complete older checkpoint is left",
         None,
     ),
@@ -372,8 +407,8 @@ CASES = [
     ),
     (
         "unparsable_value",
-        lambda w: run_convert(w, "output_dir=~/x"),
-        "output_dir=~/x: this value cannot be read as it is written; quote it",
+        lambda w: run_convert(w, "output_dir=[x"),
+        "output_dir=[x: this value cannot be read as it is written; quote it, e.g. 'output_dir=\"[x\"'",
         None,
     ),
     (
@@ -460,7 +495,6 @@ CASES = [
         "new",
     ),
     # 7. models
-    ("unknown_hub_id_offline", lambda w: ["inspect", "no-such-org/no-such-model"], "hub access is off", None),
     (
         "export_truncated_safetensors",
         lambda w: ["export", str(w / "runs/broken"), str(w / "exported")],
@@ -492,7 +526,7 @@ CASES = [
     (
         "plan_layers_convert_nothing",
         lambda w: ["plan", str(w / "model"), "--layers", "first:0"],
-        "converts no layer",
+        "selects no layer of the model's 4 layers, so there is nothing to convert",
         None,
     ),
     (
@@ -536,6 +570,188 @@ CASES = [
         "bench_ranks_not_dividing_experts",
         lambda w: ["bench", "overlap", "--ranks", "3"],
         "--ranks 3: it must be at least 1 and divide the model's 8 experts",
+        None,
+    ),
+]
+
+
+# issue 28, the third hostile probe: each case failed (exit 0, a traceback or a misleading line) before
+CASES += [
+    # 3. a folder's kind is read from its contents too: a run whose marker says export is still a run
+    (
+        "export_over_a_run_marked_export",
+        lambda w: ["export", str(w / "runs/x"), str(w / "runs/marked_export"), "--overwrite"],
+        "is marked as an export but holds a run folder's checkpoints, fcsd_config.yaml, metrics.jsonl",
+        None,
+    ),
+    (
+        "output_dir_run_without_marker",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/no_marker'}", "overwrite=true"),
+        "holds a run folder's files (checkpoints, fcsd_config.yaml, metrics.jsonl) but no .fcsd-output marker",
+        None,
+    ),
+    (
+        "output_dir_marker_not_json",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/bad_marker'}", "overwrite=true"),
+        "has a damaged .fcsd-output marker (not JSON), so fcsd cannot tell what it wrote there",
+        None,
+    ),
+    (
+        "output_dir_marker_json_list",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/list_marker'}", "overwrite=true"),
+        "has a damaged .fcsd-output marker (a JSON list, not an object)",
+        None,
+    ),
+    (
+        "resume_marker_json_list",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/list_marker'}"), "--resume"],
+        "holds a folder with a damaged .fcsd-output marker (a JSON list, not an object), not a run to resume",
+        None,
+    ),
+    # 4. a layer spec that rounds to no layer, wherever a spec is read
+    (
+        "convert_layers_round_to_none",
+        lambda w: run_convert(w, "farskip.layers=last:1%", f"output_dir={w / 'new'}"),
+        "layer spec 'last:1%' rounds to no layer: 1% of the model's 4 layers is 0.04; the smallest that converts "
+        "one layer is last:13% (or last:1)",
+        None,
+    ),
+    ("inspect_layers_round_to_none", lambda w: ["inspect", str(w / "model"), "--layers", "last:1%"], "last:13%", None),
+    ("plan_layers_round_to_none", lambda w: ["plan", str(w / "model"), "--layers", "first:2%"], "first:13%", None),
+    (
+        "probe_grid_rounds_to_none",
+        lambda w: [
+            "probe",
+            str(w / "model"),
+            "--data",
+            str(w / "data/train.jsonl"),
+            "--grid",
+            "1%",
+            "--output-dir",
+            str(w / "p"),
+        ],  # fmt: skip
+        "rounds to no layer",
+        "p",
+    ),
+    # 8. another schedule on --resume
+    (
+        "resume_with_a_longer_schedule",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/unfinished'}", "train.max_steps=12"), "--resume"],
+        "train.max_steps=12 (the run's schedule spans 156250000 steps, this one 12) would change the LR schedule",
+        None,
+    ),
+    (
+        "resume_with_another_lr",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/unfinished'}", "train.lr=3e-4"), "--resume"],
+        "train.lr=0.0003 (the run: 2e-05) would change the LR schedule",
+        None,
+    ),
+    # 10. impossible shapes, refused by every command that reads a config
+    ("inspect_top_k_above_experts", lambda w: ["inspect", str(w / "topk16")], "num_experts_per_tok=16 with 8", None),
+    ("perfmodel_top_k_above_experts", lambda w: ["perfmodel", "--model", str(w / "topk16")], "top-k must lie", None),
+    ("plan_top_k_above_experts", lambda w: ["plan", str(w / "topk16")], "num_experts_per_tok=16 with 8 routed", None),
+    ("inspect_no_layers", lambda w: ["inspect", str(w / "no_layers")], "num_hidden_layers=0 (it must be", None),
+    (
+        "convert_top_k_above_experts",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", model=str(w / "topk16")),
+        "the Qwen3-MoE config is impossible: num_experts_per_tok=16 with 8 routed experts",
+        None,
+    ),
+    # 11. two models named
+    (
+        "model_twice",
+        lambda w: [*run_convert(w, f"output_dir={w / 'new'}"), f"model.name={w / 'big_tokenizer'}"],
+        "name two models; give the model once",
+        None,
+    ),
+    # tracebacks that are one line now
+    ("seq_len_one", lambda w: run_convert(w, "data.seq_len=1", f"output_dir={w / 'new'}"), "needs at least 2", None),
+    (
+        "probe_tokenizer_larger_than_model",
+        lambda w: [
+            "probe",
+            str(w / "big_tokenizer"),
+            "--data",
+            str(w / "data/train.jsonl"),
+            "--output-dir",
+            str(w / "p"),
+        ],  # fmt: skip
+        "vocabulary mismatch: the tokenizer has",
+        "p",
+    ),
+    (
+        "routes_tokenizer_larger_than_model",
+        lambda w: [
+            "routes",
+            "record",
+            str(w / "big_tokenizer"),
+            "--data",
+            str(w / "data/train.jsonl"),
+            "--out",
+            str(w / "r.routes"),
+        ],  # fmt: skip
+        "vocabulary mismatch: the tokenizer has",
+        None,
+    ),
+    (
+        "routes_garbage_config",
+        lambda w: [
+            "routes",
+            "record",
+            str(w / "garbage"),
+            "--data",
+            str(w / "data/train.jsonl"),
+            "--out",
+            str(w / "r.routes"),
+        ],  # fmt: skip
+        "garbage/config.json cannot be read",
+        None,
+    ),
+    ("perfmodel_sparsity_zero", lambda w: ["perfmodel", "--preset", "deepseek-v3", "--sparsity", "0"], "least 1", None),
+    # 12. a link the benchmark cannot model in reasonable time, and a negative one
+    (
+        "bench_link_one_byte_per_second",
+        lambda w: ["bench", "overlap", "--config", "tiny", "--ranks", "2", "--link", "1B/s"],
+        "--link 1B/s: the modelled transfers alone would take about",
+        None,
+    ),
+    ("bench_link_negative", lambda w: ["bench", "overlap", "--link", "-1MB/s"], "the bandwidth must be positive", None),
+    # misleading lines, now accurate
+    (
+        "resume_truncated_checkpoint_file",
+        lambda w: [*run_convert(w, f"output_dir={w / 'runs/truncated'}"), "--resume"],
+        "checkpoints/step-4 is incomplete (optimizer.bin truncated (1 of 4 bytes))",
+        None,
+    ),
+    (
+        "sweep_into_a_run_folder",
+        lambda w: ["sweep", *run_convert(w, f"output_dir={w / 'runs/x'}")[1:]],
+        "runs/x is an fcsd run folder; a sweep writes its runs to OUTPUT_DIR/sweep/",
+        None,
+    ),
+    (
+        "export_inside_the_sources_run",
+        lambda w: ["export", str(w / "runs/x"), str(w / "runs/x/export2")],
+        "lies inside the run folder",
+        None,
+    ),
+    (
+        "eval_tasks_mbpp_names_the_tasks",
+        lambda w: ["eval", str(w / "model"), "--tasks", "mbpp"],
+        "--tasks mbpp scores mbpp by running model-written code",
+        None,
+    ),
+    (
+        "unknown_hub_id_offline_named",
+        lambda w: ["inspect", "no-such-org/no-such-model"],
+        "no-such-org/no-such-model is not in the local hub cache and hub access is off (HF_HUB_OFFLINE=1): unset",
+        None,
+    ),
+    ("plan_absurd_tokens", lambda w: ["plan", str(w / "model"), "--tokens", "1e30"], "--tokens 1e+30: give a", None),
+    (
+        "push_an_export_without_its_farskip_block",
+        lambda w: ["push", str(w / "export_no_block"), "me/x", "--dry-run"],
+        "says FarSkip but the `farskip` block (which layers are converted) is missing",
         None,
     ),
 ]
@@ -588,16 +804,27 @@ def test_ctrl_c_or_sigterm_stops_cleanly_with_the_resume_command(env, tmp_path, 
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "fcsd.cli", *run_convert(env, f"output_dir={out}", "train.max_steps=100000")]
     argv += ["train.save_every=1", "export=false"]
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ)
-    deadline = time.time() + 60
-    while time.time() < deadline and not list((out / "checkpoints").glob("step-*")):
-        time.sleep(0.2)
-    process.send_signal(stop)
-    _, err = process.communicate(timeout=60)
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr, started(argv, stderr=stderr, stdout=subprocess.DEVNULL, env=_environ()) as process:
+        wait_for(lambda: list((out / "checkpoints").glob("step-*")), 900, "the first checkpoint", process)
+        process.send_signal(stop)
+        process.wait(timeout=300)
+    err = log.read_text()
     assert process.returncode == (130 if stop == signal.SIGINT else 143), err
     assert "Traceback" not in err, err
     assert "--resume`" in err and "the last checkpoint is step-" in err, err
+
+
+def _holder(lock: Path) -> int | None:
+    """The pid in a held lock file (None while there is none or it is being written)."""
+    try:
+        return json.loads(lock.read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _environ() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def test_malformed_jsonl_line_on_the_command_line_is_skipped_and_counted(env, tmp_path, caplog):
@@ -626,7 +853,7 @@ def test_push_to_an_unreachable_hub_is_one_line_and_keeps_the_token(
 
     folder = tmp_path / "export"
     folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text(json.dumps(EXPORT_IDENTITY))
     (folder / PARITY_RECORD).write_text("{}")
     monkeypatch.setenv("HF_TOKEN", "hf_secret_token")
     assert main(["push", str(folder), "me/x"]) == 2
@@ -716,11 +943,11 @@ def test_short_runs_evaluate_the_held_out_kl_along_the_way():
 
 def test_one_command_per_folder(env, capsys):
     """A second command into a folder another one holds is refused, naming the holder; nothing is written."""
-    from fcsd import safe_io
+    from fcsd import ownership
 
     run = env / "runs" / "unfinished"
     before = snapshot(env)
-    with safe_io.folder_lock(run, "output_dir"), safe_io.folder_lock(env / "runs" / "x", "output_dir"):
+    with ownership.folder_lock(run, "output_dir"), ownership.folder_lock(env / "runs" / "x", "output_dir"):
         assert main([*run_convert(env, f"output_dir={run}", "train.max_steps=9"), "--resume"]) == 2
         assert main(run_convert(env, f"output_dir={run}", "overwrite=true")) == 2
         assert main(["eval", str(env / "runs" / "x"), "--tasks", "arc_easy"]) == 2  # writes RUN/eval
@@ -744,7 +971,7 @@ def test_the_next_holder_removes_staging_left_by_a_dead_run(env, tmp_path, capsy
     (run / ".final.old-x7c0q2zz" / "final" / "config.json").write_text("{}")
     for mine in (".notes.old", ".plan.partial.md"):
         (run / mine).write_text("mine")
-    overrides = [f"model.name={env / 'model'}", *run_convert(env, f"output_dir={run}", "train.max_steps=9")[2:]]
+    overrides = [f"model.name={env / 'model'}", *run_convert(env, f"output_dir={run}")[2:]]
     config = to_config(compose([*overrides, "train.resume=true"]))
     with output_dir_claimed(config):
         assert (run / ".fcsd-lock").exists()
@@ -774,22 +1001,32 @@ def _stop_after_checkpoint(monkeypatch, step: int):
     monkeypatch.setattr(trainer.TrainingSession, "save_checkpoint", save_then_stop)
 
 
-def test_resume_checks_the_data_and_the_checkpoint_files_and_says_how_to_go_on(env, tmp_path, monkeypatch, capsys):
-    """A run stopped after step 3: --resume refuses changed data (same path, other content) and a checkpoint that
-    lost a file, naming the newest complete one and the command; that command resumes, and the metrics hold each
-    step once."""
+def test_resume_checks_its_inputs_and_the_checkpoint_files_and_says_how_to_go_on(env, tmp_path, monkeypatch, capsys):
+    """A run stopped after step 3: --resume refuses, each by its own name, other weights of the same shapes, another
+    tokenizer, another chat template (not "the training data changed": case 7 of issue 28) and changed data (same
+    paths, other content), and a checkpoint that lost a file, naming the newest complete one and the command; that
+    command resumes, and the metrics hold each step once."""
     import shlex
 
-    data = tmp_path / "train.jsonl"
+    model, data = tmp_path / "model", tmp_path / "train.jsonl"
+    shutil.copytree(env / "model", model)
     shutil.copyfile(env / "data" / "train.jsonl", data)
     out = tmp_path / "run"
     argv = run_convert(env, f"output_dir={out}", f"data.path={data}", "train.max_steps=4", "train.save_every=1")
-    argv += ["train.keep_checkpoints=3", "export=false"]
+    argv = [argv[0], str(model), *argv[2:], "train.keep_checkpoints=3", "export=false"]
     with monkeypatch.context() as patch:
         _stop_after_checkpoint(patch, 3)
         assert main(argv) == 130
     assert [p.name for p in (out / "checkpoints").iterdir()] and not (out / "final").exists()
     capsys.readouterr()
+    before = snapshot(out)
+    for name, edit in _input_edits(model, tmp_path):
+        restore = edit()
+        assert main([*argv, "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"--resume: {name} changed since checkpoints/step-3 was saved" in err, err
+        restore()
+    assert snapshot(out) == before
     original = data.read_text()
     data.write_text(original.replace("add 7 and 8", "add 70 and 80"))
     before = snapshot(out)
@@ -853,16 +1090,14 @@ def test_a_stopped_sweep_leaves_no_process_writing_and_no_traceback(env, tmp_pat
     out = tmp_path / "sweep"
     argv = [sys.executable, "-m", "fcsd.cli", "sweep", *run_convert(env, f"output_dir={out}")[1:]]
     argv += ["sweep.steps=100000", "sweep.batch_tokens=[64]", "sweep.lrs=[0.001]", "sweep.stage1_lr=0.001"]
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen(argv, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ)
     lock = out / "sweep" / "stage1" / "bt64-lr0.001" / ".fcsd-lock"
-    run_config = lock.with_name(CONFIG)
-    deadline = time.time() + 180
-    while time.time() < deadline and not (run_config.exists() and lock.exists()):
-        time.sleep(0.2)
-    holder = json.loads(lock.read_text())["pid"]
-    process.send_signal(stop)
-    _, err = process.communicate(timeout=120)
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr, started(argv, stderr=stderr, stdout=subprocess.DEVNULL, env=_environ()) as process:
+        wait_for(lambda: lock.with_name(CONFIG).exists() and _holder(lock), 900, "the sweep's first run", process)
+        holder = _holder(lock)
+        process.send_signal(stop)
+        process.wait(timeout=300)
+    err = log.read_text()
     assert process.returncode == (130 if stop == signal.SIGINT else 143), err
     assert "Traceback" not in err and "fcsd sweep: " in err.strip().splitlines()[-1], err
     assert not lock.exists()
@@ -921,18 +1156,15 @@ def test_paths_survive_the_override_parser_and_tilde_is_expanded_once(env, tmp_p
 
 def test_run_child_passes_sigterm_on_and_waits(tmp_path):
     pid_file = tmp_path / "child.pid"
-    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
     script = (
-        "import sys\nfrom fcsd.distill.sweep import run_child\n"
+        "import sys\nfrom fcsd.stopping import run_child\n"
         f"try:\n    run_child([sys.executable, '-c', {child!r}])\nexcept KeyboardInterrupt:\n    sys.exit(130)\n"
     )
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    parent = subprocess.Popen([sys.executable, "-c", script], env=environ)
-    deadline = time.time() + 60
-    while time.time() < deadline and not (pid_file.exists() and pid_file.read_text()):
-        time.sleep(0.1)
-    parent.send_signal(signal.SIGTERM)
-    assert parent.wait(timeout=60) == 130
+    with started([sys.executable, "-c", script], env=_environ()) as parent:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 300, "the child's start", parent)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=120) == 130
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
 
@@ -950,3 +1182,288 @@ def test_a_teacher_cache_rebuild_refuses_a_cache_that_holds_other_files(env):
     with pytest.raises(ValueError, match=r"a_cache also holds files fcsd did not write \(notes.txt\)"):
         build_cache(None, None, env / "a_cache", {"format": 1}, overwrite=True)
     assert snapshot(env / "a_cache") == before
+
+
+# -- issue 28: exports are folders of their own, conversions convert, resumes check their inputs, stops stop ------
+
+
+def converted_checkpoint(env, folder: Path, seed: int) -> Path:
+    """A converted checkpoint of the world's model whose weights are shifted by ``seed`` (two of them differ)."""
+    import fcsd
+
+    model = fcsd.from_pretrained(str(env / "model"), layers="all")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01 * seed)
+    model.save_pretrained(folder)
+    for path in (env / "model").iterdir():
+        if path.name.startswith(("tokenizer", "chat_template")):
+            shutil.copyfile(path, folder / path.name)
+    return folder
+
+
+def weights_of(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_two_exports_started_together_into_one_folder_one_wins_the_other_is_refused(env, tmp_path):
+    """Case 1: `fcsd export A OUT` and `fcsd export B OUT` at once, no --overwrite: exactly one writes OUT (the other
+    is refused, whichever order the lock and the rename come in) and OUT holds the winner's weights."""
+    sources = [converted_checkpoint(env, tmp_path / name, seed) for seed, name in ((1, "a"), (2, "b"))]
+    out = tmp_path / "out"
+    argv = [[sys.executable, "-m", "fcsd.cli", "export", str(source), str(out)] for source in sources]
+    logs = [tmp_path / f"err-{i}.txt" for i in range(2)]
+    with logs[0].open("w") as first, logs[1].open("w") as second:
+        with started(argv[0], stderr=first, stdout=subprocess.DEVNULL, env=_environ()) as a:
+            with started(argv[1], stderr=second, stdout=subprocess.DEVNULL, env=_environ()) as b:
+                codes = [a.wait(timeout=900), b.wait(timeout=900)]
+    assert sorted(codes) == [0, 2], [log.read_text() for log in logs]
+    winner, loser = (0, 1) if codes[0] == 0 else (1, 0)
+    refusal = logs[loser].read_text().strip().splitlines()[-1]
+    assert "in use by another fcsd command" in refusal or "holds an export; pass --overwrite" in refusal, refusal
+    exported = weights_of(out)
+    source = weights_of(sources[winner])
+    assert all(torch.equal(exported[name].float(), source[name].float()) for name in source)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no staging left
+
+
+def _during_staging(monkeypatch, action):
+    """Run ``action`` while an export stages (at its reload-parity check, before the final rename)."""
+    from fcsd.export import save
+
+    check = save.check_parity
+
+    def check_then_act(model, folder):
+        difference = check(model, folder)
+        action()
+        return difference
+
+    monkeypatch.setattr(save, "check_parity", check_then_act)
+
+
+def test_a_folder_a_user_makes_while_the_export_stages_is_kept(env, tmp_path, monkeypatch, capsys):
+    """Case 2: OUT/ created and given a file while the export is staging: the export is refused at its rename and
+    the user's file stays; no staging folder is left."""
+    source = converted_checkpoint(env, tmp_path / "a", 1)
+    out = tmp_path / "out"
+
+    def user_writes():
+        out.mkdir()
+        (out / "mine.txt").write_text("mine")
+
+    _during_staging(monkeypatch, user_writes)
+    assert main(["export", str(source), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds files fcsd did not write" in err.strip().splitlines()[-1] and "Traceback" not in err, err
+    assert (out / "mine.txt").read_text() == "mine" and sorted(p.name for p in out.iterdir()) == ["mine.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "out"]
+
+
+def test_an_export_another_command_finished_meanwhile_is_not_replaced_without_overwrite(
+    env, tmp_path, monkeypatch, capsys
+):
+    """Case 1, the other order: B's export lands in OUT while A stages; A (no --overwrite) is refused at its rename
+    and B's export stays as it was."""
+    first, second = converted_checkpoint(env, tmp_path / "a", 1), converted_checkpoint(env, tmp_path / "b", 2)
+    out, other = tmp_path / "out", tmp_path / "other"
+    assert main(["export", str(second), str(other)]) == 0
+    _during_staging(monkeypatch, lambda: shutil.copytree(other, out))
+    before = snapshot(out) if out.exists() else None
+    assert main(["export", str(first), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "now holds an export that another command wrote while this one was staging; nothing was replaced" in err
+    assert before is None and snapshot(out) == snapshot(other)
+
+
+def test_the_only_copy_a_killed_export_left_aside_comes_back_before_anything_is_decided(env, tmp_path, capsys):
+    """An export killed between its two renames leaves the only copy of OUT in `.OUT.old-*/OUT`: the next export into
+    OUT moves it back under the lock first, then refuses to replace it without --overwrite (it is an export)."""
+    source = converted_checkpoint(env, tmp_path / "a", 1)
+    out = tmp_path / "out"
+    assert main(["export", str(source), str(out)]) == 0
+    before = snapshot(out)
+    aside = tmp_path / ".out.old-k2j4ab9z"
+    aside.mkdir()
+    out.rename(aside / "out")
+    (tmp_path / ".out.partial-x7c0q2zz").mkdir()  # and a half-staged one
+    capsys.readouterr()
+    assert main(["export", str(source), str(out)]) == 2
+    assert "holds an export; pass --overwrite to replace it" in capsys.readouterr().err
+    assert snapshot(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a", "out"]
+
+
+def test_zero_layer_conversion_is_refused_before_loading(env, monkeypatch, capsys):
+    """Case 4: nothing loads and nothing trains when the spec converts no layer of the model."""
+    import fcsd.loading
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(fcsd.loading, "from_pretrained", no_loading)
+    assert main(run_convert(env, "farskip.layers=last:1%", f"output_dir={env / 'new'}")) == 2
+    assert "last:13%" in capsys.readouterr().err
+    assert not (env / "new").exists()
+
+
+def _input_edits(model: Path, tmp_path: Path):
+    """(how a refusal names it, an edit of ``model`` that returns its undo) for each model input a resume checks."""
+
+    def rewrite(path: Path, content: bytes):
+        def edit():
+            original = path.read_bytes()
+            path.write_bytes(content)
+            return lambda: path.write_bytes(original)
+
+        return edit
+
+    build("qwen3_moe", seed=7).save_pretrained(tmp_path / "other")  # same shapes, other values
+    weights = fcsd_weights_resized(tmp_path / "other", model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]  # two tokens swap their ids: same size, another vocabulary
+    first, second = list(vocab)[-2:]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    vocabulary = json.dumps(tokenizer).encode()
+    template = (model / "chat_template.jinja").read_text().replace("<|end|>", "\n<|end|>", 1)  # renders otherwise
+    return [
+        ("the model's weights", rewrite(model / "model.safetensors", weights)),
+        ("the tokenizer (its vocabulary or special tokens)", rewrite(model / "tokenizer.json", vocabulary)),
+        ("the chat template (how chats are rendered into training text)",
+         rewrite(model / "chat_template.jinja", template.encode())),
+    ]  # fmt: skip
+
+
+def fcsd_weights_resized(folder: Path, like: Path) -> bytes:
+    """The weights of ``folder`` saved with the shapes of ``like``'s (the world's model has a resized vocabulary)."""
+    from safetensors.torch import load_file, save_file
+
+    mine, theirs = load_file(str(folder / "model.safetensors")), load_file(str(like / "model.safetensors"))
+    resized = {}
+    for name, tensor in theirs.items():
+        source = mine.get(name)
+        resized[name] = torch.randn_like(tensor) if source is None or source.shape != tensor.shape else source
+    save_file(resized, str(folder / "resized.safetensors"), metadata={"format": "pt"})
+    return (folder / "resized.safetensors").read_bytes()
+
+
+def test_resume_accepts_the_same_data_file_by_another_spelling_of_its_path(env):
+    """A run started with an absolute data path resumes with the relative one (cwd: the world's work folder)."""
+    from fcsd.distill.resume import check_resume
+
+    config = to_config(compose([*run_convert(env, f"output_dir={env / 'runs/unfinished'}")[2:],
+                                f"model.name={env / 'model'}", "data.path=../data/train.jsonl",
+                                "train.resume=true"]))  # fmt: skip
+    check_resume(RunFolder(env / "runs/unfinished"), config)  # no "different run"
+
+
+def test_small_data_holds_out_at_most_a_fifth_and_says_so(env, caplog):
+    """Case 9: data.eval_sequences above a fifth of the packed sequences holds out a fifth, with a note."""
+    from fcsd.distill.models import load_tokenizer
+    from fcsd.distill.run_data import load_run_data
+
+    config = to_config(compose([*run_convert(env, "data.eval_sequences=1000")[2:], f"model.name={env / 'model'}"]))
+    train, held, _ = load_run_data(config, load_tokenizer(config))
+    assert 1 <= len(held) <= (len(train) + len(held)) // 5 and len(train) >= 4 * len(held)
+    assert f"data.eval_sequences=1000: {config.data.path} packs into {len(train) + len(held)} sequences" in caplog.text
+
+
+def test_skipped_rows_are_counted_once(tmp_path, caplog):
+    from fcsd.distill.data import load_texts
+
+    good = [json.dumps({"text": f"row {i}"}) for i in range(60)]
+    empty = [json.dumps({"text": ""})] * 3
+    (tmp_path / "d.jsonl").write_text("\n".join(good + empty) + "\n")
+    rows = load_texts(str(tmp_path / "d.jsonl"))
+    assert rows.skipped == 3 and len(rows.texts) == 60
+    assert "skipped 3 malformed or empty rows of 63" in caplog.text
+
+
+def test_a_literal_tilde_path_is_the_home_folder(env, capsys):
+    """`output_dir=~/x` as the shell passes it when quoted: a path in the home folder, not a parse error."""
+    assert main(["convert", str(env / "model"), f"data.path={env / 'data/train.jsonl'}", "output_dir=~/x", "--cfg",
+                 "job"]) == 0  # fmt: skip
+    from fcsd.cli import _run_config, build_parser
+
+    args = build_parser().parse_args(["convert", str(env / "model"), "data.path=d", "output_dir=~/x"])
+    args.resume = False
+    assert to_config(_run_config(args)).output_dir == str(env / "home" / "x")
+
+
+def test_a_corrupt_routes_file_gets_advice_that_works(env, tmp_path, capsys):
+    (tmp_path / "bad.routes").write_text("not routes")
+    assert main(["routes", "stats", str(tmp_path / "bad.routes")]) == 2
+    err = capsys.readouterr().err
+    assert "record the routes again into a new file: `fcsd routes record MODEL --out NEW.routes`" in err, err
+    argv = ["routes", "record", str(env / "model"), "--data", str(env / "data/train.jsonl")]
+    assert main([*argv, "--out", str(tmp_path / "bad.routes")]) == 2  # fcsd never overwrites what it cannot read
+    assert main([*argv, "--out", str(tmp_path / "new.routes"), "--tokens", "64", "--seq-len", "16"]) == 0
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` catches SIGTERM: fcsd's command line installs its handlers first thing (Python itself
+    does not catch SIGTERM), so from then on a stop is fcsd's to report."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.0, 3.0], ids=["at-start", "importing", "loading"])
+def test_ctrl_c_at_any_moment_of_startup_is_one_line_and_130(env, tmp_path, delay):
+    """Ctrl-C while fcsd imports or loads (not only while it trains): one line, exit 130, never a traceback. (Before
+    fcsd's first line runs, the interpreter's own start is Python's: the test starts once the handlers are in.)"""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "fcsd.cli", *run_convert(env, f"output_dir={out}", "train.max_steps=100000")]
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr, started(argv, stderr=stderr, stdout=subprocess.DEVNULL, env=_environ()) as process:
+        wait_for(lambda: _handles_sigterm(process.pid), 300, "fcsd's signal handlers", process, poll=0.01)
+        time.sleep(delay)  # a moment, not a state to wait for: each must end the same way
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=300) == 130, log.read_text()
+    lines = log.read_text().strip().splitlines()
+    assert lines and lines[-1].startswith("fcsd convert: interrupted") and "Traceback" not in log.read_text(), lines
+    assert not [line for line in lines if "Error" in line], lines
+
+
+def test_sigterm_to_bench_overlap_ends_every_rank(tmp_path):
+    """Case 13: the benchmark's rank processes end with the command (they lived on before, re-parented to init)."""
+    import psutil
+
+    argv = [sys.executable, "-m", "fcsd.cli", "bench", "overlap", "--config", "tiny", "--ranks", "2"]
+    argv += ["--iters", "100000"]
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr, started(argv, stderr=stderr, stdout=subprocess.DEVNULL, env=_environ()) as process:
+
+        def ranks():
+            try:
+                children = psutil.Process(process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                return []
+            commands = {p: " ".join(p.cmdline()) for p in children}  # the ranks, not torchrun that names them
+            return [p for p, c in commands.items() if "fcsd.parallel.bench" in c and "torch.distributed.run" not in c]
+
+        wait_for(lambda: len(ranks()) == 2, 900, "the benchmark's two ranks", process)
+        workers = ranks()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=300) == 143
+        _, alive = psutil.wait_procs(workers, timeout=120)
+        assert not alive, [p.pid for p in alive]
+    assert log.read_text().strip().splitlines()[-1] == "fcsd bench: terminated (SIGTERM)"
+
+
+def test_stop_tree_ends_a_grandchild_in_a_session_of_its_own(tmp_path):
+    """The tests' own guard (tests/processes.py): what a started process started in another session goes too."""
+    from processes import stop_tree
+
+    pid_file = tmp_path / "grandchild.pid"
+    grandchild = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {grandchild!r}], start_new_session=True); time.sleep(600)"  # noqa: E501
+    process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    wait_for(lambda: pid_file.exists() and pid_file.read_text(), 300, "the grandchild's start", process)
+    stop_tree(process, grace=5)
+    import psutil
+
+    wait_for(lambda: not psutil.pid_exists(int(pid_file.read_text())), 60, "the grandchild's end")

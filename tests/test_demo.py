@@ -2,15 +2,15 @@
 
 import json
 
-from fcsd import embedded
+from fcsd import demo_assets
 from fcsd.cli import main
 from fcsd.distill.synthetic import GENERAL_TASKS
 
 
 def test_demo_is_built_once_and_resolves(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FCSD_CACHE", str(tmp_path))
-    monkeypatch.setattr(embedded, "PRETRAIN_STEPS", 30)
-    root = embedded.prepare_demo()
+    monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", 30)
+    root = demo_assets.prepare_demo()
     config = json.loads((root / "model" / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe"
     # the conversion data covers other tasks than the scored ones (the paper's setting)
@@ -21,7 +21,7 @@ def test_demo_is_built_once_and_resolves(tmp_path, monkeypatch, capsys):
     rows = (root / "data" / "heldout.jsonl").read_text().splitlines()
     assert {json.loads(r)["task"] for r in rows} == {"add", "sort", "reverse", "recall"}
     stamp = (root / "model" / "config.json").stat().st_mtime_ns
-    assert embedded.prepare_demo() == root and (root / "model" / "config.json").stat().st_mtime_ns == stamp
+    assert demo_assets.prepare_demo() == root and (root / "model" / "config.json").stat().st_mtime_ns == stamp
     assert main(["inspect", "demo", "--layers", "last:50%", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["converted_layers"] == [3, 4, 5]
 
@@ -34,15 +34,15 @@ def test_teacher_pretraining_learns(tmp_path):
 
     rows = make_dataset(300)
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=300)
-    model = Qwen3MoeForCausalLM(embedded.demo_config(len(tokenizer)))
-    losses = embedded.pretrain_teacher(model, tokenizer, rows, steps=40, batch_size=4, seq_len=64)
+    model = Qwen3MoeForCausalLM(demo_assets.demo_config(len(tokenizer)))
+    losses = demo_assets.pretrain_teacher(model, tokenizer, rows, steps=40, batch_size=4, seq_len=64)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
 def test_convert_demo_prints_the_comparison_table(tmp_path, monkeypatch, capsys):
     """`fcsd convert demo` end to end on a tiny budget: FCSD and SFT runs, then the four-row report."""
     monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(embedded, "PRETRAIN_STEPS", 30)
+    monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", 30)
     out = tmp_path / "demo"
     argv = ["convert", "demo", "train.max_steps=2", "train.warmup_steps=1", f"output_dir={out}", "progress=false"]
     assert main(argv) == 0

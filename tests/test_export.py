@@ -3,6 +3,8 @@ loudly with stock transformers, and are written atomically after a reload-parity
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +120,34 @@ def test_export_refusals(tmp_path, tokenizer):
         export(model, tokenizer, tmp_path / "src" / "export", source=tmp_path / "src")
     with pytest.raises(ExportError, match="no FarSkip layers"):
         export(build("qwen3_moe"), tokenizer, tmp_path / "plain")
+
+
+def test_an_export_whose_identity_was_edited_is_refused_wherever_it_loads(tmp_path, tokenizer, capsys):
+    """Cases 5-6 of the third hostile probe: `architectures` set back to the stock class, or the `farskip` block
+    removed. fcsd's loader and `fcsd push` refuse both in one line naming the field; the shipped remote code refuses
+    the second (it had no layers to convert: an AttributeError); nothing loads with stock wiring."""
+    from transformers import AutoModelForCausalLM
+
+    from fcsd.cli import main
+
+    folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    edits = {
+        "stock_architecture": ({**config, "architectures": ["Qwen3MoeForCausalLM"]}, "names the stock class"),
+        "no_block": ({k: v for k, v in config.items() if k != "farskip"}, "the `farskip` block (which layers"),
+    }
+    capsys.readouterr()  # the export's own progress output
+    for name, (values, message) in edits.items():
+        edited = tmp_path / name
+        shutil.copytree(folder, edited)
+        (edited / "config.json").write_text(json.dumps(values))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fcsd.from_pretrained(str(edited))
+        assert main(["push", str(edited), "me/model", "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    with pytest.raises(ValueError, match=r"has no `farskip.layers` \(the converted layers\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "no_block", trust_remote_code=True)
 
 
 def test_fcsd_export_command(tmp_path, tokenizer, capsys):

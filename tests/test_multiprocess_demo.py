@@ -6,13 +6,13 @@ import json
 
 from launch import torchrun
 
-from fcsd import embedded
+from fcsd import demo_assets
 
 
 def test_readme_expert_parallel_demo_command_runs_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(embedded, "PRETRAIN_STEPS", 30)
-    embedded.prepare_demo()  # a quickly pretrained demo teacher, found by both processes in FCSD_CACHE
+    monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", 30)
+    demo_assets.prepare_demo()  # a quickly pretrained demo teacher, found by both processes in FCSD_CACHE
     out = tmp_path / "demo"
     budget = ["train.max_steps=2", "train.warmup_steps=1", "progress=false", f"output_dir={out}"]
     result = torchrun(2, "-m", "fcsd.cli", "convert", "demo", "parallel.ep_size=2", *budget, check=False, timeout=1200)

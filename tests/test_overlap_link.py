@@ -211,8 +211,9 @@ def test_bench_overlap_link_end_to_end_prints_the_figures_and_draws_the_steps(tm
     # schedule's hidden share stays near zero on a loaded machine (at 1 GB/s a tiny model's transfers take ~30 us)
     argv = ["bench", "overlap", "--config", "tiny", "--iters", "1", "--link", "20MB/s,200us", "--timeline", "t.png"]
     assert main([*argv, "--json"]) == 0
-    out = capsys.readouterr().out
-    result = json.loads(out[: out.rindex("}") + 1])
+    printed = capsys.readouterr()
+    result = json.loads(printed.out)  # --json: the JSON alone on stdout, messages on stderr
+    assert printed.err.strip().splitlines()[-1].startswith("timeline: ")
     assert result["link"]["bandwidth"] == 2e7 and result["link"]["latency"] == pytest.approx(2e-4)
     for layout, phases in (("all_to_all", ("forward", "backward")), ("all_reduce", ("prefill",))):
         modes = result["layouts"][layout]["modes"]

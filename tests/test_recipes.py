@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fcsd import embedded
+from fcsd import demo_assets
 from fcsd.cli import main
 from fcsd.distill.config import compose, preset_for, presets, recipes_dir, to_config
 
@@ -76,8 +76,8 @@ def run_losses(run: Path, last: int) -> float:
 @pytest.fixture
 def small_demo(tmp_path, monkeypatch):
     monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))  # the sweep's processes find this small demo
-    monkeypatch.setattr(embedded, "PRETRAIN_STEPS", 30)
-    embedded.prepare_demo()
+    monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", 30)
+    demo_assets.prepare_demo()
 
 
 def test_demo_sweep_selects_and_does_not_rerun(small_demo, tmp_path, capsys):

@@ -20,16 +20,15 @@ vllm_generate.py) and the matrix covers each code path once:
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from processes import started, wait_for
 from serving_models import build
 
 import fcsd
@@ -107,17 +106,14 @@ def mismatch(expected: list[dict], got: list[dict], min_equal: int = MAX_TOKENS 
 
 def run_worker(jobs: list[dict], out: Path, **env) -> dict:
     (out.parent / f"{out.stem}.jobs.json").write_text(json.dumps(jobs))
-    done = subprocess.run(
-        [str(vllm_python()), str(WORKER), str(out.parent / f"{out.stem}.jobs.json"), str(out)],
-        env=vllm_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        cwd=out.parent,
-    )
-    (out.parent / f"{out.stem}.log").write_text(done.stdout + done.stderr)
-    assert out.exists(), f"the vLLM worker failed:\n{(done.stdout + done.stderr)[-3000:]}"
-    return {"results": json.loads(out.read_text()), "log": done.stdout + done.stderr}
+    log = out.parent / f"{out.stem}.log"
+    command = [str(vllm_python()), str(WORKER), str(out.parent / f"{out.stem}.jobs.json"), str(out)]
+    with log.open("w") as stream, started(command, env=vllm_env(**env), stdout=stream, stderr=subprocess.STDOUT,
+                                          cwd=out.parent) as worker:  # fmt: skip
+        worker.wait(timeout=1500)  # its engine processes go with it, whatever happens
+    text = log.read_text()
+    assert out.exists(), f"the vLLM worker failed:\n{text[-3000:]}"
+    return {"results": json.loads(out.read_text()), "log": text}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +126,7 @@ def served(tmp_path_factory, tokenizer):
     """Every export of the matrix (module docstring), fcsd's reference outputs, and vLLM's, from one worker."""
     root = tmp_path_factory.mktemp("serving")
     vocab = len(tokenizer)
-    exports, expected = {}, {}
+    exports, expected, exports_edited = {}, {}, {}
     for name, family, spec in [
         ("qwen3_moe-all", "qwen3_moe", "all"),
         ("qwen3_moe-last50", "qwen3_moe", "last:50%"),
@@ -147,6 +143,11 @@ def served(tmp_path_factory, tokenizer):
     corrupt = shutil.copytree(exports["olmoe-all"], root / "corrupt")
     (corrupt / "config.json").write_text(json.dumps({**config, "farskip": {**config["farskip"], "layers": [0, 7]}}))
 
+    for name, values in identity_edits(json.loads((exports["qwen3_moe-all"] / "config.json").read_text())).items():
+        edited = shutil.copytree(exports["qwen3_moe-all"], root / name)
+        (edited / "config.json").write_text(json.dumps(values))
+        exports_edited[name] = edited
+
     def job(name, model, **settings):
         return {
             "name": name,
@@ -159,6 +160,7 @@ def served(tmp_path_factory, tokenizer):
 
     jobs = [job(name, folder) for name, folder in exports.items()]
     jobs += [job("stock", stock), job("unserved", unserved), job("corrupt", corrupt)]
+    jobs += [job(name, folder) for name, folder in exports_edited.items()]
     jobs += [
         job("qwen3_moe-all-tp2", exports["qwen3_moe-all"], tp=2),
         job("qwen3_moe-all-tp2-blocking", exports["qwen3_moe-all"], tp=2, overlap=False),
@@ -176,6 +178,17 @@ def served(tmp_path_factory, tokenizer):
         "log": served["log"],
         "absent_log": absent["log"],
         "exports": exports,
+    }
+
+
+def identity_edits(config: dict) -> dict:
+    """An export's config.json edited so that its FarSkip fields disagree: what vLLM must never serve as stock."""
+    farskip = config["farskip"]
+    stock = {k: v for k, v in config.items() if k not in ("farskip", "auto_map")}
+    return {
+        "stock-architecture": {**config, "architectures": ["Qwen3MoeForCausalLM"]},  # type and block kept
+        "no-block": stock,  # the farskip_ type kept, the layers gone
+        "converted": {**stock, "farskip": farskip, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
     }
 
 
@@ -221,6 +234,36 @@ def test_bad_input_fails_in_one_line(served):
     assert all(errors.values()), f"a bad export was served: {errors}"
     assert "ValueError: vLLM has no FarSkip serving class for this export (model type 'olmoe'" in served["log"]
     assert "ValueError: config.json farskip.layers holds [7]: expected layer indices in 0..2" in served["log"]
+
+
+def test_farskip_fields_that_disagree_are_refused_never_served_with_stock_wiring(served):
+    """The plugin checks every config vLLM loads (fcsd.serving.vllm.guard): an export whose `architectures` names the
+    stock class (served stock before), one without its `farskip` block (a 202-line worker traceback before) and a
+    `farskip` block under the stock type and class (a run's final/: served stock before) are refused, by name."""
+    messages = {
+        "stock-architecture": "names the stock class, but model type 'farskip_qwen3_moe' and the `farskip` block",
+        "no-block": "says FarSkip but the `farskip` block (which layers are converted) is missing",
+        "converted": "so vLLM would serve it with stock wiring (an fcsd checkpoint such as a run's final/",
+    }
+    for name, message in messages.items():
+        error = served["results"][name].get("error", "")
+        assert error.startswith("FarSkipServingError: ") and message in error, (name, error)
+
+
+def test_vllm_serve_of_an_export_without_its_farskip_block_is_one_line(tokenizer, tmp_path):
+    vllm_python()
+    folder = export(fcsd.apply_farskip(build("qwen3_moe", len(tokenizer)), "all"), tokenizer, tmp_path / "export")
+    damaged = shutil.copytree(folder, tmp_path / "no-block")
+    (damaged / "config.json").write_text(
+        json.dumps(identity_edits(json.loads((folder / "config.json").read_text()))["no-block"])
+    )
+    command = [str(VENV / "bin" / "vllm"), "serve", str(damaged), "--dtype", "float32", "--max-model-len", "128"]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out, started(command, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT) as server:
+        assert server.wait(timeout=600) == 2, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith("vllm serve: error: ") and "`farskip` block" in text, text[-2000:]
 
 
 def test_without_the_plugin_vllm_refuses_the_export(served):
@@ -301,17 +344,9 @@ def test_vllm_serve_answers_an_openai_completion(tokenizer, tmp_path):
         "--kv-cache-memory-bytes",
         str(64 << 20),
     ]
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(command, env=vllm_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(2)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out, started(command, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT) as server:
+        wait_for(lambda: _healthy(port), 900, f"the server's health answer ({log})", server, poll=2)
         body = {"model": str(folder), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
@@ -319,12 +354,15 @@ def test_vllm_serve_answers_an_openai_completion(tokenizer, tmp_path):
             headers={"Content-Type": "application/json"},
         )
         answer = json.loads(urllib.request.urlopen(request, timeout=120).read())
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-        log.close()
     assert answer["choices"][0]["text"] == expected
+
+
+def _healthy(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

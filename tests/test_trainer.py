@@ -7,23 +7,24 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from hub_server import no_hub_login
 from launch import torchrun
+from processes import started, wait_for
 from tiny_models import build
 
 import fcsd
 from fcsd.cli import main
+from fcsd.demo_assets import pretrain_teacher
 from fcsd.distill.config import compose, to_config
 from fcsd.distill.convert import convert
 from fcsd.distill.optim import SpikeGuard
 from fcsd.distill.synthetic import make_dataset, write_jsonl
 from fcsd.distill.tokenizer import train_tokenizer
-from fcsd.embedded import pretrain_teacher
 
 FAST = [
     "data.seq_len=32",
@@ -46,7 +47,8 @@ def assets(tmp_path_factory):
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=280)
     model = build("qwen3_moe")
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    pretrain_teacher(model, tokenizer, rows, steps=150, seq_len=64, batch_size=8, lr=1e-2)
+    with torch_threads(1):  # the same teacher on any machine and after any test (sums depend on the thread count)
+        pretrain_teacher(model, tokenizer, rows, steps=150, seq_len=64, batch_size=8, lr=1e-2)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     write_jsonl(rows, root / "train.jsonl")
@@ -66,12 +68,25 @@ def losses_of(out) -> list[float]:
     ]
 
 
+@contextmanager
+def torch_threads(count: int):
+    """torch's intra-op thread count set to ``count`` for the block (and set back): a result that must reproduce
+    does not depend on the machine's cores or on what an earlier test left."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, tmp_path):
-    result = convert(
-        config_for(assets, tmp_path / "run", "train.max_steps=8", "farskip.layers=all", "train.lr=3e-4")
-    )
     # every layer converted: a held-out KL (~0.6) far above the noise of 4 held-out sequences (last:50% starts at
     # ~0.014, where 8 steps move it by less than that noise)
+    with torch_threads(1):
+        result = convert(
+            config_for(assets, tmp_path / "run", "train.max_steps=8", "farskip.layers=all", "train.lr=3e-4")
+        )
     assert result.eval_after["eval/kl"] < 0.85 * result.eval_before["eval/kl"]
     model = fcsd.from_pretrained(str(result.final_dir))
     assert fcsd.farskip_layers(model) == [0, 1, 2, 3]
@@ -147,7 +162,10 @@ def test_training_from_the_teacher_cache(assets, tmp_path, capsys):
     assert main(["cache-teacher", *common]) == 0
     meta = json.loads((cache / "meta.json").read_text())
     assert meta["top_k"] == 280 and meta["rows"] > 4
+    capsys.readouterr()
     assert main(["convert", *common, "teacher.mode=cache", "train.max_steps=3", f"output_dir={tmp_path / 'c'}"]) == 0
+    printed = capsys.readouterr().out  # the figure a cache gives is its own (top-k, at the run's temperature)
+    assert "final: held-out top-k KL (from the teacher cache)" in printed and "held-out KL" not in printed, printed
     # with every token cached the bucketed KL is the full KL: the same losses as the online teacher
     assert main(["convert", *common, "train.max_steps=3", f"output_dir={tmp_path / 'o'}"]) == 0
     torch.testing.assert_close(torch.tensor(losses_of(tmp_path / "c")), torch.tensor(losses_of(tmp_path / "o")))
@@ -162,13 +180,11 @@ def test_killed_run_resumes_exactly(assets, tmp_path):
     args = [sys.executable, "-m", "fcsd.cli", "convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}"]
     args += [f"data.cache_dir={assets / 'cache'}", *FAST, "train.max_steps=40", "train.save_every=3"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    killed = subprocess.Popen([*args, f"output_dir={tmp_path / 'k'}"], env=env, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "k" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.exists() and len(losses_of(tmp_path / "k")) >= 7):
-        time.sleep(0.05)
-    killed.send_signal(signal.SIGKILL)
-    assert killed.wait() == -signal.SIGKILL
+    with started([*args, f"output_dir={tmp_path / 'k'}"], env=env, stderr=subprocess.DEVNULL) as killed:
+        wait_for(lambda: metrics.exists() and len(losses_of(tmp_path / "k")) >= 7, 900, "step 7", killed, 0.05)
+        killed.send_signal(signal.SIGKILL)
+        assert killed.wait(timeout=120) == -signal.SIGKILL
     assert len(losses_of(tmp_path / "k")) < 40
     subprocess.run([*args, f"output_dir={tmp_path / 'k'}", "--resume"], env=env, check=True, capture_output=True)
     subprocess.run([*args, f"output_dir={tmp_path / 'u'}"], env=env, check=True, capture_output=True)
@@ -178,18 +194,14 @@ def test_killed_run_resumes_exactly(assets, tmp_path):
 
 
 def _killed_at_checkpoint(command: list[str], run: Path, env: dict) -> None:
-    """Start a multi-process run and SIGKILL all its processes once its first step checkpoint is published."""
-    from launch import kill_tree
+    """Start a multi-process run and kill all its processes (torchrun's workers too) once its first step checkpoint
+    is published."""
+    import psutil
 
-    job = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline and job.poll() is None and not list(run.glob("checkpoints/step-*")):
-            time.sleep(0.05)
-        assert job.poll() is None, "the run ended before it could be killed"
-    finally:
-        kill_tree(job.pid)  # the workers too: torchrun starts each in a session of its own
-        job.wait()
+    with started(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as job:
+        wait_for(lambda: list(run.glob("checkpoints/step-*")), 600, "the first step checkpoint", job)
+        for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+            process.kill()  # SIGKILL, workers first seen too: no clean stop, no last checkpoint
     assert not (run / "final").exists()
 
 

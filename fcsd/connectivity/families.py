@@ -208,7 +208,9 @@ def final_norm(model: nn.Module) -> nn.Module:
 
 
 def family_for_config(config) -> MoEFamily:
-    """The family row for a transformers config, or :class:`UnsupportedModelError` listing what is supported."""
+    """The family row for a transformers config, or :class:`UnsupportedModelError` listing what is supported; the
+    config's shape is checked too (:func:`check_config_shape`), so every command that reads a config (inspect,
+    perfmodel, plan, probe, routes, convert, the loaders) refuses an impossible one the same way."""
     decoder_config = text_config(config)
     family = _BY_MODEL_TYPE.get(base_model_type(decoder_config.model_type))
     if family is None:
@@ -217,7 +219,53 @@ def family_for_config(config) -> MoEFamily:
             f"fcsd does not support model type {config.model_type!r} ({archs}). Supported families: "
             f"{supported_families_text()}. A new family is one row in fcsd/connectivity/families.py."
         )
+    check_config_shape(decoder_config, family)
     return family
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")  # routed experts, by family
+
+
+class ConfigShapeError(ValueError):
+    """A config whose numbers cannot describe a model (top-k above the expert count, ...)."""
+
+
+def check_config_shape(config, family: MoEFamily) -> None:
+    """Refuse, naming the field and its bound, a decoder config that no model can have: no layers or heads, a
+    top-k of zero or above the routed-expert count, key/value heads that do not divide the heads, DeepSeek expert
+    groups that do not divide the experts or cannot hold the top-k."""
+
+    def value(*keys):
+        return next((getattr(config, key) for key in keys if getattr(config, key, None) is not None), None)
+
+    experts, top_k = value(*EXPERT_COUNT_KEYS), value(family.top_k_attr)
+    heads, kv_heads = value("num_attention_heads"), value("num_key_value_heads")
+    problems = []
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+        if not isinstance(value(key), int) or value(key) < 1:
+            problems.append(f"{key}={value(key)} (it must be a whole number of at least 1)")
+    if isinstance(experts, int) and isinstance(top_k, int):
+        if experts < 1 or not 1 <= top_k <= experts:
+            bound = f"top-k must lie in 1..{experts}"
+            problems.append(f"{family.top_k_attr}={top_k} with {experts} routed experts ({bound})")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        problems.append(f"num_key_value_heads={kv_heads} does not divide num_attention_heads={heads}")
+    groups, topk_group = value("n_group"), value("topk_group")
+    if family.groups is not None and isinstance(groups, int) and isinstance(experts, int):
+        if groups < 1 or experts % groups:
+            problems.append(f"n_group={groups} does not divide the {experts} routed experts")
+        elif isinstance(topk_group, int) and not 1 <= topk_group <= groups:
+            problems.append(f"topk_group={topk_group} is outside 1..n_group={groups}")
+        elif isinstance(topk_group, int) and isinstance(top_k, int) and top_k > topk_group * experts // groups:
+            problems.append(
+                f"{family.top_k_attr}={top_k} is more than the {topk_group * experts // groups} experts of the "
+                f"topk_group={topk_group} groups a token may use"
+            )
+    if problems:
+        raise ConfigShapeError(
+            f"the {family.name} config is impossible: {'; '.join(problems)}; fix config.json (or choose another "
+            "checkpoint)"
+        )
 
 
 def find_decoder_layers(model: nn.Module, family: MoEFamily) -> nn.ModuleList:

@@ -8,7 +8,10 @@ Grammar (whitespace is ignored)::
     0,3,5-7                  explicit indices and inclusive ranges
     [0, 3, 5]                (Python) a list of ints
 
-The paper converts the *last* layers when it converts a fraction, so ``last:50%`` is "Far 50%".
+The paper converts the *last* layers when it converts a fraction, so ``last:50%`` is "Far 50%". A percentage that
+rounds to no layer of the model (``last:1%`` of 4 layers) is an error naming the smallest spec that converts one, and
+every command that converts (``fcsd convert``, ``fcsd plan``, ``fcsd export``) refuses a selection of no layer
+(:func:`converted_layers`) before loading anything.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ GRAMMAR = (
     "layer spec grammar: 'all' | 'none' | 'last:N' | 'first:N' | 'last:P%' | 'first:P%' | "
     "'0,3,5-7' (indices and inclusive ranges) | a list of ints"
 )
+
+
+class EmptySelectionError(ValueError):
+    """A layer spec that selects no layer where something must be converted."""
+
 
 _EDGE = re.compile(r"^(first|last):(\d+(?:\.\d+)?)(%?)$")
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -59,7 +67,7 @@ def parse_layer_spec(spec: str | int | Iterable[int] | None, num_layers: int) ->
         if percent:
             if value > 100:
                 raise ValueError(f"bad layer spec {spec!r}: a percentage must be at most 100%; {GRAMMAR}")
-            count = math.floor(value * num_layers / 100 + 0.5)
+            count = percent_count(value, num_layers, f"layer spec {spec!r}", side)
         else:
             if not value.is_integer():
                 raise ValueError(f"bad layer spec {spec!r}: a layer count must be a whole number; {GRAMMAR}")
@@ -79,6 +87,36 @@ def parse_layer_spec(spec: str | int | Iterable[int] | None, num_layers: int) ->
             raise ValueError(f"bad layer spec {spec!r}: range {part!r} runs backwards; {GRAMMAR}")
         indices.extend(range(start, stop + 1))
     return _checked(indices, num_layers, spec)
+
+
+def percent_count(percent: float, num_layers: int, spec, side: str = "last") -> int:
+    """``percent`` % of ``num_layers``, rounded to the nearest layer (half rounds up). A positive percentage that
+    rounds to no layer raises :class:`EmptySelectionError` naming the smallest ``side:P%`` (``side`` empty: ``P%``)
+    that converts one; ``spec`` is what the user wrote, for the message."""
+    count = math.floor(percent * num_layers / 100 + 0.5)
+    if count == 0 and percent > 0:
+        smallest = math.ceil(50 / num_layers)
+        while math.floor(smallest * num_layers / 100 + 0.5) < 1:
+            smallest += 1
+        prefix = f"{side}:" if side else ""
+        raise EmptySelectionError(
+            f"{spec} rounds to no layer: {percent:g}% of the model's {num_layers} layers is "
+            f"{percent * num_layers / 100:.2g}; the smallest that converts one layer is {prefix}{smallest}% "
+            f"(or {prefix}1)"
+        )
+    return count
+
+
+def converted_layers(spec, num_layers: int, what: str = "layer spec") -> list[int]:
+    """The layers ``spec`` converts in a model of ``num_layers`` layers, refusing a selection of none
+    (:class:`EmptySelectionError`): a conversion that converts nothing trains, plans or exports the stock model."""
+    selected = parse_layer_spec(spec, num_layers)
+    if not selected:
+        raise EmptySelectionError(
+            f"{what} {spec!r} selects no layer of the model's {num_layers} layers, so there is nothing to convert; "
+            "choose e.g. all, last:50% or last:1"
+        )
+    return selected
 
 
 def _checked(indices: list[int], num_layers: int, spec) -> list[int]:

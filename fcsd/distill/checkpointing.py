@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from fcsd import safe_io
+from fcsd import ownership
 from fcsd.distill.config import FCSDConfig
 from fcsd.run_folder import CHECKPOINT_RECORD, CONFIG, TRAINER_STATE, RunFolder
-from fcsd.safe_io import atomic_dir
+from fcsd.staging import atomic_dir, disk_full_reported
 
 
 def save_checkpoint(
@@ -32,9 +32,9 @@ def save_checkpoint(
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        safe_io.record(run.checkpoints_dir)
+        ownership.record(run.checkpoints_dir)
     accelerator.wait_for_everyone()
-    with safe_io.disk_full_reported(run.checkpoints_dir):
+    with disk_full_reported(run.checkpoints_dir):
         accelerator.save_state(str(staging))
         if expert_parallel is not None:
             from fcsd.parallel import step_state
@@ -56,7 +56,7 @@ def save_checkpoint(
 def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: int | None = None) -> dict | None:
     """Load the newest checkpoint (or ``checkpoints/step-<step>``) into the prepared objects (and
     ``expert_parallel``'s model and optimizer, see :func:`save_checkpoint`); its trainer state, or None if there is
-    none. :func:`fcsd.distill.run_io.check_resume` checked it is complete."""
+    none. :func:`fcsd.distill.resume.check_resume` checked it is complete."""
     checkpoint = run.resume_checkpoint(step)
     if checkpoint is None:
         accelerator.print(f"--resume: {run.root} holds no checkpoint yet, so the run starts at step 0")
@@ -129,9 +129,9 @@ def load_step_checkpoint(checkpoint: Path):
 
     checkpoint = Path(checkpoint)
     run = RunFolder.of_checkpoint(checkpoint)
-    missing = run.missing_files(checkpoint)
-    if missing or not run.config.exists():
-        raise ValueError(f"{checkpoint} cannot be exported: {', '.join(missing or [str(run.config)])} missing")
+    problems = run.checkpoint_problems(checkpoint) or ([] if run.config.exists() else [f"{run.config} missing"])
+    if problems:
+        raise ValueError(f"{checkpoint} cannot be exported: {', '.join(problems)}")
     config = OmegaConf.load(run.config)
     name, revision = resolve_model(config.model.name), config.model.revision
     options = {"revision": revision} if revision else {}

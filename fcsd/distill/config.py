@@ -175,7 +175,7 @@ def unknown_keys(cfg, schema, prefix: str = "") -> list[str]:
 def _layer_spec(spec):
     """``farskip.layers`` as one spec string (a list becomes ``"0,3"``); an empty selection is refused now, before
     any model loads (it would train a whole run whose export then fails)."""
-    from fcsd.connectivity.layer_spec import GRAMMAR, parse_layer_spec
+    from fcsd.connectivity.layer_spec import GRAMMAR, EmptySelectionError, parse_layer_spec
 
     if isinstance(spec, list | tuple):
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in spec):
@@ -185,6 +185,8 @@ def _layer_spec(spec):
         spec = str(spec)
     try:
         selected = parse_layer_spec(spec, 10_000)  # the syntax and emptiness; the model's layer count comes later
+    except EmptySelectionError:
+        return spec  # a percentage too small even for 10,000 layers: refused against the model's own count
     except ValueError as error:
         if "names layer" in str(error) or "asks for" in str(error):
             return spec
@@ -285,6 +287,23 @@ def preset_for(model_name: str | None) -> str | None:
     return next((preset for preset, name in presets().items() if name == model_name), None)
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """Refuse, naming it and how to quote it, the first override Hydra's grammar cannot read (Hydra's own message
+    names neither the override nor the fix)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException:
+            key, _, value = override.partition("=")
+            raise ValueError(
+                f"{override}: this value cannot be read as it is written; quote it, e.g. '{key}=\"{value}\"'"
+            ) from None
+
+
 def compose(overrides: list[str], recipe: str = "fcsd"):
     """The resolved ``DictConfig`` of ``recipes/<recipe>.yaml`` with ``overrides`` applied."""
     from hydra import compose as hydra_compose
@@ -292,6 +311,7 @@ def compose(overrides: list[str], recipe: str = "fcsd"):
     from hydra.core.global_hydra import GlobalHydra
 
     register_schemas()
+    check_overrides(overrides)
     folder = recipes_dir()
     if not (folder / f"{recipe}.yaml").exists():
         raise FileNotFoundError(f"recipe {recipe}.yaml not found in {folder}; set FCSD_RECIPES to the recipes folder")
@@ -342,7 +362,11 @@ def to_config(cfg) -> FCSDConfig:
         (0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio={train.min_lr_ratio}: it must lie in [0, 1]"),
         (train.batch_tokens > 0, f"train.batch_tokens={train.batch_tokens}: it must be > 0"),
         (train.micro_batch_size > 0, f"train.micro_batch_size={train.micro_batch_size}: it must be > 0"),
-        (config.data.seq_len > 0, f"data.seq_len={config.data.seq_len}: it must be > 0"),
+        (
+            config.data.seq_len > 1,
+            f"data.seq_len={config.data.seq_len}: a sequence needs at least 2 tokens (a token and the next one it "
+            "predicts); e.g. data.seq_len=2048",
+        ),
         (train.max_steps is None or train.max_steps > 0, f"train.max_steps={train.max_steps}: it must be > 0"),
         (train.temperature > 0, f"train.temperature={train.temperature}: it must be > 0"),
         (0 < train.jsd_beta < 1, f"train.jsd_beta={train.jsd_beta}: it must lie strictly between 0 and 1"),

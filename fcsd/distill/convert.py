@@ -39,7 +39,9 @@ def convert(config: FCSDConfig) -> RunResult:
 
             export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
             source = result.best_dir or result.final_dir
-            export_checkpoint(source, export_dir, overwrite=True)
+            # the run's own export/ is the run's to replace; an explicit export_dir only with overwrite=true (checked
+            # before training, and again under its lock at the rename: another command may have written it since)
+            export_checkpoint(source, export_dir, overwrite=config.overwrite or not config.export_dir)
             print(f"exported {source.name}/ to {export_dir} (reload parity checked)")
         if config.export and config.push_to_hub and state.is_main_process:
             from fcsd.export.push import push

@@ -43,7 +43,7 @@ def load_texts(
     ``source`` is a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a ``datasets`` hub name.
     Malformed rows are skipped and counted; a dataset with no usable row raises :class:`DataError`.
     """
-    dataset, skipped = load_rows(source, split, count_unparsable=True)
+    dataset, unparsable = load_rows(source, split, count_unparsable=True)
     if max_rows is not None:
         dataset = dataset.select(range(min(max_rows, len(dataset))))
     texts = []
@@ -51,10 +51,9 @@ def load_texts(
         text = _row_text(row, tokenizer, text_field, messages_field)
         if text:
             texts.append(text)
-        else:
-            skipped += 1
+    skipped = unparsable + len(dataset) - len(texts)  # lines that are no row, and rows without usable text
     if skipped:
-        log.warning("%s: skipped %d malformed or empty rows of %d", source, skipped, len(dataset) + skipped)
+        log.warning("%s: skipped %d malformed or empty rows of %d", source, skipped, len(dataset) + unparsable)
     if not texts:
         raise DataError(
             f"{source}: no usable rows among {len(dataset)} (columns: {dataset.column_names}); each row needs a "
@@ -94,7 +93,7 @@ def _clean_lines(files: list[Path]) -> tuple[list[Path], int]:
     """``files`` unchanged when every line is UTF-8 (and, in a ``.jsonl`` file, a JSON object); else copies without
     the other lines (in fcsd's cache, named by their content), how many lines were dropped, and a warning naming
     the file and the lines. A ``.json`` file is one document: a line that is not UTF-8 there is an error."""
-    from fcsd.sources import cache_root
+    from fcsd.user_cache import cache_root
 
     cleaned, bad = [], 0
     for file in files:

@@ -18,6 +18,11 @@ from fcsd.distill.objectives import head_inputs, teacher_targets, teacher_token_
 KL_KEYS = ("eval/kl", "eval/kl_topk")
 
 
+def kl_name(metrics: dict) -> str:
+    """How a message names the held-out KL of ``metrics``: the full KL, or the teacher cache's top-k figure."""
+    return "held-out KL" if KL_KEYS[0] in metrics else "held-out top-k KL (from the teacher cache)"
+
+
 def kl_of(metrics: dict) -> float:
     """The held-out KL of a record of :func:`heldout_metrics`, whichever kind it is."""
     return next(metrics[key] for key in KL_KEYS if key in metrics)

@@ -13,50 +13,52 @@ from fcsd.sources import resolve_model
 
 
 def load_tokenizer(config: FCSDConfig):
-    """The checkpoint's tokenizer (an export's without its remote code), after checking that ``data.seq_len`` fits
-    the model's positions (the first moment the model's config is at hand, before any weights load)."""
-    from fcsd.loading import tokenizer_from_pretrained
+    """The checkpoint's tokenizer (an export's without its remote code), after :func:`check_model_config` (the first
+    moment the model's config is read, before any weights load) and checked against the model's vocabulary."""
+    from fcsd.loading import check_tokenizer_fits, tokenizer_from_pretrained
 
-    check_seq_len(config)
-    check_placement_file(config)
-    return tokenizer_from_pretrained(resolve_model(config.model.name), revision=config.model.revision)
+    model_config = check_model_config(config)
+    name = resolve_model(config.model.name)
+    tokenizer = tokenizer_from_pretrained(name, revision=config.model.revision)
+    check_tokenizer_fits(tokenizer, model_config, name)
+    return tokenizer
 
 
-def check_seq_len(config: FCSDConfig) -> None:
-    """``data.seq_len`` above the model's ``max_position_embeddings`` is an error (it would train positions the
-    model never learned, silently)."""
-    from pathlib import Path
-
-    from fcsd.connectivity.families import text_config
+def check_model_config(config: FCSDConfig):
+    """What the model's ``config.json`` decides about the run, checked before any weights load: a supported family
+    of a possible shape (:func:`~fcsd.connectivity.families.family_for_config`), ``farskip.layers`` converting at
+    least one of its layers, ``data.seq_len`` within its ``max_position_embeddings`` (above, it would train
+    positions the model never learned, silently) and ``parallel.placement`` made for it. Returns the config."""
+    from fcsd.connectivity.families import family_for_config, text_config
+    from fcsd.connectivity.layer_spec import converted_layers
     from fcsd.loading import load_config
 
     name = resolve_model(config.model.name)
-    if not (Path(name) / "config.json").exists():  # a hub id: checked when the model loads
-        return
-    limit = getattr(text_config(load_config(name)), "max_position_embeddings", None)
+    model_config = load_config(name, config.model.revision)
+    family_for_config(model_config)
+    decoder = text_config(model_config)
+    converted_layers(config.farskip.layers, decoder.num_hidden_layers, "farskip.layers")
+    limit = getattr(decoder, "max_position_embeddings", None)
     if limit and config.data.seq_len > limit:
         raise ValueError(
             f"data.seq_len={config.data.seq_len} is above the model's max_position_embeddings ({limit}); set "
             f"data.seq_len={limit} or less"
         )
+    check_placement_file(config, model_config)
+    return model_config
 
 
-def check_placement_file(config: FCSDConfig) -> None:
+def check_placement_file(config: FCSDConfig, model_config) -> None:
     """``parallel.placement`` must fit the model and the run before anything loads: a placement made for another
     expert count, expert-parallel size or other MoE layers is refused in one line (its routes' model fingerprint is
     compared once the weights are loaded)."""
-    from pathlib import Path
-
     if not config.parallel.placement:
         return
     from fcsd.connectivity.summary import summarize
     from fcsd.placement.format import load_placement
 
     placement = load_placement(config.parallel.placement)
-    name = resolve_model(config.model.name)
-    if not (Path(name) / "config.json").exists():  # a hub id: checked when the model loads
-        return
-    model = summarize(name)
+    model = summarize(config.model.name, config=model_config)
     where = f"parallel.placement={config.parallel.placement}"
     if placement.num_experts != model.num_experts:
         raise ValueError(f"{where} is for {placement.num_experts} experts per layer, the model has {model.num_experts}")
@@ -114,14 +116,8 @@ def load_models(
         dtype = _dtype(config.model.dtype, cuda, "float32", "float32")
         student = student_load(path, layers=config.farskip.layers, dtype=dtype, **common)
         student.config.dtype = source_dtype
-    model = student or teacher
-    vocab = model.get_output_embeddings().out_features
-    if len(tokenizer) > vocab:
-        raise ValueError(
-            f"vocabulary mismatch: the tokenizer has {len(tokenizer)} tokens but {path} predicts only {vocab}; "
-            "use the tokenizer saved with the checkpoint"
-        )
     if teacher is not None and student is not None:
+        vocab = student.get_output_embeddings().out_features
         losses.check_vocabularies(vocab, teacher.get_output_embeddings().out_features)
     return teacher, student
 

@@ -3,11 +3,16 @@ held-out KL), in the order a teacher cache stores them."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from fcsd.distill.config import FCSDConfig
 from fcsd.distill.data import Packed, load_packed
-from fcsd.sources import cache_root, resolve_data
+from fcsd.sources import resolve_data
+from fcsd.user_cache import cache_root
+
+log = logging.getLogger(__name__)
 
 
 def load_run_data(config: FCSDConfig, tokenizer) -> tuple[Packed, Packed, dict]:
@@ -28,14 +33,33 @@ def load_run_data(config: FCSDConfig, tokenizer) -> tuple[Packed, Packed, dict]:
         held = held.rows(slice(0, data.eval_sequences))
         train = packed
     else:
-        if len(packed) <= data.eval_sequences:
-            raise ValueError(
-                f"{data.path} packs into {len(packed)} sequences of {data.seq_len} tokens, too few to hold out "
-                f"data.eval_sequences={data.eval_sequences}; add data, lower data.seq_len, or set data.eval_path"
-            )
-        train, held = packed.rows(slice(0, -data.eval_sequences)), packed.rows(slice(-data.eval_sequences, None))
+        count = heldout_count(len(packed), data.eval_sequences, data.path, data.seq_len)
+        train, held = packed.rows(slice(0, -count)), packed.rows(slice(-count, None))
     summary.update(train_sequences=len(train), eval_sequences=len(held))
     return train, held, summary
+
+
+HELDOUT_SHARE = 5  # rows of the training data held out: at most one in this many, the rest trains
+
+
+def heldout_count(sequences: int, asked: int, path: str, seq_len: int) -> int:
+    """How many of ``sequences`` packed rows to hold out when the held-out set comes from the training data:
+    ``data.eval_sequences``, but at most a fifth, so that a small file still trains on most of it (a note says so);
+    data too small for even one held-out row beside four training rows is refused."""
+    count = min(asked, sequences // HELDOUT_SHARE)
+    if count < 1:
+        raise ValueError(
+            f"{path} packs into {sequences} sequences of {seq_len} tokens: too few to hold one out for the held-out KL "
+            f"and train on the rest (at most one in {HELDOUT_SHARE} is held out); add data, lower data.seq_len, or set "
+            "data.eval_path"
+        )
+    if count < asked:
+        log.warning(
+            "data.eval_sequences=%d: %s packs into %d sequences of %d tokens, so %d are held out (one in %d) and %d "
+            "train; set data.eval_path for a held-out set of its own",
+            asked, path, sequences, seq_len, count, HELDOUT_SHARE, sequences - count,
+        )  # fmt: skip
+    return count
 
 
 def all_rows(train: Packed, held: Packed) -> Packed:

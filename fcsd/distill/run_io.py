@@ -8,26 +8,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from fcsd import safe_io
+from fcsd import ownership, staging
 from fcsd.run_folder import RunFolder
-
-# Keys a resumed run must share with the run it continues (the rest, e.g. train.max_steps or progress, may change).
-RESUME_KEYS = (
-    "model.name",
-    "model.revision",
-    "farskip.layers",
-    "data.path",
-    "data.split",
-    "data.seq_len",
-    "data.max_rows",
-    "data.eval_path",
-    "train.objective",
-    "train.batch_tokens",
-    "train.micro_batch_size",
-    "train.seed",
-    "teacher.mode",
-    "parallel.placement",  # the weights are permuted by it
-)
 
 
 def run_inputs(config) -> dict:
@@ -48,25 +30,27 @@ OUTPUT_FIX = "choose another output_dir"
 
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, config=None) -> str:
     """What ``fcsd convert`` may do with ``output_dir``, decided before anything is written (see
-    :mod:`fcsd.safe_io` for the ownership rules): ``"new"`` (empty or absent), ``"resume"`` (``--resume``, after
-    :func:`check_resume`), ``"restart"`` (a run folder that holds no checkpoint yet: a run that failed after it
-    started) or ``"replace"`` (``overwrite=true`` on a run folder). Anything else is refused in one line: an input
-    (or the current / home folder), a folder of another kind (an export, a teacher cache), files fcsd did not
-    write, or a run folder without ``--resume`` / ``overwrite``."""
+    :mod:`fcsd.ownership` for the ownership rules): ``"new"`` (empty or absent), ``"resume"`` (``--resume``, after
+    :func:`fcsd.distill.resume.check_resume`), ``"restart"`` (a run folder that holds no checkpoint yet: a run that
+    failed after it started) or ``"replace"`` (``overwrite=true`` on a run folder). Anything else is refused in one
+    line: an input (or the current / home folder), a folder of another kind (an export, a teacher cache), files fcsd
+    did not write, or a run folder without ``--resume`` / ``overwrite``."""
     if config is not None:
-        safe_io.check_not_an_input(output_dir, "output_dir", run_inputs(config))
+        ownership.check_not_an_input(output_dir, "output_dir", run_inputs(config))
     run = RunFolder(output_dir)
     if resume:
+        from fcsd.distill.resume import check_resume
+
         check_resume(run, config)
         return "resume"
     if not _run_entries(output_dir):
         return "new"
-    safe_io.check_replaceable(output_dir, "run", "output_dir", OUTPUT_FIX)
+    ownership.check_replaceable(output_dir, "run", "output_dir", OUTPUT_FIX)
     if not run.checkpoints() and not run.final.exists() and not run.best.exists():
         return "restart"  # a failed start: nothing worth keeping
     if overwrite:
         return "replace"
-    raise safe_io.FolderError(
+    raise ownership.FolderError(
         f"output_dir {output_dir} holds a run; pass --resume (train.resume=true) to continue it, overwrite=true to "
         "replace it, or choose another output_dir"
     )
@@ -76,16 +60,16 @@ def _run_entries(output_dir: Path) -> list[str]:
     """What ``output_dir`` holds besides fcsd's marker and lock, staging leftovers and a kept teacher cache."""
     if not output_dir.is_dir():
         return [output_dir.name] if output_dir.exists() else []
-    marker = safe_io.read_marker(output_dir)
-    if marker is not None and marker.kind != "run":
-        return [safe_io.MARKER]  # another kind of fcsd folder: never empty for a run
-    kept = {safe_io.MARKER, safe_io.LOCK}
+    marker = ownership.read_marker(output_dir)
+    if marker is not None and not marker.is_kind("run"):
+        return [ownership.MARKER]  # another kind of fcsd folder (or a damaged marker): never empty for a run
     return [
         p.name
         for p in output_dir.iterdir()
-        if p.name not in kept
-        and not safe_io.is_staging_leftover(p.name)
-        and not (p.name == RunFolder(output_dir).teacher_cache.name and safe_io.is_marked(p))
+        if p.name != ownership.MARKER
+        and not ownership.is_lock_file(p.name)
+        and not ownership.is_staging_leftover(p.name)
+        and not (p.name == RunFolder(output_dir).teacher_cache.name and ownership.is_marked(p))
     ]
 
 
@@ -98,16 +82,16 @@ def output_dir_claimed(config, is_main: bool = True):
         yield
         return
     output_dir = Path(config.output_dir)
-    safe_io.check_not_in_use(output_dir, "output_dir")
+    ownership.check_not_in_use(output_dir, "output_dir")
     check_output_dir(output_dir, config.train.resume, config.overwrite, config)
     check_export_dir(config)
-    with safe_io.folder_lock(output_dir, "output_dir"):
+    with ownership.folder_lock(output_dir, "output_dir"):
         action = check_output_dir(output_dir, config.train.resume, config.overwrite, config)  # now that it is ours
-        stale = safe_io.remove_stale_staging(output_dir)
+        stale = ownership.remove_stale_staging(output_dir)
         if stale:
             print(f"removed staging leftovers of an earlier run that died: {', '.join(stale)}")
         if action in ("restart", "replace"):
-            safe_io.clear(output_dir, "run", "output_dir", OUTPUT_FIX)
+            ownership.clear(output_dir, "run", "output_dir", OUTPUT_FIX)
         if action == "resume" and config.train.resume_step is not None:
             set_aside_newer_checkpoints(RunFolder(output_dir), config.train.resume_step)
         yield
@@ -135,110 +119,22 @@ def check_export_dir(config) -> None:
     from fcsd.export.save import check_export_target
 
     export_dir = Path(config.export_dir)
-    safe_io.check_not_an_input(export_dir, "export_dir", run_inputs(config))
+    ownership.check_not_an_input(export_dir, "export_dir", run_inputs(config))
     check_export_target(export_dir, config.overwrite, [], "export_dir", run_root=Path(config.output_dir))
-
-
-def check_resume(run: RunFolder, config) -> None:
-    """``--resume`` continues the same, unfinished run from a complete checkpoint, or is refused before anything
-    is written: a folder that does not exist or is no run, other settings (:data:`RESUME_KEYS`), a finished run,
-    a ``train.max_steps`` at or below the checkpoint's step, a checkpoint with a missing file. The data's content
-    is compared once it is read (:func:`check_resume_data`)."""
-    from omegaconf import OmegaConf
-
-    from fcsd.distill.config import end_step
-
-    root = run.root
-    if not root.exists():
-        raise safe_io.FolderError(
-            f"--resume: output_dir {root} does not exist, so there is no run to resume; drop --resume to start one"
-        )
-    marker = safe_io.read_marker(root)
-    if marker is None or marker.kind != "run":
-        what = "no fcsd run" if marker is None else f"an fcsd {safe_io.kind_name(marker.kind)}"
-        raise safe_io.FolderError(f"--resume: output_dir {root} holds {what}, not a run to resume; {OUTPUT_FIX}")
-    if run.config.exists() and config is not None:
-        saved = OmegaConf.load(run.config)
-        current = OmegaConf.structured(config)
-        different = [
-            f"{key}: run {OmegaConf.select(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"
-            for key in RESUME_KEYS
-            if OmegaConf.select(saved, key) != OmegaConf.select(current, key)
-        ]
-        if different:
-            raise safe_io.FolderError(
-                f"--resume: {root} is a different run ({'; '.join(different)}); use the run's settings to continue "
-                "it, or another output_dir for a new run"
-            )
-    if run.summary.exists() or run.final.exists():
-        steps = json.loads(run.summary.read_text()).get("steps") if run.summary.exists() else "its last step"
-        raise safe_io.FolderError(
-            f"--resume: the run in {root} finished (step {steps}; final/ and export/ hold it), and resuming would "
-            "overwrite them; train further from it as a new run (MODEL = its final/) in another output_dir, or "
-            "replace it with overwrite=true and no --resume"
-        )
-    if config is None:
-        return
-    checkpoint = run.resume_checkpoint(config.train.resume_step)
-    if checkpoint is None:
-        return
-    step = int(checkpoint.name[5:])
-    end = end_step(config.train)
-    if end <= step:
-        raise safe_io.FolderError(
-            f"--resume: the run would end at step {end} (train.max_steps / max_tokens / stop_after), at or below "
-            f"step {step} of {checkpoint.relative_to(root)}, and resuming would overwrite its final/ with step {step}; "
-            f"set train.max_steps above {step}"
-        )
-    from fcsd.parallel.step_state import check_resumable, config_layout
-
-    try:  # a sharded checkpoint reshards between layouts; across formats it cannot
-        check_resumable(
-            run.trainer_state(checkpoint).get("layout"), checkpoint.relative_to(root), config_layout(config)
-        )
-    except ValueError as error:
-        raise safe_io.FolderError(str(error)) from None
-    missing = run.missing_files(checkpoint)
-    if missing:
-        older = [c for c in run.checkpoints() if c != checkpoint and not run.missing_files(c)]
-        older = [c for c in older if int(c.name[5:]) < step]
-        way = (
-            f"continue from {older[-1].name}: `{safe_io.command_line(f'train.resume_step={older[-1].name[5:]}')}`"
-            if older
-            else "no complete older checkpoint is left: start the run again with overwrite=true and no --resume"
-        )
-        raise safe_io.FolderError(
-            f"--resume: {checkpoint.relative_to(root)} is incomplete ({', '.join(missing)} missing); {way}"
-        )
-
-
-def check_resume_data(run: RunFolder, config, data_fingerprint: str) -> None:
-    """``--resume`` refuses data whose content changed since the checkpoint it resumes was saved (the path alone
-    says nothing: a file can be rewritten in place)."""
-    checkpoint = run.resume_checkpoint(config.train.resume_step)
-    if checkpoint is None:
-        return
-    saved = run.trainer_state(checkpoint).get("data")
-    if saved is not None and saved != data_fingerprint:
-        raise safe_io.FolderError(
-            f"--resume: the training data changed since {checkpoint.relative_to(run.root)} was saved (content "
-            f"fingerprint {saved} then, {data_fingerprint} now, data.path={config.data.path}); resume with the data "
-            "it was trained on, or start a new run in another output_dir"
-        )
 
 
 def write_run_config(run: RunFolder, config) -> None:
     """The resolved config of the run, ``fcsd_config.yaml`` (after the marker that makes the folder fcsd's)."""
     from omegaconf import OmegaConf
 
-    safe_io.mark(run.root, "run")
+    ownership.mark(run.root, "run")
     OmegaConf.save(OmegaConf.structured(config), run.config)
-    safe_io.record(run.config)
+    ownership.record(run.config)
 
 
 def write_summary(run: RunFolder, summary: dict) -> None:
     run.summary.write_text(json.dumps(summary, indent=2))
-    safe_io.record(run.summary)
+    ownership.record(run.summary)
 
 
 class MetricsLog:
@@ -254,12 +150,12 @@ class MetricsLog:
             return
         if self.path.exists():  # a last line cut short by a kill or a full disk is dropped too
             kept = [json.dumps(r) for r in run.records() if start_step and r["step"] <= start_step]
-            with safe_io.atomic_file(self.path) as staging:
-                staging.write_text("".join(line + "\n" for line in kept))
+            with staging.atomic_file(self.path) as temporary:
+                temporary.write_text("".join(line + "\n" for line in kept))
         if not start_step:
             shutil.rmtree(run.tensorboard, ignore_errors=True)
         for path in (self.path, run.tensorboard):
-            safe_io.record(path)
+            ownership.record(path)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -322,4 +218,4 @@ def plot_curves(records: list[dict], path: Path, title: str) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-    safe_io.record(path)
+    ownership.record(path)

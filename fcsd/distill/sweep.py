@@ -15,15 +15,14 @@ import csv
 import dataclasses
 import json
 import shlex
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-from fcsd import safe_io
+from fcsd import ownership
 from fcsd.distill.config import FCSDConfig, hydra_override
 from fcsd.distill.run_io import run_inputs
 from fcsd.run_folder import RunFolder
+from fcsd.stopping import run_child
 
 
 def sweep_dir(config: FCSDConfig) -> Path:
@@ -70,9 +69,9 @@ def run_job(config: FCSDConfig, run_dir: Path, overrides: list[str]) -> str:
             convert(config)
         return "finished"
     except Exception as error:  # noqa: BLE001 - any failure of one run is that run's result
-        safe_io.mark(run_dir, "run")
+        ownership.mark(run_dir, "run")
         run.sweep_status.write_text(json.dumps({"status": "crashed", "error": f"{type(error).__name__}: {error}"}))
-        safe_io.record(run.sweep_status)
+        ownership.record(run.sweep_status)
         print(f"sweep: {run_dir.name} crashed: {error}", file=sys.stderr)
         return "crashed"
 
@@ -84,29 +83,6 @@ def launch_stage(overrides: list[str], stage_dir: Path, batch_tokens: list[int],
     command += [f"hydra.sweep.dir={stage_dir}", "hydra.sweep.subdir=.hydra-jobs/${hydra.job.num}"]
     command += [f"hydra/launcher={sweep.launcher}", *sweep.launcher_overrides]
     run_child(command)
-
-
-def run_child(command: list[str]) -> None:
-    """Run ``command`` (a stage, an accelerate launch) in its own session and wait for it; SIGINT and SIGTERM sent
-    to the sweep are passed on to it and waited for, so no training process is left writing after the sweep
-    stops. An interrupted child raises ``KeyboardInterrupt`` here once it has ended."""
-    child = subprocess.Popen(command, start_new_session=True)
-    received = []
-
-    def forward(signum, frame):
-        received.append(signum)
-        child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if received:
-        raise safe_io.Terminated if signal.SIGTERM in received else KeyboardInterrupt
-    if code:
-        raise subprocess.CalledProcessError(code, command[:4])
 
 
 def read_run(run_dir: Path, select_last: int) -> dict:
@@ -146,15 +122,29 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
     overrides = [o for o in overrides if not o.startswith(("output_dir=", "train.resume="))]
     if sweep.launcher != "basic":
         _check_launcher(sweep.launcher)
-    safe_io.check_not_an_input(root, "sweep.dir", run_inputs(config))
-    safe_io.check_not_in_use(root, "sweep.dir")
-    marker = safe_io.read_marker(root)
-    if not safe_io.is_empty(root) and (marker is None or marker.kind != "sweep"):
-        safe_io.check_replaceable(root, "sweep", "sweep.dir", "choose another output_dir (or sweep.dir)")
-    with safe_io.folder_lock(root, "sweep.dir"):  # one sweep per folder; its runs lock their own folders
-        safe_io.mark(root, "sweep")
-        safe_io.remove_stale_staging(root)
+    ownership.check_not_an_input(root, "sweep.dir", run_inputs(config))
+    ownership.check_not_in_use(root, "sweep.dir")
+    check_sweep_home(config)
+    marker = ownership.read_marker(root)
+    if not ownership.is_empty(root) and (marker is None or not marker.is_kind("sweep")):
+        ownership.check_replaceable(root, "sweep", "sweep.dir", "choose another output_dir (or sweep.dir)")
+    with ownership.folder_lock(root, "sweep.dir"):  # one sweep per folder; its runs lock their own folders
+        ownership.mark(root, "sweep")
+        ownership.remove_stale_staging(root)
         return _run_stages(config, overrides, root)
+
+
+def check_sweep_home(config: FCSDConfig) -> None:
+    """The folder around the sweep (``output_dir``, which holds ``sweep/`` and the final run's ``fcsd/``) must not
+    be an fcsd folder of any kind: a sweep nested in a run folder would be files the run did not write."""
+    home = Path(config.output_dir)
+    marker = ownership.read_marker(home)
+    if config.sweep.dir is None and marker is not None:
+        raise ownership.FolderError(
+            f"output_dir {home} is {marker.description()}; a sweep writes its runs to OUTPUT_DIR/sweep/ and the "
+            "final conversion to OUTPUT_DIR/fcsd/, so it needs a folder of its own: choose another output_dir (or "
+            "set sweep.dir)"
+        )
 
 
 def _run_stages(config: FCSDConfig, overrides: list[str], root: Path) -> dict:
@@ -234,7 +224,7 @@ def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: in
     (root / "selection.json").write_text(json.dumps(selection, indent=2))
     plot_sweep(rows, root / "sweep_losses.png")
     for name in ("sweep.csv", "sweep_table.md", "selection.json", "sweep_losses.png", "stage1", "stage2"):
-        safe_io.record(root / name)
+        ownership.record(root / name)
 
 
 def plot_sweep(rows: list[dict], path: Path) -> None:

@@ -26,13 +26,15 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    import signal
     import sys
 
-    from fcsd import safe_io
+    from fcsd import stopping
 
-    signal.signal(signal.SIGTERM, safe_io.raise_terminated)  # stop the run cleanly (its lock released)
+    stopping.install()  # SIGTERM stops the run as Ctrl-C does (its lock released)
     try:
         main()
-    except KeyboardInterrupt as stop:  # `fcsd sweep` passed Ctrl-C or SIGTERM on; it reports the stop itself
-        sys.exit(143 if isinstance(stop, safe_io.Terminated) else 130)
+    except BaseException as stop:  # `fcsd sweep` passed Ctrl-C or SIGTERM on; it reports the stop itself
+        code = stopping.was_stopped(stop)
+        if code is None:
+            raise
+        sys.exit(code)

@@ -79,14 +79,14 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     its top-k log-probabilities in ``teacher.cache_dir``. Under ``torchrun`` the teacher is laid out over the
     processes as ``parallel.*`` says (FSDP2 over all of them when it says nothing) and each process caches its share
     of the shards (:mod:`fcsd.parallel.cache_share`)."""
-    from fcsd import safe_io
+    from fcsd import ownership
     from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.run_data import all_rows, load_run_data
     from fcsd.distill.run_io import run_inputs
 
     folder = cache_dir(config)  # checked before anything is loaded
     inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
-    safe_io.check_not_an_input(folder, "teacher.cache_dir", inputs)
+    ownership.check_not_an_input(folder, "teacher.cache_dir", inputs)
     check_cache_folder(folder)
     from fcsd.parallel.cache_share import cache_meshes, share_cache
     from fcsd.parallel.processes import main_process_first
@@ -118,11 +118,11 @@ def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: 
 
 def check_cache_folder(folder: Path) -> None:
     """A ``teacher.cache_dir`` must be new, empty or a teacher cache; anything else is refused before any work."""
-    from fcsd import safe_io
+    from fcsd import ownership
 
-    marker = safe_io.read_marker(folder)
-    cache = (Path(folder) / "meta.json").exists() and (marker is None or marker.kind == "teacher-cache")
-    if not safe_io.is_empty(folder) and not cache:
+    marker = ownership.read_marker(folder)
+    cache = (Path(folder) / "meta.json").exists() and (marker is None or marker.is_kind("teacher-cache"))
+    if not ownership.is_empty(folder) and not cache:
         raise TeacherCacheError(
             f"teacher.cache_dir {folder} holds other files and no teacher cache; point teacher.cache_dir at a new or "
             "empty folder"
@@ -140,13 +140,13 @@ def build_cache(
 ) -> Path:
     """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically (the old cache stays
     until the new one is complete). A matching cache is reused; a mismatched one is replaced only with
-    ``overwrite`` and only if it is a teacher cache fcsd wrote holding nothing else (:mod:`fcsd.safe_io`)."""
-    from fcsd import safe_io
+    ``overwrite`` and only if it is a teacher cache fcsd wrote holding nothing else (:mod:`fcsd.ownership`)."""
+    from fcsd.staging import atomic_dir
 
     folder = Path(folder)
     if reusable(folder, meta, overwrite):
         return folder
-    with safe_io.atomic_dir(folder, kind="teacher-cache") as staging:
+    with atomic_dir(folder, kind="teacher-cache", replace=overwrite, what="teacher.cache_dir") as staging:
         bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress)
         for shard, batches in enumerate(shard_batches(len(packed), batch_size)):
             write_shard(teacher, packed, batches, meta, staging / shard_name(shard), bar.update)
@@ -158,10 +158,10 @@ def build_cache(
 def reusable(folder: Path, meta: dict, overwrite: bool) -> bool:
     """Whether ``folder`` already holds the cache ``meta`` describes; a mismatched one is refused unless
     ``overwrite`` and it is a teacher cache fcsd wrote holding nothing else (then False: it is rebuilt)."""
-    from fcsd import safe_io
+    from fcsd import ownership
 
     check_cache_folder(folder)
-    if safe_io.is_empty(folder):
+    if ownership.is_empty(folder):
         return False
     if not overwrite:
         validate_cache(folder, meta, fix="add overwrite=true to this command to rebuild it")
@@ -171,7 +171,7 @@ def reusable(folder: Path, meta: dict, overwrite: bool) -> bool:
         return True
     except TeacherCacheError:
         fix = "remove it by hand, or choose another teacher.cache_dir"
-        safe_io.check_replaceable(folder, "teacher-cache", "teacher.cache_dir", fix)
+        ownership.check_replaceable(folder, "teacher-cache", "teacher.cache_dir", fix)
     return False
 
 

@@ -24,10 +24,11 @@ from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
 from fcsd.distill.config import FCSDConfig
 from fcsd.distill.data import Packed, tokens_fingerprint
-from fcsd.distill.heldout import heldout_metrics, kl_of
+from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
 from fcsd.distill.optim import SpikeGuard, apply_update, build_optimizer, fuse_on_gpu, plan_steps
+from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
 from fcsd.run_folder import RunFolder
 
@@ -126,8 +127,9 @@ class TrainingSession:
         with accelerator.main_process_first():
             self.train_rows, self.held_rows, self.data_summary = load_run_data(config, self.tokenizer)
         self.data_fingerprint = tokens_fingerprint(all_rows(self.train_rows, self.held_rows).input_ids)
-        if train_cfg.resume:  # the content, before anything is loaded or written
-            run_io.check_resume_data(self.run, config, self.data_fingerprint)
+        self.inputs = input_fingerprints(config, self.tokenizer, self.data_fingerprint)
+        if train_cfg.resume:  # the content (weights, tokenizer, chat template, data), before anything is written
+            check_resume_inputs(self.run, config, self.inputs)
         self.early = None
         if config.early_stop.enabled:  # loads MBPP+ now: a missing dataset must not surface hours into the run
             from fcsd.distill.early_stopping import MBPPPlusEarlyStop
@@ -146,6 +148,7 @@ class TrainingSession:
             meshes=meshes,
             teacher_meshes=teacher_meshes(accelerator) if online else None,
         )
+        self.inputs["model"] = self.inputs["model"] or weights_fingerprint(config.model.name, config.model.revision)
         self.cache = None
         if not online:
             rows = all_rows(self.train_rows, self.held_rows)
@@ -182,7 +185,9 @@ class TrainingSession:
         self.show_progress = config.progress and accelerator.is_main_process
         self.eval_before = saved["eval_before"] or self.evaluate(0)
         if saved["eval_before"] is None:
-            accelerator.print(f"step 0 (converted, before training): held-out KL {kl_of(self.eval_before):.4f}")
+            accelerator.print(
+                f"step 0 (converted, before training): {kl_name(self.eval_before)} {kl_of(self.eval_before):.4f}"
+            )
         if self.early is not None and not self.early.scores:  # the baseline: step 0, or a resume without this state
             self.early_stop_check(self.start_step)
         self.model.train()
@@ -279,7 +284,7 @@ class TrainingSession:
 
     def save_checkpoint(self, done: int) -> None:
         state = {"step": done, "tokens": self.tokens_seen, "guard": self.guard.state(), "eval_before": self.eval_before}
-        state["data"] = self.data_fingerprint
+        state["data"], state["inputs"] = self.data_fingerprint, self.inputs
         state["early_stop"] = self.early.state() if self.early is not None else None
         ep_state = (self.model, self.optimizer) if self.parallel else None
         if self.parallel:
@@ -295,7 +300,7 @@ class TrainingSession:
             self.early_stop_check(done)  # the final score (it may be the best)
         eval_after = self.evaluate(done)
         accelerator.print(
-            f"final: held-out KL {kl_of(eval_after):.4f} (step 0: {kl_of(self.eval_before):.4f}), "
+            f"final: {kl_name(eval_after)} {kl_of(eval_after):.4f} (step 0: {kl_of(self.eval_before):.4f}), "
             f"NLL {eval_after['eval/nll']:.4f}"
         )
         early_summary = self.early.summary() if self.early is not None else None

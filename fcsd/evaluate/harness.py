@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from fcsd.evaluate.suites import SuiteConfig
+from fcsd.evaluate.suites import CUSTOM_SUITE, SuiteConfig
 
 MERGED_KEYS = ("results", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
 
@@ -58,10 +58,12 @@ def check_code_execution(suite: SuiteConfig, allowed: bool, manager=None) -> Non
     the tasks themselves, not only from the suite's marks, so that ``--tasks`` cannot bypass it)."""
     risky = [t.task for t in suite.tasks if runs_code(t.task, t.code_execution, manager)]
     if risky and not allowed:
+        what = f"--tasks {','.join(risky)}" if suite.name == CUSTOM_SUITE else f"suite {suite.name!r}"
+        other = "other --tasks" if suite.name == CUSTOM_SUITE else "tasks with --tasks"
         raise ValueError(
-            f"suite {suite.name!r} scores {', '.join(risky)} by running model-written code: add "
-            "--allow-code-execution (lm-eval then runs it in the `code_eval` metric's sandboxed subprocesses with "
-            "timeouts, never in this process), or choose tasks with --tasks"
+            f"{what} scores {', '.join(risky)} by running model-written code: add --allow-code-execution (lm-eval "
+            f"then runs it in the `code_eval` metric's sandboxed subprocesses with timeouts, never in this process), "
+            f"or choose {other}"
         )
 
 

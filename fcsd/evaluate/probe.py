@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from fcsd.connectivity.layer_spec import percent_count
 from fcsd.connectivity.patch import apply_farskip, remove_farskip
 from fcsd.distill.losses import forward_kl, next_token_nll
 
@@ -29,6 +30,13 @@ class ProbeRow:
     perplexity: float
 
 
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def parse_grid(grid: str | list[int] | None, num_layers: int) -> list[int]:
     """Grid of converted-layer counts: ``"0,4,8,all"``, percentages (``"25%,50%"``) or ints; default 9 even steps."""
     if grid is None:
@@ -39,8 +47,8 @@ def parse_grid(grid: str | list[int] | None, num_layers: int) -> list[int]:
         text = str(item).strip().lower()
         if text == "all":
             value = num_layers
-        elif text.endswith("%"):
-            value = math.floor(float(text[:-1]) * num_layers / 100 + 0.5)
+        elif text.endswith("%") and _is_number(text[:-1]) and float(text[:-1]) >= 0:
+            value = percent_count(float(text[:-1]), num_layers, f"--grid entry {item!r}", side="")
         elif text.isdigit():
             value = int(text)
         else:
@@ -144,34 +152,34 @@ def probe_checkpoint(
 ) -> list[ProbeRow]:
     """``fcsd probe``: load ``name`` (hub id, folder or ``demo``), score the grid on ``data`` (the model's own
     held-out data by default), write ``probe.csv`` and ``probe.png`` to ``output_dir`` and print the table."""
-    from fcsd.connectivity.families import family_for_config, find_decoder_layers
+    from fcsd.connectivity.families import family_for_config, text_config
     from fcsd.distill.data import load_texts, pack_sequences
-    from fcsd.loading import from_pretrained, tokenizer_from_pretrained
+    from fcsd.loading import check_tokenizer_fits, from_pretrained, load_config, tokenizer_from_pretrained
     from fcsd.sources import default_data, resolve_model
 
     data = data or default_data(name)
     if data is None:
         raise ValueError("--data is required (a local .jsonl/.json/.txt/.parquet file or a dataset name)")
     path = resolve_model(name)
-    from fcsd.loading import load_config
+    config = load_config(path)  # an unreadable config.json is a one-line error before anything loads
+    family_for_config(config)  # a supported family of a possible shape
+    from fcsd import ownership
 
-    load_config(path)  # an unreadable config.json is a one-line error before anything loads
-    from fcsd import safe_io
-
-    out = safe_io.check_output_folder(output_dir, "probe", "--output-dir", {"model": path, "data": data})
+    out = ownership.check_output_folder(output_dir, "probe", "--output-dir", {"model": path, "data": data})
+    num_layers = text_config(config).num_hidden_layers
+    points = parse_grid(grid, num_layers)  # before anything loads
     tokenizer = tokenizer_from_pretrained(path)
+    check_tokenizer_fits(tokenizer, config, path)
     model = from_pretrained(path, layers=[], text_only=True, dtype=getattr(torch, dtype)).to(device)
-    num_layers = len(find_decoder_layers(model, family_for_config(model.config)))
-    points = parse_grid(grid, num_layers)
     rows = load_texts(data, tokenizer, split=split)
     sequences = pack_sequences(rows.texts, tokenizer, seq_len, num_sequences)
     print(f"probe: {name} ({num_layers} layers), {sequences.numel()} tokens from {data}, grid {points}")
     results = run_probe(model, sequences, points, batch_size=batch_size)
-    safe_io.mark(out, "probe")
+    ownership.mark(out, "probe")
     write_csv(results, out / "probe.csv")
     plot(results, out / "probe.png", f"FarSkip without training: {name}")
     for written in ("probe.csv", "probe.png"):
-        safe_io.record(out / written)
+        ownership.record(out / written)
     print(f"{'side':<6}{'N':>4}{'loss':>10}{'KL':>10}")
     for r in results:
         print(f"{r.side:<6}{r.n_converted:>4}{r.loss:>10.4f}{r.kl:>10.4f}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fcsd import safe_io
+from fcsd import ownership
 from fcsd.evaluate.harness import task_score
 from fcsd.evaluate.suites import SuiteConfig
 from fcsd.sources import display_name
@@ -76,8 +76,8 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
     in ``out``; returns the score table."""
     from lm_eval.utils import handle_non_serializable
 
-    safe_io.mark(out, "eval")
-    safe_io.record(out)  # in the run folder that holds it
+    ownership.mark(out, "eval")
+    ownership.record(out)  # in the run folder that holds it
     for label, result in results.items():
         text = json.dumps(result, indent=2, default=handle_non_serializable)
         (out / f"results_{label}.json").write_text(text)
@@ -87,7 +87,7 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
     summary = {"suite": suite.name, "models": {k: display_name(v) for k, v in names.items()}, "scores": table}
     (out / "eval_summary.json").write_text(json.dumps(summary, indent=2))
     for name in [*(f"results_{label}.json" for label in results), TABLE, "eval_table.png", "eval_summary.json"]:
-        safe_io.record(out / name)
+        ownership.record(out / name)
     return table
 
 
@@ -142,9 +142,9 @@ def evaluate_and_report(
         return out, None
     inputs = {name: ref for name, ref in (("model", model), ("compared model", compare)) if ref}
     if out.resolve() != default_output(model).resolve():  # a run's own eval/ lies inside the run on purpose
-        safe_io.check_not_an_input(out, "--output", inputs)
-    safe_io.check_not_in_use(out.parent, "the folder that holds the report,")  # a run still training there
-    safe_io.check_replaceable(out, "eval", "--output", "choose another --output")
+        ownership.check_not_an_input(out, "--output", inputs)
+    ownership.check_not_in_use(out.parent, "the folder that holds the report,")  # a run still training there
+    ownership.check_replaceable(out, "eval", "--output", "choose another --output")
     results = evaluate_checkpoints(refs, suite, **options)
     table = write_report(out, results, refs, suite)
     from fcsd.run_folder import RunFolder
@@ -154,6 +154,6 @@ def evaluate_and_report(
         from fcsd.export.model_card import refresh_card
 
         shutil.copyfile(out / TABLE, run.eval_table)
-        safe_io.record(run.eval_table)
+        ownership.record(run.eval_table)
         refresh_card(run)
     return out, table

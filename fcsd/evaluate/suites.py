@@ -63,9 +63,12 @@ def load_suite(name_or_path: str) -> SuiteConfig:
     return suite
 
 
+CUSTOM_SUITE = "custom"  # the name of the suite `--tasks` makes
+
+
 def suite_from_tasks(names: str) -> SuiteConfig:
     """The ad-hoc suite of ``--tasks a,b,c``."""
     tasks = [TaskSpec(task=name.strip()) for name in names.split(",") if name.strip()]
     if not tasks:
         raise ValueError("--tasks: give lm-eval task names separated by commas, e.g. --tasks arc_easy,piqa")
-    return SuiteConfig(name="custom", tasks=tasks)
+    return SuiteConfig(name=CUSTOM_SUITE, tasks=tasks)

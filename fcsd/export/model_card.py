@@ -49,7 +49,7 @@ def refresh_card(run) -> None:
     text_config = config.get("text_config") or {}
     num_layers = config.get("num_hidden_layers") or text_config.get("num_hidden_layers")
     card = render_card(config["farskip"], run_facts(run.final), num_layers, config.get("dtype"))
-    from fcsd.safe_io import atomic_file
+    from fcsd.staging import atomic_file
 
     with atomic_file(run.export / "README.md") as staging:
         staging.write_text(card)

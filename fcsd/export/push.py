@@ -7,6 +7,23 @@ from pathlib import Path
 from fcsd.export.save import PARITY_RECORD, ExportError
 
 
+def check_is_export(folder: Path) -> None:
+    """The folder's ``config.json`` must still say what ``fcsd export`` wrote (:func:`fcsd.identity.identify`): an
+    export whose model type, ``farskip`` block or ``architectures`` was edited would reach the hub as a model that
+    loads or serves with stock wiring."""
+    import json
+
+    from fcsd.identity import REEXPORT, identify
+
+    path = folder / "config.json"
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ExportError(f"{path} cannot be read ({type(error).__name__}); {REEXPORT}") from None
+    if not isinstance(values, dict) or identify(values, str(path)) != "export":
+        raise ExportError(f"{path} is not the config of an fcsd export (no farskip_* model type); {REEXPORT}")
+
+
 def files_to_push(folder: Path) -> list[Path]:
     return sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
 
@@ -23,6 +40,7 @@ def push(
             f"{folder} has no {PARITY_RECORD}: only folders written by `fcsd export` (reload parity passed) are "
             "pushed; run `fcsd export RUN OUT_DIR` first"
         )
+    check_is_export(folder)
     files = files_to_push(folder)
     if dry_run:
         return files

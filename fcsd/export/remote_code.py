@@ -52,8 +52,15 @@ class FarSkipForCausalLM({model_class}):
     config_class = FarSkipConfig
 
     def __init__(self, config):
+        record = getattr(config, "farskip", None)
+        layers = record.get("layers") if isinstance(record, dict) else None
+        if not isinstance(layers, list) or not layers:
+            raise ValueError(
+                "config.json has no `farskip.layers` (the converted layers), so this FarSkip export would run with "
+                "stock wiring: it is damaged; export it again with `fcsd export RUN_OR_CHECKPOINT OUT_DIR`"
+            )
         super().__init__(config)
-        apply_farskip(self, config.farskip["layers"])
+        apply_farskip(self, layers)
 '''
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-from fcsd import safe_io
+from fcsd import ownership
 from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type, text_config, text_model
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
 from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
+from fcsd.run_folder import RunFolder
 from fcsd.serving.vllm.families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 PARITY_RECORD = "fcsd_export.json"  # written only after the reload-parity check passed; `fcsd push` requires it
@@ -29,13 +30,16 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
     The folder holds safetensors shards in the model's dtype, the config with its ``farskip`` record, model type
     ``farskip_<stock type>`` and an ``auto_map`` to the shipped modeling code, the generation config and the
     tokenizer. A non-empty ``out_dir`` is refused unless ``overwrite``; ``source`` (the checkpoint exported) is never
-    written into.
+    written into. The export is a folder of its own in fcsd's ownership model (:mod:`fcsd.ownership`): one writer
+    holds its lock from before staging to the rename, which checks the target again (:func:`fcsd.staging.atomic_dir`).
     """
+    from fcsd.staging import atomic_dir
+
     out_dir = Path(out_dir).resolve()
     if not farskip_layers(model):
         raise ExportError("the model has no FarSkip layers: convert it (fcsd convert / fcsd.apply_farskip) first")
     check_export_target(out_dir, overwrite, [source] if source is not None else [])
-    with safe_io.atomic_dir(out_dir, kind="export") as staging:
+    with atomic_dir(out_dir, kind="export", replace=overwrite, what="OUT_DIR") as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         farskip = complete_export(staging, model.config, type(model), source, model.dtype)
@@ -73,20 +77,23 @@ def write_parity_record(staging: Path, difference: float, dtype: torch.dtype, fa
 def check_export_target(
     out_dir: str | Path, overwrite: bool, sources: list, what: str = "OUT_DIR", run_root: Path | None = None
 ) -> None:
-    """Refuse an ``out_dir`` that is, contains or lies inside a source (a checkpoint), is or contains the run folder
-    ``run_root`` (its ``export/`` lies inside it), is the current or the home folder; a non-empty one unless
-    ``overwrite``, and even then unless it is an export fcsd wrote that holds nothing else (:mod:`fcsd.safe_io`:
-    never a run folder, a teacher cache or a folder of other files)."""
+    """Refuse an ``out_dir`` that is, contains or lies inside a source (a checkpoint) or the run folder ``run_root``
+    (except the run's own ``export/``), is the current or the home folder; a non-empty one unless ``overwrite``, and
+    even then unless it is an export fcsd wrote that holds nothing else (:mod:`fcsd.ownership`: never a run folder,
+    a teacher cache or a folder of other files, whatever its marker says)."""
     out_dir = Path(out_dir).expanduser().resolve()
     try:
         for source in [*sources, None]:  # None: the current and home folder checks even without a source
-            safe_io.check_not_an_input(out_dir, what, {"source": source})
-        if run_root is not None:
-            safe_io.check_not_around(out_dir, what, "run folder", run_root)
-        if safe_io.is_empty(out_dir):
+            ownership.check_not_an_input(out_dir, what, {"source": source})
+        if run_root is not None:  # the folder around a checkpoint; a run folder also keeps what lies inside it
+            marker = ownership.read_marker(run_root)
+            inside = marker is not None and marker.is_kind("run")
+            allowed = RunFolder(run_root).export
+            ownership.check_not_around(out_dir, what, "run folder", run_root, allowed=allowed, refuse_inside=inside)
+        if ownership.is_empty(out_dir):
             return
-        safe_io.check_replaceable(out_dir, "export", what, f"only an fcsd export is replaced: choose another {what}")
-    except safe_io.FolderError as error:
+        ownership.check_replaceable(out_dir, "export", what, f"only an fcsd export is replaced: choose another {what}")
+    except ownership.FolderError as error:
         raise ExportError(str(error)) from None
     if not overwrite:
         how = "pass --overwrite" if what == "OUT_DIR" else "set overwrite=true"
@@ -134,7 +141,8 @@ def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwr
     converted checkpoint folder, or a run's step checkpoint (``checkpoints/step-N``, expert-parallel shards
     consolidated: the state of a run that never reached ``final/``) to ``out_dir``."""
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
-    from fcsd.run_folder import RunFolder, is_step_checkpoint
+    from fcsd.run_folder import is_step_checkpoint
+    from fcsd.staging import restore_stale_siblings
 
     source = Path(run_or_checkpoint)
     if not (source / "config.json").exists() and not is_step_checkpoint(source):
@@ -145,10 +153,14 @@ def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwr
         )
     run_root = RunFolder.of_checkpoint(source).root
     check_export_target(out_dir, overwrite, [source], run_root=run_root)  # before loading anything
-    if is_step_checkpoint(source):
-        from fcsd.distill.checkpointing import load_step_checkpoint
+    target = Path(out_dir).expanduser().resolve()
+    with ownership.folder_lock(target, "OUT_DIR", beside=True):  # one export at a time, from now to the rename
+        if restore_stale_siblings(target):  # what a killed export left is back: check the target as it is now
+            check_export_target(out_dir, overwrite, [source], run_root=run_root)
+        if is_step_checkpoint(source):
+            from fcsd.distill.checkpointing import load_step_checkpoint
 
-        model, tokenizer = load_step_checkpoint(source)
-    else:
-        model, tokenizer = from_pretrained(str(source), dtype="auto"), tokenizer_from_pretrained(str(source))
-    return export(model, tokenizer, out_dir, overwrite=overwrite, source=source)
+            model, tokenizer = load_step_checkpoint(source)
+        else:
+            model, tokenizer = from_pretrained(str(source), dtype="auto"), tokenizer_from_pretrained(str(source))
+        return export(model, tokenizer, out_dir, overwrite=overwrite, source=source)

@@ -336,6 +336,9 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> None:
+    from fcsd.stopping import die_with_parent
+
+    die_with_parent()  # a rank never outlives the command that started it (torchrun passes stops on; a kill -9 not)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--model", default=None, help="a saved (MoE) causal LM folder instead of --config")
@@ -396,23 +399,34 @@ def run_overlap_benchmark(
     run over that modelled link instead (:mod:`fcsd.parallel.bench_link`; ``timeline``: one recorded step per mode
     and rank). Bad input (rank count, model, link) is refused here, in one line, before any process starts."""
     import socket
-    import subprocess
     import sys
     import tempfile
 
-    num_experts = CONFIGS[config]["experts"]
+    from fcsd.stopping import run_child
+
+    shape = CONFIGS[config]
+    moe_layers, hidden, top_k, tokens = shape["layers"], shape["hidden"], shape["top_k"], shape["batch"] * shape["seq"]
+    num_experts = shape["experts"]
     if model:  # a local folder, a hub id or demo; its config alone says how many experts it has
         from fcsd.connectivity.summary import summarize
+        from fcsd.loading import load_config
         from fcsd.sources import resolve_model
 
         model = resolve_model(model)
-        num_experts = summarize(model).num_experts
+        summary = summarize(model)
+        num_experts, moe_layers, top_k, tokens = summary.num_experts, len(summary.moe_layers), summary.top_k, 512
+        hidden = load_config(model).get_text_config().hidden_size
     if ranks < 1 or num_experts % ranks:
         raise ValueError(f"--ranks {ranks}: it must be at least 1 and divide the model's {num_experts} experts")
     if link:
+        from fcsd.parallel.bench_link import check_link_time, link_time
         from fcsd.parallel.link import parse_link
 
-        parse_link(link)
+        spec = parse_link(link)
+        if spec.preset is None:  # a preset is scaled to this device's speed: its transfers keep pace with compute
+            steps = 1 + iters + (1 if timeline else 0)
+            byte_size = 2.0 if dtype == "bfloat16" else 4.0
+            check_link_time(link, link_time(spec, ranks, moe_layers, tokens, hidden, top_k, steps, byte_size))
         if trace:
             raise ValueError("--trace profiles the real collectives; over a modelled --link use --timeline FILE.png")
     elif timeline:
@@ -430,7 +444,7 @@ def run_overlap_benchmark(
         command += ["--link", link] if link else []
         command += ["--timeline"] if timeline else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-        subprocess.run(command, check=True, env=env)
+        run_child(command, env=env)  # a stop reaches every rank (torchrun passes it on), none outlives the command
         with open(out) as handle:
             return json.load(handle)
 

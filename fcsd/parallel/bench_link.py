@@ -31,6 +31,55 @@ MODES = ("regular", "farskip_overlap")
 LAYOUTS = {"all_to_all": ("forward", "backward"), "all_reduce": ("prefill",)}
 
 
+LINK_TIME_LIMIT = 600.0  # seconds of modelled transfers one --link run may take (the rest is compute)
+TRANSFERS_PER_LAYER = {"all_to_all": 6, "all_reduce": 1}  # per MoE layer and step: dispatch, combine (+ counts,
+# ids) forward and backward; one routed all-reduce per layer in a prefill
+
+
+def link_time(spec, ranks: int, moe_layers: int, tokens: int, hidden: int, top_k: int, steps: int, bytes_per=4.0):
+    """The modelled link time of a whole ``--link`` run, estimated before any process starts: per rank and step, an
+    all-to-all moves ``tokens * top_k`` rows of ``hidden`` values four times per MoE layer (dispatch and combine,
+    forward and backward; the ``(P - 1) / P`` that leave the rank), a prefill all-reduces ``tokens * hidden`` values
+    once per layer (ring: ``2 (P - 1) / P``); ``steps`` steps per mode and layout, two modes."""
+    share = (ranks - 1) / ranks
+    a2a = 4 * tokens * top_k * hidden * bytes_per * share
+    reduce = 2 * tokens * hidden * bytes_per * share
+    per_step = moe_layers * ((a2a + reduce) / spec.bandwidth + sum(TRANSFERS_PER_LAYER.values()) * spec.latency)
+    return 2 * steps * per_step
+
+
+def check_link_time(text: str, seconds: float, limit: float = LINK_TIME_LIMIT) -> None:
+    """Refuse a ``--link`` whose modelled transfers alone would take longer than ``limit`` (the run would sit
+    waiting on a link it cannot model in reasonable time), naming the estimate and a link that fits."""
+    if seconds <= limit:
+        return
+    spec = parse_link(text)
+    faster = spec.bandwidth * seconds / limit
+    raise ValueError(
+        f"--link {text}: the modelled transfers alone would take about {_human_duration(seconds)} (limit "
+        f"{_human_duration(limit)}); give a faster link, e.g. --link {_rate_text(faster)}"
+        + (f",{text.split(',', 1)[1]}" if "," in text else "")
+        + ", or fewer --iters"
+    )
+
+
+def _human_duration(seconds: float) -> str:
+    for unit, size in (("years", 365 * 86400.0), ("days", 86400.0), ("hours", 3600.0), ("minutes", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def _rate_text(bandwidth: float) -> str:
+    """A bandwidth at least ``bandwidth`` bytes/s, rounded up, in ``--link`` syntax."""
+    import math
+
+    for prefix, size in (("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0)):
+        if bandwidth >= size:
+            return f"{math.ceil(bandwidth / size)}{prefix}B/s"
+    return "1B/s"
+
+
 def agreed_link(text: str, device: torch.device):
     """The link every rank uses: presets scaled to rank 0's measured GEMM rate (see :mod:`fcsd.parallel.link`)."""
     spec = parse_link(text)

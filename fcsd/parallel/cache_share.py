@@ -6,7 +6,7 @@ of the config, or FSDP2 over every process when it asks for no layout. Cache sha
 written by process ``s mod W`` into the staging folder the main process created; every forward of a laid-out
 model is a collective, so a process with fewer rows to run repeats a forward on row 0 (discarded) until every
 process has run the same number. The main process writes ``meta.json`` once all shards are written and publishes
-the folder in one rename (:func:`fcsd.safe_io.atomic_dir`): the cache is the one a single process would write,
+the folder in one rename (:func:`fcsd.staging.atomic_dir`): the cache is the one a single process would write,
 shard for shard.
 """
 
@@ -40,8 +40,8 @@ def share_cache(teacher, packed, folder, meta: dict, batch_size: int, progress: 
     docstring); every process calls it and gets the folder."""
     from tqdm.auto import tqdm
 
-    from fcsd import safe_io
     from fcsd.distill.teacher_cache import reusable, shard_batches, shard_name, teacher_topk, write_shard
+    from fcsd.staging import atomic_dir
 
     folder = Path(folder)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -51,7 +51,17 @@ def share_cache(teacher, packed, folder, meta: dict, batch_size: int, progress: 
     shards = shard_batches(len(packed), batch_size)
     forwards = max(sum(len(batches) for batches in shards[r::world]) for r in range(world))
     with contextlib.ExitStack() as stack:
-        staging = [str(stack.enter_context(safe_io.atomic_dir(folder, kind="teacher-cache")))] if rank == 0 else [None]
+        staging = (
+            [
+                str(
+                    stack.enter_context(
+                        atomic_dir(folder, kind="teacher-cache", replace=overwrite, what="teacher.cache_dir")
+                    )
+                )
+            ]
+            if rank == 0
+            else [None]
+        )
         dist.broadcast_object_list(staging, src=0)
         staging = Path(staging[0])
         bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress or rank)

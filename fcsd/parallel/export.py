@@ -27,7 +27,6 @@ def export_laid_out(source: Path, out_dir: Path, meshes, overwrite: bool = False
     """Export ``source`` (a parallel run's ``final/`` or ``best/``) to ``out_dir``; a collective: every process."""
     import gc
 
-    from fcsd import safe_io
     from fcsd.export.save import (
         PARITY_TOLERANCE,
         ExportError,
@@ -38,6 +37,7 @@ def export_laid_out(source: Path, out_dir: Path, meshes, overwrite: bool = False
     from fcsd.loading import load_config, tokenizer_from_pretrained
     from fcsd.parallel.load import concrete_class
     from fcsd.run_folder import RunFolder
+    from fcsd.staging import atomic_dir
 
     gc.collect()  # the training run's models (their hooks hold cycles)
     source, out_dir = Path(source), Path(out_dir).resolve()
@@ -46,7 +46,11 @@ def export_laid_out(source: Path, out_dir: Path, meshes, overwrite: bool = False
     config = load_config(str(source))
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype or torch.float32
     with contextlib.ExitStack() as stack:
-        staging = [str(stack.enter_context(safe_io.atomic_dir(out_dir, kind="export")))] if main else [None]
+        staging = (
+            [str(stack.enter_context(atomic_dir(out_dir, kind="export", replace=overwrite, what="OUT_DIR")))]
+            if main
+            else [None]
+        )
         dist.broadcast_object_list(staging, src=0)
         staging = Path(staging[0])
         farskip = [None]

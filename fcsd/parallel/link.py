@@ -48,7 +48,7 @@ PRESETS = {
 _PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
 _PREFIX["Ti"] = 2**40
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_BANDWIDTH = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(Ki|Mi|Gi|Ti|k|K|M|G|T)?([Bb])(?:/s|ps)$")
+_BANDWIDTH = re.compile(r"^([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(Ki|Mi|Gi|Ti|k|K|M|G|T)?([Bb])(?:/s|ps)$")
 _LATENCY = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(s|ms|us|µs|ns)$")
 _SYNTAX = "use BANDWIDTH[,LATENCY] such as 25GB/s,10us or 400Gb/s, or a preset: " + ", ".join(PRESETS)
 

@@ -176,7 +176,7 @@ def _draw_link(axis, y: float, timeline: dict, used: set) -> None:
 
 def write_timeline(result: dict, png: Path, trace: Path) -> None:
     """Draw ``result``'s recorded steps to ``png`` and ``trace``, each staged and renamed into place."""
-    from fcsd.safe_io import atomic_file
+    from fcsd.staging import atomic_file
 
     with atomic_file(png) as staging:
         draw(result, staging)

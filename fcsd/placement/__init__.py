@@ -1,22 +1,34 @@
 """Expert coupling (second paper: Sec. II-B, V, Table I, Algorithms 1-2; design §5): routing capture, co-selection
-and cross-layer statistics, balanced correlated placement, applying a placement, the token-shuffle planner."""
+and cross-layer statistics, balanced correlated placement, applying a placement, the token-shuffle planner.
 
-from fcsd.placement.apply import apply_placement, check_placement
-from fcsd.placement.format import Placement, PlacementError, load_placement
-from fcsd.placement.record import record_routes
-from fcsd.placement.solver import contiguous_placement, correlated_placement
-from fcsd.placement.traces import Routes, RoutesError, load_routes
+The names load lazily (PEP 562), so that the command line's parser (``fcsd routes ...``) imports no torch."""
 
-__all__ = [
-    "Placement",
-    "PlacementError",
-    "Routes",
-    "RoutesError",
-    "apply_placement",
-    "check_placement",
-    "contiguous_placement",
-    "correlated_placement",
-    "load_placement",
-    "load_routes",
-    "record_routes",
-]
+_PUBLIC = {
+    "Placement": "fcsd.placement.format",
+    "PlacementError": "fcsd.placement.format",
+    "load_placement": "fcsd.placement.format",
+    "Routes": "fcsd.placement.traces",
+    "RoutesError": "fcsd.placement.traces",
+    "load_routes": "fcsd.placement.traces",
+    "apply_placement": "fcsd.placement.apply",
+    "check_placement": "fcsd.placement.apply",
+    "record_routes": "fcsd.placement.record",
+    "contiguous_placement": "fcsd.placement.solver",
+    "correlated_placement": "fcsd.placement.solver",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'fcsd.placement' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from fcsd import safe_io
+from fcsd import ownership
 from fcsd.placement.format import PlacementError, load_placement
 from fcsd.placement.traces import RoutesError, check_same_model, load_routes
 
@@ -38,8 +38,9 @@ def record(args) -> int:
     """Load MODEL like ``fcsd probe`` (``demo`` included), read ``--tokens`` tokens of ``--data`` and save routes."""
     import torch
 
+    from fcsd.connectivity.families import family_for_config
     from fcsd.distill.data import load_texts, pack_sequences, tokens_fingerprint
-    from fcsd.loading import from_pretrained, tokenizer_from_pretrained
+    from fcsd.loading import check_tokenizer_fits, from_pretrained, load_config, tokenizer_from_pretrained
     from fcsd.placement.record import record_routes
     from fcsd.sources import DEMO_NAME, resolve_data, resolve_model
 
@@ -50,8 +51,11 @@ def record(args) -> int:
         raise ValueError("--tokens and --seq-len must be positive")
     path = resolve_model(args.model)
     inputs = {"model": path, "data file": data}
-    safe_io.check_output_file(args.out, "--out", "routes file", _readable_by(load_routes), inputs)
+    ownership.check_output_file(args.out, "--out", "routes file", _readable_by(load_routes), inputs)
+    config = load_config(path)  # an unreadable config.json is named before anything loads
+    family_for_config(config)  # a supported family of a possible shape
     tokenizer = tokenizer_from_pretrained(path)
+    check_tokenizer_fits(tokenizer, config, path)
     model = from_pretrained(path, dtype=getattr(torch, args.dtype)).to(args.device)
     rows = load_texts(data, tokenizer, split=args.split)
     sequences = pack_sequences(rows.texts, tokenizer, args.seq_len, math.ceil(args.tokens / args.seq_len))
@@ -76,7 +80,7 @@ def stats(args) -> int:
 
     routes = load_routes(args.routes)
     if args.plot:
-        safe_io.check_output_folder(args.plot, "plots", "--plot", {"routes": args.routes})
+        ownership.check_output_folder(args.plot, "plots", "--plot", {"routes": args.routes})
     placement = None
     if args.placement:
         placement = load_placement(args.placement)
@@ -113,7 +117,7 @@ def place(args) -> int:
 
     routes = load_routes(args.routes)
     inputs = {"routes": args.routes}
-    safe_io.check_output_file(args.out, "--out", "placement file", _readable_by(load_placement), inputs)
+    ownership.check_output_file(args.out, "--out", "placement file", _readable_by(load_placement), inputs)
     begin = time.perf_counter()
     placement = correlated_placement(routes, args.ep, args.nodes)
     seconds = time.perf_counter() - begin

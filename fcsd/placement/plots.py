@@ -27,10 +27,10 @@ def plot_heatmaps(routes: Routes, out_dir: str | Path, layer: int | None = None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fcsd import safe_io
+    from fcsd import ownership
 
     out_dir = Path(out_dir)
-    safe_io.mark(out_dir, "plots")
+    ownership.mark(out_dir, "plots")
     layers = routes.layers
     layer = layers[len(layers) // 2 - (len(layers) % 2 == 0)] if layer is None else int(layer)
     e = routes.num_experts
@@ -52,7 +52,7 @@ def plot_heatmaps(routes: Routes, out_dir: str | Path, layer: int | None = None)
         fig.colorbar(image, ax=ax)
         fig.tight_layout()
         fig.savefig(out_dir / name, dpi=120)
-        safe_io.record(out_dir / name)
+        ownership.record(out_dir / name)
         plt.close(fig)
         written.append(out_dir / name)
     return written

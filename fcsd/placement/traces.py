@@ -102,7 +102,7 @@ class Routes:
     def save(self, path: str | Path) -> Path:
         from safetensors.numpy import save_file
 
-        from fcsd.safe_io import atomic_file
+        from fcsd.staging import atomic_file
 
         path = Path(path)
         dtype = np.int16 if self.num_experts <= np.iinfo(np.int16).max else np.int32
@@ -113,6 +113,15 @@ class Routes:
         with atomic_file(path) as staging:
             save_file(tensors, str(staging), metadata={METADATA_KEY: json.dumps(header)})
         return path
+
+
+# a file fcsd cannot read as its own is never overwritten (fcsd.ownership.check_output_file): record into another
+_RECORD_AGAIN = "record the routes again into a new file: `fcsd routes record MODEL --out NEW.routes`"
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:160] if lines else type(error).__name__
 
 
 def load_routes(path: str | Path) -> Routes:
@@ -129,9 +138,9 @@ def load_routes(path: str | Path) -> Routes:
             ids = f.get_tensor("ids") if "ids" in names else None
             weights = f.get_tensor("weights") if "weights" in names else None
     except Exception as error:  # safetensors raises its own error types for foreign files
-        raise RoutesError(f"{path} is not a routes file ({error}); write one with `fcsd routes record`") from None
+        raise RoutesError(f"{path} is not a routes file ({_first_line(error)}); {_RECORD_AGAIN}") from None
     if ids is None or METADATA_KEY not in metadata:
-        raise RoutesError(f"{path} is not a routes file (no fcsd_routes header); write one with `fcsd routes record`")
+        raise RoutesError(f"{path} is not a routes file (no fcsd_routes header); {_RECORD_AGAIN}")
     header = json.loads(metadata[METADATA_KEY])
     if header.get("format") != FORMAT or int(header.get("version", 0)) > VERSION:
         raise RoutesError(f"{path}: unsupported routes format {header.get('format')} v{header.get('version')}")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from fcsd.plan.cluster import GPUS
 
+MAX_TOKENS = 1e14  # a conversion budget beyond any corpus: a typo (1e30), answered before planning
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -61,8 +63,11 @@ def run_plan(args) -> int:
             raise ValueError(f"override {override!r} is not KEY=VALUE, e.g. data.seq_len=2048 (fcsd convert's keys)")
     if args.probe is not None and _looks_like_a_file(args.probe) and not Path(args.probe).expanduser().exists():
         raise ValueError(f"--probe {args.probe}: no such file; give held-out chat data (.jsonl, .json, .parquet)")
-    if args.tokens is not None and args.tokens <= 0:
-        raise ValueError(f"--tokens {args.tokens:g}: the training budget must be more than 0 tokens, e.g. 2e9")
+    if args.tokens is not None and not 0 < args.tokens <= MAX_TOKENS:
+        raise ValueError(
+            f"--tokens {args.tokens:g}: give a training budget between 1 and {MAX_TOKENS:g} tokens (the paper converts "
+            "with up to 1e10; no corpus holds more than about 1e14), e.g. 2e9"
+        )
     cluster = make_cluster(
         args.gpu,
         args.gpus_per_node,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from fcsd.connectivity.layer_spec import parse_layer_spec
+from fcsd.connectivity.layer_spec import converted_layers
 from fcsd.plan.cluster import Cluster
 from fcsd.plan.timing import hardware, prefill_speedup, training_speedup
 
@@ -52,9 +52,7 @@ def layer_options(shape, specs, cluster: Cluster, batch_tokens: int, seq_len: in
     tokens = max(seq_len, batch_tokens // cluster.gpus)
     options = []
     for spec in dict.fromkeys(specs):
-        layers = parse_layer_spec(spec, len(shape.layers))
-        if not layers:
-            raise ValueError(f"layer spec {spec!r} converts no layer: nothing to plan; e.g. last:50% or all")
+        layers = converted_layers(spec, len(shape.layers))
         chosen = set(layers)
         options.append(
             LayerOption(

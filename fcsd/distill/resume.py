@@ -1,0 +1,260 @@
+"""What ``--resume`` checks before it continues a run (design §3: resume must be exact): the same run (settings, not
+finished), the same LR schedule, a complete checkpoint, and the same inputs by content - the model's weights, the
+tokenizer, the chat template and the packed data - each named by itself when it differs.
+
+The settings are compared with the run's ``fcsd_config.yaml`` before anything loads (:func:`check_resume`); the
+inputs by fingerprints recorded in every checkpoint's trainer state (:func:`input_fingerprints`,
+:func:`check_resume_inputs`), once the tokenizer and the data are read and before the weights are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from fcsd import ownership
+from fcsd.distill.run_io import OUTPUT_FIX
+from fcsd.run_folder import RunFolder
+
+# Keys a resumed run must share with the run it continues (the rest, e.g. progress, may change).
+RESUME_KEYS = (
+    "model.name",
+    "model.revision",
+    "farskip.layers",
+    "data.path",
+    "data.split",
+    "data.seq_len",
+    "data.max_rows",
+    "data.eval_path",
+    "data.eval_sequences",
+    "train.objective",
+    "train.batch_tokens",
+    "train.micro_batch_size",
+    "train.seed",
+    "teacher.mode",
+    "parallel.placement",  # the weights are permuted by it
+)
+PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
+# The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value
+# would bend the curve where the run continues (the LR of the next step jumps) without a word.
+SCHEDULE_KEYS = ("train.lr", "train.min_lr_ratio", "train.warmup_steps")
+
+
+def check_resume(run: RunFolder, config) -> None:
+    """``--resume`` continues the same, unfinished run from a complete checkpoint, or is refused before anything
+    is written: a folder that does not exist or is no run, other settings (:data:`RESUME_KEYS`), a finished run,
+    an end at or below the checkpoint's step, another LR schedule, a checkpoint with a missing or truncated file.
+    The inputs' content is compared once they are read (:func:`check_resume_inputs`)."""
+    from omegaconf import OmegaConf
+
+    root = run.root
+    if not root.exists():
+        raise ownership.FolderError(
+            f"--resume: output_dir {root} does not exist, so there is no run to resume; drop --resume to start one"
+        )
+    marker = ownership.read_marker(root)
+    if marker is None or not marker.is_kind("run"):
+        what = "no fcsd run (no .fcsd-output marker)" if marker is None else marker.description()
+        raise ownership.FolderError(f"--resume: output_dir {root} holds {what}, not a run to resume; {OUTPUT_FIX}")
+    saved = OmegaConf.load(run.config) if run.config.exists() and config is not None else None
+    if saved is not None:
+        current = OmegaConf.structured(config)
+        different = [
+            f"{key}: run {OmegaConf.select(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"
+            for key in RESUME_KEYS
+            if not _same_setting(key, OmegaConf.select(saved, key), OmegaConf.select(current, key))
+        ]
+        if different:
+            raise ownership.FolderError(
+                f"--resume: {root} is a different run ({'; '.join(different)}); use the run's settings to continue "
+                "it, or another output_dir for a new run"
+            )
+    if run.summary.exists() or run.final.exists():
+        raise ownership.FolderError(_finished_message(run))
+    if config is None:
+        return
+    checkpoint = run.resume_checkpoint(config.train.resume_step)
+    if checkpoint is None:
+        return
+    _check_length_and_schedule(run, checkpoint, config, saved)
+    from fcsd.parallel.step_state import check_resumable, config_layout
+
+    try:  # a sharded checkpoint reshards between layouts (parallel.ep_size may change); across formats it cannot
+        check_resumable(
+            run.trainer_state(checkpoint).get("layout"), checkpoint.relative_to(root), config_layout(config)
+        )
+    except ValueError as error:
+        raise ownership.FolderError(str(error)) from None
+    problems = run.checkpoint_problems(checkpoint)
+    if problems:
+        step = int(checkpoint.name[5:])
+        older = [c for c in run.checkpoints() if int(c.name[5:]) < step and not run.checkpoint_problems(c)]
+        way = (
+            f"continue from {older[-1].name}: `{ownership.command_line(f'train.resume_step={older[-1].name[5:]}')}`"
+            if older
+            else "no complete older checkpoint is left: start the run again with overwrite=true and no --resume"
+        )
+        raise ownership.FolderError(
+            f"--resume: {checkpoint.relative_to(root)} is incomplete ({', '.join(problems)}); {way}"
+        )
+
+
+def _same_setting(key: str, saved, current) -> bool:
+    """Equal values, or two spellings of one local file (``data.jsonl`` and its absolute path)."""
+    if saved == current:
+        return True
+    if key not in PATH_KEYS or not saved or not current:
+        return False
+    first, second = Path(str(saved)).expanduser(), Path(str(current)).expanduser()
+    return first.exists() and second.exists() and first.resolve() == second.resolve()
+
+
+def _finished_message(run: RunFolder) -> str:
+    """Why a finished run is not resumed, naming what it wrote (``final/``, ``export/``) as they are."""
+    steps = "its last step"
+    if run.summary.exists():
+        try:
+            steps = json.loads(run.summary.read_text()).get("steps", steps)
+        except (OSError, ValueError, AttributeError):
+            pass
+    kept = [f"{p.name}/" for p in (run.final, run.best, run.export) if p.exists()]
+    holds = f"; {' and '.join(kept)} {'hold' if len(kept) > 1 else 'holds'} it" if kept else ""
+    source = "its final/" if run.final.exists() else "its export or a checkpoint"
+    return (
+        f"--resume: the run in {run.root} finished (step {steps}{holds}), and resuming would write over it; train "
+        f"further from it as a new run (MODEL = {source}) in another output_dir, or replace it with overwrite=true "
+        "and no --resume"
+    )
+
+
+def _check_length_and_schedule(run: RunFolder, checkpoint: Path, config, saved) -> None:
+    """The resumed run must end after the checkpoint's step and keep the LR schedule the run started with."""
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.config import end_step, schedule_steps
+
+    step = int(checkpoint.name[5:])
+    end = end_step(config.train)
+    where = checkpoint.relative_to(run.root)
+    if end <= step:
+        raise ownership.FolderError(
+            f"--resume: the run would end at step {end} (train.max_steps / max_tokens / stop_after), at or below "
+            f"step {step} of {where}: there is nothing left to train; set train.max_steps above {step}"
+        )
+    if saved is None:
+        return
+    horizon, saved_horizon = schedule_steps(config.train), schedule_steps(saved.train)
+    changed = [
+        f"{key}={OmegaConf.select(OmegaConf.structured(config), key)} (the run: {OmegaConf.select(saved, key)})"
+        for key in SCHEDULE_KEYS
+        if OmegaConf.select(saved, key) != OmegaConf.select(OmegaConf.structured(config), key)
+    ]
+    if horizon != saved_horizon:
+        keys = [k for k in ("max_steps", "max_tokens") if getattr(config.train, k) != saved.train.get(k)]
+        changed.insert(
+            0,
+            " and ".join(f"train.{k}={getattr(config.train, k)}" for k in keys or ["max_steps"])
+            + f" (the run's schedule spans {saved_horizon} steps, this one {horizon})",
+        )
+    if changed:
+        keep = " ".join(
+            f"train.{k}={'null' if saved.train.get(k) is None else saved.train.get(k)}"
+            for k in ("max_steps", "max_tokens", "lr", "min_lr_ratio", "warmup_steps")
+            if saved.train.get(k) != getattr(config.train, k)
+        )
+        raise ownership.FolderError(
+            f"--resume: {'; '.join(changed)} would change the LR schedule the run follows from {where} on (the "
+            f"warm-up and cosine are planned over the whole run, so the LR of the next steps would jump); resume "
+            f"with the run's own `{keep}` (use train.stop_after to stop earlier), then train further from its final/ "
+            "as a new run"
+        )
+
+
+def weights_fingerprint(name: str, revision: str | None = None) -> str | None:
+    """A cheap content fingerprint of the weight files of ``model.name`` (a local folder, ``demo``, or a hub id
+    already in the hub cache; None otherwise): per file its name, size, safetensors header and 16 evenly spread
+    4 KiB samples. Other weights of the same shapes (another fine-tune) change it; it costs milliseconds per file."""
+    from fcsd.sources import resolve_model
+
+    folder = _local_folder(resolve_model(name), revision)
+    if folder is None:
+        return None
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file())
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as handle:
+            head = handle.read(8)
+            digest.update(head)
+            if path.suffix == ".safetensors" and len(head) == 8:
+                digest.update(handle.read(min(int.from_bytes(head, "little"), 1 << 24)))
+            for i in range(16):
+                handle.seek(size * i // 16)
+                digest.update(handle.read(4096))
+    return digest.hexdigest()[:16]
+
+
+def _local_folder(name: str, revision: str | None) -> Path | None:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    from fcsd.sources import hub_id
+
+    if hub_id(name) is None:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the hub cache (yet): nothing to compare
+        return None
+
+
+def tokenizer_fingerprints(tokenizer) -> dict:
+    """Fingerprints of the tokenizer (vocabulary, added and special tokens) and, separately, of its chat template:
+    a resume names which of the two changed."""
+
+    def digest(value) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    specials = {k: getattr(tokenizer, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    vocab = sorted(tokenizer.get_vocab().items())
+    return {"tokenizer": digest([vocab, specials]), "chat_template": digest(getattr(tokenizer, "chat_template", None))}
+
+
+def input_fingerprints(config, tokenizer, data_fingerprint: str) -> dict:
+    """What a checkpoint records of its inputs' content (see the module docstring)."""
+    weights = weights_fingerprint(config.model.name, config.model.revision)
+    return {"model": weights, **tokenizer_fingerprints(tokenizer), "data": data_fingerprint}
+
+
+INPUTS = {  # fingerprint -> how a message names it and the setting that chose it
+    "model": ("the model's weights", "model.name"),
+    "tokenizer": ("the tokenizer (its vocabulary or special tokens)", "model.name"),
+    "chat_template": ("the chat template (how chats are rendered into training text)", "model.name"),
+    "data": ("the training data", "data.path"),
+}
+
+
+def check_resume_inputs(run: RunFolder, config, fingerprints: dict) -> None:
+    """Refuse a ``--resume`` whose inputs' content changed since the checkpoint it resumes was saved (a path says
+    nothing: a file can be rewritten in place), naming the first that changed in the order of :data:`INPUTS` (a
+    new chat template also changes the packed data: it is named, not the data)."""
+    checkpoint = run.resume_checkpoint(config.train.resume_step)
+    if checkpoint is None:
+        return
+    state = run.trainer_state(checkpoint)
+    saved = {**state.get("inputs", {}), "data": state.get("data")}
+    for key, (what, setting) in INPUTS.items():
+        then, now = saved.get(key), fingerprints.get(key)
+        if then is not None and now is not None and then != now:
+            value = config.model.name if setting == "model.name" else config.data.path
+            raise ownership.FolderError(
+                f"--resume: {what} changed since {checkpoint.relative_to(run.root)} was saved (content fingerprint "
+                f"{then} then, {now} now, {setting}={value}); resume with the inputs it was trained on, or start a "
+                "new run in another output_dir"
+            )
