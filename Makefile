@@ -21,8 +21,9 @@ serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd'
 	$(VLLM_VENV)/bin/python -c "from fcsd.serving.vllm.launcher import install; install()"  # see its docstring
 	$(VLLM_VENV)/bin/python -m fcsd.serving.vllm.check
 
-test:  ## the fast CPU test-suite (no network, no GPU)
-	$(PYTHON) -m pytest tests
+TEST_WORKERS ?= 2  # pytest-xdist processes; each test file runs whole in one of them (its module fixtures once)
+test:  ## the fast CPU test-suite (no network, no GPU), TEST_WORKERS files at a time
+	$(PYTHON) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 demo:  ## the embedded default job, offline on CPU (~8 min the first time): build the demo teacher, convert it with FCSD
 	$(PYTHON) -m fcsd.cli inspect demo --layers last:50%
