@@ -8,6 +8,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# multiprocessing's resource tracker is a helper of this pytest process that lives as long as it: start it now,
+# before any test's tag is set, so the leak check below never counts it as the process of whichever test used
+# multiprocessing first
+from multiprocessing import resource_tracker  # noqa: E402
+
+resource_tracker.ensure_running()
+
 
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test():

@@ -77,7 +77,6 @@ def check_resume(run: RunFolder, config) -> None:
     checkpoint = run.resume_checkpoint(config.train.resume_step)
     if checkpoint is None:
         return
-    _check_length_and_schedule(run, checkpoint, config, saved)
     from fcsd.parallel.step_state import check_resumable, config_layout
 
     try:  # a sharded checkpoint reshards between layouts (parallel.ep_size may change); across formats it cannot
@@ -86,6 +85,7 @@ def check_resume(run: RunFolder, config) -> None:
         )
     except ValueError as error:
         raise ownership.FolderError(str(error)) from None
+    _check_length_and_schedule(run, checkpoint, config, saved)
     problems = run.checkpoint_problems(checkpoint)
     if problems:
         step = int(checkpoint.name[5:])
