@@ -1,10 +1,12 @@
 """Starting gloo process groups from tests: ``torchrun`` on a free port, with this test environment; whatever
 happens (a timeout included), torchrun and every worker it started are stopped before this returns."""
 
+import json
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from processes import started
 
@@ -22,6 +24,14 @@ def torchrun(nproc: int, *argv: str, check: bool = True, timeout: float | None =
     if check:
         done.check_returncode()
     return done
+
+
+def worker_results(nproc: int, worker, out, timeout: float) -> list[dict]:
+    """Run the gloo test ``worker`` script on ``nproc`` processes and read back the JSON each rank wrote to
+    ``{out}.{rank}.json``; ``timeout`` turns a collective-order bug (a hang) into a failure."""
+    result = torchrun(nproc, str(worker), str(out), check=False, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(nproc)]
 
 
 def free_port() -> int:

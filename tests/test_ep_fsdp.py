@@ -7,11 +7,10 @@ laid out; fcsd cache-teacher on the 4 processes, each writing its shards of the 
 layout on fake tensors over a fake process group (what `fcsd plan` models): rank 0 holds what it holds in the real
 launch."""
 
-import json
 from pathlib import Path
 
 import pytest
-from launch import torchrun
+from launch import worker_results
 
 WORKER = Path(__file__).parent / "workers" / "ep_fsdp.py"
 CASES = [
@@ -25,10 +24,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep_fsdp") / "out"
-    result = torchrun(4, str(WORKER), str(out), check=False, timeout=900)  # a collective-order bug hangs
-    assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(4)]
+    return worker_results(4, WORKER, tmp_path_factory.mktemp("ep_fsdp") / "out", timeout=900)
 
 
 def _same_training(result):

@@ -2,21 +2,17 @@
 launch): one host synchronisation per MoE layer, bf16 precision and bitwise determinism, the collective order in
 backward and its debug check, the order of the overlapped schedule, generate, loading only a rank's experts."""
 
-import json
 from pathlib import Path
 
 import pytest
-from launch import torchrun
+from launch import worker_results
 
 WORKER = Path(__file__).parent / "workers" / "ep_runtime.py"
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep_runtime") / "out"
-    result = torchrun(2, str(WORKER), str(out), check=False, timeout=600)  # a collective-order bug hangs
-    assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(2)]
+    return worker_results(2, WORKER, tmp_path_factory.mktemp("ep_runtime") / "out", timeout=600)
 
 
 def test_one_host_sync_per_moe_layer_in_forward_and_none_in_backward(ranks):
