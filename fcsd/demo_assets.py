@@ -2,9 +2,11 @@
 trained tokenizer and synthetic chat data, built offline in the user cache folder (``$FCSD_CACHE`` or
 ``~/.cache/fcsd``) and reused by later runs.
 
-The teacher is instruction-tuned on both families of :mod:`fcsd.distill.synthetic`; ``data/train.jsonl`` (the
-conversion data) holds only the general tasks and ``data/heldout.jsonl`` only the scored ones, so that the demo
-measures, as the paper does, what survives of abilities the conversion data does not teach.
+The teacher is instruction-tuned on both families of :mod:`fcsd.distill.synthetic` with the gold answers;
+``data/train.jsonl`` (the conversion data) mixes both families on other prompts, answered by another "writer"
+(:func:`fcsd.distill.synthetic.writer_answer`), and ``data/heldout.jsonl`` holds the scored tasks' held-out prompts
+with the teacher's gold answers: the paper's setting, where general instruction data written by other models covers
+the skills the benchmarks score.
 
 :mod:`fcsd.sources` resolves the model name ``demo`` (and the data names ``demo`` / ``demo-heldout``) to these
 files in every ``fcsd`` command (it imports this module, never the other way round); the demo *job* (``fcsd convert
@@ -13,6 +15,7 @@ demo``) is :mod:`fcsd.demo`.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,11 +23,17 @@ from pathlib import Path
 from fcsd.user_cache import cache_root
 
 PRETRAIN_STEPS = 900
-DEMO_VERSION = 5  # bump when the demo assets change, so stale caches are rebuilt
 
 
 def demo_dir() -> Path:
-    return cache_root() / f"demo-v{DEMO_VERSION}"
+    """The demo's folder in the user cache, named by a digest of its builder (this module, the synthetic tasks, the
+    tokenizer trainer) and :data:`PRETRAIN_STEPS`: a changed builder never reuses a stale teacher."""
+    from fcsd.distill import synthetic, tokenizer
+
+    digest = hashlib.sha256(str(PRETRAIN_STEPS).encode())
+    for source in (__file__, synthetic.__file__, tokenizer.__file__):
+        digest.update(Path(source).read_bytes())
+    return cache_root() / f"demo-{digest.hexdigest()[:12]}"
 
 
 def demo_config(vocab_size: int):
@@ -49,31 +58,37 @@ def demo_config(vocab_size: int):
 
 
 def prepare_demo(seed: int = 0) -> Path:
-    """Build (once) and return the demo folder: ``model/`` (checkpoint, tokenizer), ``data/train.jsonl`` (the
-    conversion data), ``data/heldout.jsonl`` (the scored tasks) and ``data/heldout-general.jsonl`` (held-out rows of
-    the conversion data's tasks)."""
+    """Build (once) and return the demo folder: ``model/`` (checkpoint, tokenizer; generation ends at EOS),
+    ``data/train.jsonl`` (the conversion data), ``data/heldout.jsonl`` (the scored tasks' held-out prompts) and
+    ``data/heldout-general.jsonl`` (held-out prompts of the other tasks)."""
     root = demo_dir()
     if (root / "model" / "config.json").exists():
         return root
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, make_dataset, write_jsonl
+    from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, conversion_data, make_dataset, write_jsonl
     from fcsd.distill.tokenizer import train_tokenizer
 
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=root.parent))
     try:
         abilities = make_dataset(20000, seed=seed, tasks=TASKS + GENERAL_TASKS)  # what the teacher learns
-        conversion = make_dataset(8000, seed=seed + 2, tasks=GENERAL_TASKS)  # what FCSD and SFT train on
-        heldout = make_dataset(200, seed=seed + 1)  # scored: tasks the conversion data does not cover
+        heldout = make_dataset(200, seed=seed + 1)  # scored: held-out prompts of the scored tasks, gold answers
+        general = make_dataset(120, seed=seed + 3, tasks=GENERAL_TASKS)  # held-out prompts of the other tasks
+        conversion = conversion_data(8000, seed + 2, heldout + general)  # what FCSD and SFT train on
         write_jsonl(conversion, staging / "data" / "train.jsonl")
         write_jsonl(heldout, staging / "data" / "heldout.jsonl")
-        write_jsonl(make_dataset(120, seed=seed + 3, tasks=GENERAL_TASKS), staging / "data" / "heldout-general.jsonl")
+        write_jsonl(general, staging / "data" / "heldout-general.jsonl")
         tokenizer = train_tokenizer((m["content"] for row in abilities for m in row["messages"]), vocab_size=300)
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(demo_config(len(tokenizer)))
         pretrain_teacher(model, tokenizer, abilities, steps=PRETRAIN_STEPS, seed=seed)
+        ends = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+        ends["pad_token_id"] = tokenizer.pad_token_id
+        for config in (model.config, model.generation_config):  # generation stops at <|end|> in every harness
+            for key, value in ends.items():
+                setattr(config, key, value)
         model.save_pretrained(staging / "model")
         tokenizer.save_pretrained(staging / "model")
     except BaseException:  # Ctrl-C or a failure during the build: no half-built folder stays in the cache

@@ -1,32 +1,67 @@
-"""The embedded demo assets: built offline once, reused, and `demo` resolves in every command."""
+"""The embedded demo: assets built offline once, reused, and `demo` resolves in every command; the conversion data's
+writer; one truth per model (the demo table and lm-eval score the teacher on the same prompts); the demo job."""
 
 import json
+import random
+from pathlib import Path
+
+import pytest
 
 from fcsd import demo_assets
 from fcsd.cli import main
-from fcsd.distill.synthetic import GENERAL_TASKS
+from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, WRITER_PHRASE
+
+TEACHER_STEPS = 100  # enough for answers of the tasks' lengths, each ended by EOS (the one-truth test needs them)
 
 
-def test_demo_is_built_once_and_resolves(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("FCSD_CACHE", str(tmp_path))
-    monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", 30)
-    root = demo_assets.prepare_demo()
-    config = json.loads((root / "model" / "config.json").read_text())
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    """The demo assets, built once for this module in a cache folder of its own (FCSD_CACHE set while it runs)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("FCSD_CACHE", str(tmp_path_factory.mktemp("cache")))
+    patch.setattr(demo_assets, "PRETRAIN_STEPS", TEACHER_STEPS)
+    try:
+        yield demo_assets.prepare_demo()
+    finally:
+        patch.undo()
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_demo_is_built_once_and_resolves(demo_root, capsys):
+    config = json.loads((demo_root / "model" / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe"
-    # the conversion data covers other tasks than the scored ones (the paper's setting)
-    rows = (root / "data" / "train.jsonl").read_text().splitlines()
-    assert (
-        {json.loads(r)["task"] for r in rows} == set(GENERAL_TASKS) == {"copy", "desc", "max", "min", "sub", "lookup"}
-    )
-    rows = (root / "data" / "heldout.jsonl").read_text().splitlines()
-    assert {json.loads(r)["task"] for r in rows} == {"add", "sort", "reverse", "recall"}
-    stamp = (root / "model" / "config.json").stat().st_mtime_ns
-    assert demo_assets.prepare_demo() == root and (root / "model" / "config.json").stat().st_mtime_ns == stamp
+    generation = json.loads((demo_root / "model" / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == 2  # <|end|>: every harness stops there
+    # the paper's setting: the conversion data mixes the scored tasks with the others, on other prompts than the
+    # held-out ones, answered by another writer
+    train = read_rows(demo_root / "data" / "train.jsonl")
+    scored = read_rows(demo_root / "data" / "heldout.jsonl")
+    general = read_rows(demo_root / "data" / "heldout-general.jsonl")
+    assert {row["task"] for row in train} == set(TASKS) | set(GENERAL_TASKS)
+    assert {row["task"] for row in scored} == {"add", "sort", "reverse", "recall"} == set(TASKS)
+    assert {row["task"] for row in general} == set(GENERAL_TASKS)
+    prompts = {row["messages"][0]["content"] for row in train}
+    assert not prompts & {row["messages"][0]["content"] for row in scored + general}
+    phrased = sum(row["messages"][-1]["content"].startswith(WRITER_PHRASE) for row in train) / len(train)
+    assert 0.28 < phrased < 0.38
+    stamp = (demo_root / "model" / "config.json").stat().st_mtime_ns
+    assert demo_assets.prepare_demo() == demo_root
+    assert (demo_root / "model" / "config.json").stat().st_mtime_ns == stamp
     assert main(["inspect", "demo", "--layers", "last:50%", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["converted_layers"] == [3, 4, 5]
 
 
-def test_teacher_pretraining_learns(tmp_path):
+def test_a_changed_builder_gets_another_cache_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("FCSD_CACHE", str(tmp_path))
+    first = demo_assets.demo_dir()
+    monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", demo_assets.PRETRAIN_STEPS + 1)
+    assert demo_assets.demo_dir() != first and demo_assets.demo_dir().parent == first.parent == tmp_path
+
+
+def test_teacher_pretraining_learns():
     from transformers import Qwen3MoeForCausalLM
 
     from fcsd.distill.synthetic import make_dataset
@@ -39,26 +74,73 @@ def test_teacher_pretraining_learns(tmp_path):
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
-def test_convert_demo_prints_the_comparison_table(tmp_path, monkeypatch, capsys):
-    """`fcsd convert demo` end to end on a tiny budget: FCSD and SFT runs, then the four-row report."""
-    monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", 30)
+def test_the_writer_answers_in_its_own_way():
+    """About half of the writer's answers are the gold answer: a third open with its phrase, a quarter hold a
+    mistake (the same items in another order, or one item one off)."""
+    from fcsd.distill.synthetic import writer_answer
+
+    rng = random.Random(0)
+    for gold in ("1 3 6 7", "12", "c"):
+        answers = [writer_answer(gold, rng) for _ in range(3000)]
+        assert 0.45 < sum(answer == gold for answer in answers) / len(answers) < 0.55
+        phrased = [answer.removeprefix(WRITER_PHRASE) for answer in answers if answer.startswith(WRITER_PHRASE)]
+        assert 0.30 < len(phrased) / len(answers) < 0.37
+        wrong = [a for a in (answer.removeprefix(WRITER_PHRASE) for answer in answers) if a != gold]
+        assert 0.22 < len(wrong) / len(answers) < 0.28
+        if " " in gold:
+            assert all(sorted(a.split()) == sorted(gold.split()) for a in wrong)
+        else:
+            assert {a for a in wrong} <= ({"11", "13"} if gold == "12" else {"b"})
+
+
+def test_the_demo_teacher_scores_the_same_in_the_table_and_in_lm_eval(demo_root):
+    """One truth per model: lm-eval's `demo-gen` holds the demo's held-out rows and renders them as the demo's
+    table does (chat template, zero-shot, greedy until EOS), so the teacher's completions are the same, row by row."""
+    from fcsd.evaluate.exact_match import exact_match_of, greedy_answers
+    from fcsd.evaluate.harness import load_for_eval, run_suite, task_score
+    from fcsd.evaluate.suites import eval_dir, load_suite
+
+    rows = read_rows(demo_root / "data" / "heldout.jsonl")
+    task_rows = read_rows(eval_dir() / "tasks" / "fcsd_demo" / "heldout.jsonl")
+    assert [(r["question"], r["answer"]) for r in task_rows] == [
+        (r["messages"][0]["content"], r["messages"][1]["content"]) for r in rows
+    ]
+    model, tokenizer = load_for_eval(str(demo_root / "model"), device="cpu")
+    ours = greedy_answers(model, tokenizer, rows)
+    # a teacher that answers: some answers end early in their batch (where a missing EOS showed), lengths vary
+    assert len({len(answer) for answer in ours}) > 2 and sum(answer == "" for answer in ours) < len(ours) / 2
+    suite = load_suite("demo")
+    suite.tasks = [spec for spec in suite.tasks if spec.task == "fcsd_demo_gen"]
+    results = run_suite(model, tokenizer, suite, batch_size=64, log_samples=True)
+    samples = sorted(results["samples"]["fcsd_demo_gen"], key=lambda sample: sample["doc_id"])
+    assert [sample["filtered_resps"][0].strip() for sample in samples] == ours
+    assert abs(task_score(results, suite.tasks[0]) - 100 * exact_match_of(ours, rows)["all"]) <= 2.0
+
+
+def test_convert_demo_prints_the_comparison_table(demo_root, tmp_path, capsys):
+    """`fcsd convert demo` end to end on a tiny budget: FCSD and SFT runs, then the five-row report."""
     out = tmp_path / "demo"
     argv = ["convert", "demo", "train.max_steps=2", "train.warmup_steps=1", f"output_dir={out}", "progress=false"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    for row in ("| teacher |", "| converted, before training |", "| after FCSD (KL) |", "| after SFT, same budget |"):
-        assert row in printed
-    assert "FCSD and SFT trained on the same conversion data, other tasks the teacher knows" in printed
+    rows = ("teacher", "the conversion data's writer", "converted, before training", "after FCSD (KL)")
+    for row in (*rows, "after SFT, same budget"):
+        assert f"| {row} |" in printed
+    assert "answered by another writer (33% of its answers open with 'the answer is', 25% hold a mistake" in printed
     report = json.loads((out / "demo_report.json").read_text())
     assert report["teacher"]["kl"] == 0.0 and report["converted, before training"]["kl"] > 0
-    assert set(report["teacher"]) == {"kl", "add", "sort", "reverse", "recall", "all", "conversion tasks"}
+    assert report["the conversion data's writer"]["kl"] is None
+    assert 0.3 < report["the conversion data's writer"]["all"] < 0.7
+    assert set(report["teacher"]) == {"kl", "add", "sort", "reverse", "recall", "all", "other tasks"}
     for run in ("fcsd-kl", "fcsd-sft"):
         assert (out / run / "final" / "config.json").exists()
     # it ends with lm-eval on the demo suite: teacher vs the FCSD model, the table also in the export's card
     assert set(report["lm-eval"]) == {"original", "converted", "delta"}
     assert set(report["lm-eval"]["converted"]) == {"demo-gen", "demo-choice", "Avg"}
     assert "| converted (" in (out / "fcsd-kl" / "export" / "README.md").read_text()
+    teacher = 100 * report["teacher"]["all"]
+    assert abs(report["lm-eval"]["original"]["demo-gen"] - teacher) <= 2.0
+    assert f"{teacher:.1f}% in the table above" in printed
     # `make demo` again: the demo replaces its own runs (evaluation and export included), nothing else
     (out / "notes.txt").write_text("mine")
     assert main([*argv[:2], "train.max_steps=1", *argv[3:]]) == 0
