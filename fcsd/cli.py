@@ -564,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         name = getattr(args, "command", None) or next((a for a in argv if not a.startswith("-")), "")
         code = stopping.was_stopped(error)
         if code is not None:
+            stopping.ignore_further_stops()  # a second Ctrl-C (or SIGTERM) while the stop is reported is the same stop
             how = "terminated (SIGTERM)" if code == 143 else "interrupted"
             print(f"fcsd {name}: {how}{_resume_hint(args)}", file=sys.stderr)
             if whole_process:
@@ -627,7 +628,10 @@ def _resume_hint(args) -> str:
         return f"; no checkpoint was saved yet in {config.output_dir}: run the same command again to restart"
     import shlex
 
-    command = shlex.join(["fcsd", *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"])
+    from fcsd.ownership import launcher
+
+    words = [*launcher(), *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"]
+    command = shlex.join(words)
     return f"; the last checkpoint is {checkpoints[-1].name} in {config.output_dir}: continue with `{command}`"
 
 

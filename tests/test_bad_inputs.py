@@ -1467,3 +1467,56 @@ def test_stop_tree_ends_a_grandchild_in_a_session_of_its_own(tmp_path):
     import psutil
 
     wait_for(lambda: not psutil.pid_exists(int(pid_file.read_text())), 60, "the grandchild's end")
+
+
+# -- issue 28, the second hostile probe: new variants of the same families --------------------------------------
+
+
+def test_an_export_into_a_folder_a_run_has_claimed_is_refused_and_the_run_keeps_its_lock(env, tmp_path, capsys):
+    """A run locks its folder from inside (`OUT/.fcsd-lock`) and marks it only once its inputs loaded; an export
+    locks beside its target. An export into a folder a run had claimed but not yet marked used to replace it (the
+    run's lock file went with it, and the run failed later at its marker); now it is refused naming the holder."""
+    source = converted_checkpoint(env, tmp_path / "a", 1)
+    out = tmp_path / "out"
+    ready = tmp_path / "claimed"
+    holder = (
+        "import sys, pathlib; from fcsd import ownership\n"
+        f"with ownership.folder_lock(pathlib.Path({str(out)!r}), 'output_dir'):\n"
+        f"    pathlib.Path({str(ready)!r}).write_text('1'); sys.stdin.read()\n"
+    )  # what `fcsd convert` holds while it loads the data and the models
+    with started([sys.executable, "-c", holder], stdin=subprocess.PIPE, env=_environ()) as run:
+        wait_for(ready.exists, 300, "the run's claim of its folder", run)
+        lock = (out / ".fcsd-lock").read_text()
+        assert main(["export", str(source), str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "is in use by another fcsd command (pid" in err and "Traceback" not in err, err
+        assert sorted(p.name for p in out.iterdir()) == [".fcsd-lock"] and (out / ".fcsd-lock").read_text() == lock
+        run.stdin.close()
+        assert run.wait(timeout=300) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "claimed"]  # the run's empty claim went with it
+
+
+def test_ranks_of_a_killed_torchrun_stop_and_name_the_torchrun_command_that_resumes(env, tmp_path):
+    """`kill -9` of torchrun's agent during a `parallel.ep_size=2` run: its ranks stop (they trained on alone, holding
+    the run's lock, re-parented to init) and the resume command they print starts as many processes."""
+    import psutil
+    from launch import free_port
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    argv += ["-m", "fcsd.cli", *run_convert(env, f"output_dir={out}", "train.max_steps=100000", "parallel.ep_size=2")]
+    argv += ["train.save_every=1", "export=false"]
+    log = tmp_path / "stderr.txt"
+    environ = {**_environ(), "OMP_NUM_THREADS": "1"}
+    with log.open("w") as stderr, started(argv, stderr=stderr, stdout=subprocess.DEVNULL, env=environ) as agent:
+        wait_for(lambda: list((out / "checkpoints").glob("step-*")), 900, "the first checkpoint", agent)
+        ranks = psutil.Process(agent.pid).children()
+        assert len(ranks) == 2, ranks
+        agent.kill()
+        agent.wait(timeout=60)
+        _, alive = psutil.wait_procs(ranks, timeout=300)
+        assert not alive, [p.pid for p in alive]
+    err = log.read_text()
+    assert "fcsd convert: terminated (SIGTERM)" in err, err
+    assert "continue with `torchrun --nproc_per_node 2 -m fcsd.cli convert" in err, err
+    assert not (out / ".fcsd-lock").exists()  # released by the rank that held it
