@@ -113,7 +113,7 @@ def _stock_config(name_or_path: str, revision: str | None = None):
     from transformers import AutoConfig
 
     from fcsd.connectivity.families import base_model_type
-    from fcsd.identity import identify
+    from fcsd.identity import identify_folder
 
     path = Path(name_or_path) / "config.json"
     if not path.exists():
@@ -126,7 +126,7 @@ def _stock_config(name_or_path: str, revision: str | None = None):
         raise ValueError(f"{path} cannot be read as JSON ({str(error)[:120]}): copy or download it again") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} holds a JSON {type(values).__name__}, not an object")
-    if identify(values, str(path)) != "export":
+    if identify_folder(path.parent, values, str(path)) != "export":
         return None
     for key in ("auto_map", "architectures"):
         values.pop(key, None)

@@ -1520,3 +1520,44 @@ def test_ranks_of_a_killed_torchrun_stop_and_name_the_torchrun_command_that_resu
     assert "fcsd convert: terminated (SIGTERM)" in err, err
     assert "continue with `torchrun --nproc_per_node 2 -m fcsd.cli convert" in err, err
     assert not (out / ".fcsd-lock").exists()  # released by the rank that held it
+
+
+def test_an_export_edited_to_run_layers_with_stock_wiring_is_refused_wherever_it_loads(env, tmp_path, capsys):
+    """Exports edited by hand, new variants: layers dropped from `farskip.layers`, the stock class put before the
+    FarSkip one in `architectures` (vLLM builds the first class it knows), every FarSkip field set back to stock.
+    Each loaded (or would serve) with stock wiring; now `fcsd.from_pretrained`, `fcsd push` and the vLLM plugin's
+    check refuse each in one line naming the field."""
+    from types import SimpleNamespace
+
+    import fcsd
+    from fcsd.identity import IdentityError
+    from fcsd.serving.vllm.guard import FarSkipServingError, check_served_config
+
+    out = tmp_path / "out"
+    assert main(["export", str(converted_checkpoint(env, tmp_path / "a", 1)), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    stock = {k: v for k, v in config.items() if k not in ("farskip", "auto_map")}
+    edits = {
+        "layers_dropped": ({**config, "farskip": {**config["farskip"], "layers": [0]}}, "`farskip.layers` is [0]"),
+        "stock_class_first": (
+            {**config, "architectures": ["Qwen3MoeForCausalLM", *config["architectures"]]},
+            "names ['Qwen3MoeForCausalLM'] beside the FarSkip class",
+        ),
+        "all_stock": (
+            {**stock, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+            "say a stock model, but fcsd_export.json beside it records the export of FarSkip layers [0, 1, 2, 3]",
+        ),
+    }
+    for name, (values, message) in edits.items():
+        folder = tmp_path / name
+        shutil.copytree(out, folder)
+        (folder / "config.json").write_text(json.dumps(values))
+        with pytest.raises(IdentityError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            fcsd.from_pretrained(str(folder))
+        capsys.readouterr()
+        assert main(["push", str(folder), "me/model", "--dry-run"]) == 2
+        assert message in capsys.readouterr().err, name
+        with pytest.raises(FarSkipServingError, match="export it again"):
+            check_served_config(SimpleNamespace(to_dict=lambda values=values: values), str(folder))
+    check_served_config(SimpleNamespace(to_dict=lambda: config), str(out))  # the export as written is served
+    assert sorted(fcsd.from_pretrained(str(out)).config.farskip["layers"]) == [0, 1, 2, 3]
