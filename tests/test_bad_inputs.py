@@ -1561,3 +1561,23 @@ def test_an_export_edited_to_run_layers_with_stock_wiring_is_refused_wherever_it
             check_served_config(SimpleNamespace(to_dict=lambda values=values: values), str(folder))
     check_served_config(SimpleNamespace(to_dict=lambda: config), str(out))  # the export as written is served
     assert sorted(fcsd.from_pretrained(str(out)).config.farskip["layers"]) == [0, 1, 2, 3]
+
+
+def test_a_path_that_cannot_be_a_folder_is_one_line(env, tmp_path, capsys):
+    """A symbolic link that leads back to itself (a traceback from `Path.resolve` in every command before) and a file
+    where a folder, or a folder on the way to one, is needed (errno text without the fix before)."""
+    loop, a_file = tmp_path / "loop", tmp_path / "file"
+    loop.symlink_to(loop)
+    a_file.write_text("mine")
+    run = str(env / "runs" / "x")
+    cases = [
+        (["export", run, str(loop)], "a symbolic link on this path leads back to itself; remove it or choose"),
+        (run_convert(env, f"output_dir={loop}/sub"), "a symbolic link on this path leads back to itself"),
+        (run_convert(env, f"output_dir={a_file}/sub"), "a part of this path is a file, not a folder; choose"),
+        (["export", run, f"{a_file}/sub"], f"{a_file} is a file where a folder is needed; choose another path"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
