@@ -1581,3 +1581,46 @@ def test_a_path_that_cannot_be_a_folder_is_one_line(env, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
     assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
+
+
+def test_a_run_stopped_while_it_writes_final_or_its_export_resumes_or_says_how_to_export(env, tmp_path, monkeypatch):
+    """Stopped while `final/` was written, a run looked finished (its summary came first) and could neither resume
+    nor be used (no final/, and the last steps in no checkpoint); now `--resume` redoes the end. Stopped while it
+    exported, the refusal of `--resume` names the command that writes the missing export/."""
+    import fcsd.distill.trainer as trainer
+    from fcsd.export import save
+    from fcsd.ownership import FolderError
+
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", "train.max_steps=3", "train.save_every=1")
+    save_model = trainer.save_model
+
+    def stopped_at_final(model, state_dict, tokenizer, config, folder, *args, **kwargs):
+        if Path(folder).name == "final":
+            raise KeyboardInterrupt
+        return save_model(model, state_dict, tokenizer, config, folder, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "save_model", stopped_at_final)
+    assert main(argv) == 130 and not (out / "final").exists()
+    monkeypatch.setattr(trainer, "save_model", save_model)
+
+    def stopped_exporting(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(save, "export_checkpoint", stopped_exporting)
+    assert main([*argv, "--resume"]) == 130
+    assert (out / "final").is_dir() and json.loads((out / "run_summary.json").read_text())["steps"] == 3
+    monkeypatch.undo()
+    with pytest.raises(FolderError) as refused:
+        check_resume_of(out, argv)
+    assert f"its export/ is missing (stopped while exporting?): `fcsd export {out} {out / 'export'}`" in str(
+        refused.value
+    )
+    assert main(["export", str(out), str(out / "export")]) == 0
+
+
+def check_resume_of(out: Path, argv: list[str]) -> None:
+    from fcsd.distill.resume import check_resume
+
+    config = to_config(compose([*argv[2:], f"model.name={argv[1]}", "train.resume=true"]))
+    check_resume(RunFolder(out), config)
