@@ -1526,8 +1526,10 @@ def test_an_export_edited_to_run_layers_with_stock_wiring_is_refused_wherever_it
     """Exports edited by hand, new variants: layers dropped from `farskip.layers`, the stock class put before the
     FarSkip one in `architectures` (vLLM builds the first class it knows), every FarSkip field set back to stock.
     Each loaded (or would serve) with stock wiring; now `fcsd.from_pretrained`, `fcsd push` and the vLLM plugin's
-    check refuse each in one line naming the field."""
+    check refuse each in one line naming the field, and the shipped remote code refuses dropped layers."""
     from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
 
     import fcsd
     from fcsd.identity import IdentityError
@@ -1559,6 +1561,8 @@ def test_an_export_edited_to_run_layers_with_stock_wiring_is_refused_wherever_it
         assert message in capsys.readouterr().err, name
         with pytest.raises(FarSkipServingError, match="export it again"):
             check_served_config(SimpleNamespace(to_dict=lambda values=values: values), str(folder))
+    with pytest.raises(ValueError, match=r"lists FarSkip layers \[0\] but fcsd_export.json beside it records"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "layers_dropped", trust_remote_code=True)  # without fcsd
     check_served_config(SimpleNamespace(to_dict=lambda: config), str(out))  # the export as written is served
     assert sorted(fcsd.from_pretrained(str(out)).config.farskip["layers"]) == [0, 1, 2, 3]
 
