@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1628,3 +1629,22 @@ def check_resume_of(out: Path, argv: list[str]) -> None:
 
     config = to_config(compose([*argv[2:], f"model.name={argv[1]}", "train.resume=true"]))
     check_resume(RunFolder(out), config)
+
+
+def test_a_config_that_asks_for_weights_the_files_lack_is_refused(env, tmp_path, capsys):
+    """A config.json edited so that some layers need weights the files do not hold (dense MLPs where the checkpoint
+    has experts): transformers started them from random values with only a load report, and the teacher (or an
+    export) silently was another model; now every fcsd load refuses it in one line naming the weights."""
+    import fcsd
+
+    edited = shutil.copytree(env / "model", tmp_path / "edited")
+    values = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**values, "mlp_only_layers": [0, 1, 2, 3]}))
+    message = "weights its config.json asks for are not in its weight files (model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fcsd.from_pretrained(str(edited))
+    capsys.readouterr()
+    assert main(run_convert(env, f"output_dir={tmp_path / 'run'}", model=str(edited))) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
+    assert fcsd.from_pretrained(str(env / "model")) is not None  # the checkpoint as it was loads
