@@ -476,7 +476,7 @@ def _one_line(error: BaseException) -> str:
     message with the cause Hydra wraps (which names the key and the expected type)."""
     from fcsd.sources import explain_error
 
-    message = explain_error(error) or _hydra_message(error)
+    message = explain_error(error) or _hydra_message(error) or _path_message(error)
     if message is None:
         message = str(error).strip() or type(error).__name__
         cause = error.__cause__
@@ -486,6 +486,30 @@ def _one_line(error: BaseException) -> str:
             if isinstance(error, HydraException) and str(cause).strip():
                 message += f": {str(cause).strip().splitlines()[0]}"
     return " ".join(message.split("\n")).replace("  ", " ")
+
+
+def _path_message(error: BaseException) -> str | None:
+    """A path that cannot be a folder, in words: a symbolic link that leads back to itself, a file where a folder
+    (or a folder on the way to one) is needed."""
+    import errno
+    import re
+
+    loop = re.fullmatch(r"Symlink loop from '(.+)'", str(error))
+    if isinstance(error, RuntimeError) and loop:
+        return f"{loop.group(1)}: a symbolic link on this path leads back to itself; remove it or choose another path"
+    name = getattr(error, "filename", None)
+    if not isinstance(error, OSError) or not name:
+        return None
+    if error.errno == errno.ENOTDIR:
+        return f"{name}: a part of this path is a file, not a folder; choose another path"
+    if error.errno == errno.EEXIST and Path(name).exists() and not Path(name).is_dir():
+        return f"{name} is a file where a folder is needed; choose another path"
+    return None
+
+
+def _is_symlink_loop(error: BaseException) -> bool:
+    """``Path.resolve`` on a link that leads back to itself (Python raises a RuntimeError, not an OSError)."""
+    return isinstance(error, RuntimeError) and str(error).startswith("Symlink loop from ")
 
 
 def _hydra_message(error: BaseException) -> str | None:
@@ -564,12 +588,13 @@ def main(argv: list[str] | None = None) -> int:
         name = getattr(args, "command", None) or next((a for a in argv if not a.startswith("-")), "")
         code = stopping.was_stopped(error)
         if code is not None:
+            stopping.ignore_further_stops()  # a second Ctrl-C (or SIGTERM) while the stop is reported is the same stop
             how = "terminated (SIGTERM)" if code == 143 else "interrupted"
             print(f"fcsd {name}: {how}{_resume_hint(args)}", file=sys.stderr)
             if whole_process:
                 _exit_stopped(code)
             return code
-        if isinstance(error, _input_errors()):
+        if isinstance(error, _input_errors()) or _is_symlink_loop(error):
             print(f"fcsd {name}: error: {_one_line(error)}", file=sys.stderr)
             return 2
         raise
@@ -627,7 +652,10 @@ def _resume_hint(args) -> str:
         return f"; no checkpoint was saved yet in {config.output_dir}: run the same command again to restart"
     import shlex
 
-    command = shlex.join(["fcsd", *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"])
+    from fcsd.ownership import launcher
+
+    words = [*launcher(), *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"]
+    command = shlex.join(words)
     return f"; the last checkpoint is {checkpoints[-1].name} in {config.output_dir}: continue with `{command}`"
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from fcsd.serving.vllm.families import ARCHITECTURE_PREFIX, EXPORTED_PREFIX, farskip_architecture
 
 CONFIG_KEY = "farskip"  # fcsd.connectivity.patch.CONFIG_KEY
+PARITY_RECORD = "fcsd_export.json"  # fcsd.export.save.PARITY_RECORD: written by `fcsd export` with the farskip block
 REEXPORT = "export it again with `fcsd export RUN_OR_CHECKPOINT OUT_DIR`"
 
 
@@ -52,12 +53,19 @@ def identify(values: dict, where: str = "config.json") -> str:
                 f"{where}: model type {model_type!r} but `{CONFIG_KEY}.base_model_type` is "
                 f"{record['base_model_type']!r}; {REEXPORT}"
             )
+        expected = farskip_architecture(base) or f"{ARCHITECTURE_PREFIX}ForCausalLM"
         if not farskip_classes:
-            expected = farskip_architecture(base) or f"{ARCHITECTURE_PREFIX}ForCausalLM"
             named = f"architectures {architectures} names the stock class" if architectures else "no architectures"
             raise IdentityError(
                 f"{where}: {named}, but model type {model_type!r} and the `{CONFIG_KEY}` block say FarSkip (a serving "
                 f'engine would run it with stock wiring); set "architectures": ["{expected}"], or {REEXPORT}'
+            )
+        others = [a for a in architectures if not a.startswith(ARCHITECTURE_PREFIX)]
+        if others:  # a serving engine builds the first class it knows: a stock one beside the FarSkip one may win
+            raise IdentityError(
+                f"{where}: architectures {architectures} names {others} beside the FarSkip class of model type "
+                f"{model_type!r} (a serving engine would build the first one it knows, with other wiring); set "
+                f'"architectures": ["{expected}"], or {REEXPORT}'
             )
         return "export"
     if farskip_classes:
@@ -67,6 +75,35 @@ def identify(values: dict, where: str = "config.json") -> str:
             f'"model_type": "{EXPORTED_PREFIX}{model_type}", or {REEXPORT}'
         )
     return "stock" if record is None else "converted"
+
+
+def identify_folder(folder, values: dict, where: str = "config.json") -> str:
+    """:func:`identify`, and for a folder ``fcsd export`` wrote (its parity record, ``fcsd_export.json``, names the
+    converted layers the reload was checked with) the same layers in ``values``: a ``config.json`` edited after the
+    export (layers dropped from ``farskip.layers``, every FarSkip field set back to stock) would load or serve those
+    layers with stock wiring, and is refused naming the field."""
+    import json
+    from pathlib import Path
+
+    kind = identify(values, where)
+    try:
+        recorded = json.loads((Path(folder) / PARITY_RECORD).read_text())[CONFIG_KEY]["layers"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return kind  # no parity record (not an export folder) or none that names the layers
+    if not isinstance(recorded, list):
+        return kind
+    block = values.get(CONFIG_KEY) if isinstance(values.get(CONFIG_KEY), dict) else {}
+    layers = block.get("layers")
+    if kind == "export" and isinstance(layers, list) and sorted(set(layers)) == sorted(set(recorded)):
+        return kind
+    said = f"`{CONFIG_KEY}.layers` is {layers}"
+    if kind != "export":
+        what = "a stock model" if kind == "stock" else "an fcsd checkpoint that is not an export"
+        said = f"model type {values.get('model_type')!r} and architectures {values.get('architectures')} say {what}"
+    raise IdentityError(
+        f"{where}: {said}, but {PARITY_RECORD} beside it records the export of FarSkip layers {recorded} (config.json "
+        f"was edited after the export, and those layers would run with stock wiring); {REEXPORT}"
+    )
 
 
 def _check_record(record: dict, where: str) -> None:

@@ -23,12 +23,30 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, mod
         kwargs.setdefault("config", config)
     check_weight_files(name_or_path)
 
-    model_class = model_class or model_class_for(name_or_path, text_only, config, kwargs.get("revision"))
-    model = model_class.from_pretrained(name_or_path, **kwargs)
+    if model_class is not None:  # a sharded loader (expert parallelism) reads only its own part of the weights
+        model = model_class.from_pretrained(name_or_path, **kwargs)
+    else:
+        model_class = model_class_for(name_or_path, text_only, config, kwargs.get("revision"))
+        model, info = model_class.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+        check_no_missing_weights(name_or_path, info.get("missing_keys") or [])
     if layers is None:
         record = getattr(model.config, CONFIG_KEY, None) or {}
         layers = record.get("layers", [])
     return apply_farskip(model, layers)
+
+
+def check_no_missing_weights(name_or_path: str, missing) -> None:
+    """Refuse a checkpoint whose weight files lack weights its ``config.json`` asks for: transformers would start
+    them from random values with only a load report in the log (an edited config, a partial copy), and a teacher or a
+    converted model would silently be another model."""
+    missing = sorted(missing)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ValueError(
+            f"{name_or_path}: {len(missing)} weights its config.json asks for are not in its weight files ({shown}), "
+            "so they would start from random values: config.json and the weights disagree (an edited config or an "
+            "incomplete copy); restore the checkpoint's own config.json or copy the weights again"
+        )
 
 
 def check_weight_files(folder: str) -> None:
@@ -113,7 +131,7 @@ def _stock_config(name_or_path: str, revision: str | None = None):
     from transformers import AutoConfig
 
     from fcsd.connectivity.families import base_model_type
-    from fcsd.identity import identify
+    from fcsd.identity import identify_folder
 
     path = Path(name_or_path) / "config.json"
     if not path.exists():
@@ -126,7 +144,7 @@ def _stock_config(name_or_path: str, revision: str | None = None):
         raise ValueError(f"{path} cannot be read as JSON ({str(error)[:120]}): copy or download it again") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} holds a JSON {type(values).__name__}, not an object")
-    if identify(values, str(path)) != "export":
+    if identify_folder(path.parent, values, str(path)) != "export":
         return None
     for key in ("auto_map", "architectures"):
         values.pop(key, None)

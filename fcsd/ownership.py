@@ -14,7 +14,9 @@ probe, route-plot and profiler-trace outputs):
 - One process at a time writes a folder: :func:`folder_lock` holds an exclusive lock for the whole command; a
   second command is refused naming the holder. An export or a teacher cache is a folder of its own in this model:
   its writer holds the lock on the target from before staging to the final rename (:mod:`fcsd.staging`). Stale
-  staging folders of a dead process are removed by the next holder of the lock.
+  staging folders of a dead process are removed by the next holder of the lock. A folder locked either way (a
+  run's lock inside it, an export's beside it) is refused to a writer of the other way: an export never lands in a
+  folder a run has claimed but not yet marked.
 """
 
 from __future__ import annotations
@@ -102,7 +104,22 @@ def command_line(*extra: str) -> str:
     import shlex
 
     argv = _COMMAND if _COMMAND is not None else sys.argv[1:]
-    return shlex.join(["fcsd", *argv, *extra])
+    return shlex.join([*launcher(), *argv, *extra])
+
+
+def launcher() -> list[str]:
+    """How this command was started, as the first words of a command line that runs it again: ``fcsd``, or for a
+    rank of ``torchrun`` / ``accelerate launch`` with several processes the launcher with the same process counts
+    (a resume of a parallel run must run with as many processes)."""
+    environ = os.environ
+    world, local = environ.get("WORLD_SIZE", "1"), environ.get("LOCAL_WORLD_SIZE", "1")
+    if environ.get("TORCHELASTIC_RUN_ID") is None or not world.isdigit() or int(world) <= 1 or not local.isdigit():
+        return ["fcsd"]
+    nodes = [] if world == local else ["--nnodes", str(int(world) // max(int(local), 1))]
+    if any(name.startswith("ACCELERATE_") for name in environ):
+        return ["accelerate", "launch", *(["--num_machines", nodes[1]] if nodes else []), "--num_processes", world,
+                "-m", "fcsd.cli"]  # fmt: skip
+    return ["torchrun", *nodes, "--nproc_per_node", local, "-m", "fcsd.cli"]
 
 
 def kind_name(kind: str) -> str:
@@ -386,6 +403,14 @@ def folder_lock(folder: Path, what: str, beside: bool = False, reentrant: bool =
         except FileNotFoundError:
             pass
         handle.close()
+    other = lock_path(folder, not beside)  # a run locks inside its folder, an export beside it: both are checked
+    if os.path.realpath(other) not in _HELD and _held(other):
+        handle.close()
+        path.unlink(missing_ok=True)
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        check_not_in_use(folder, what)  # names the holder
+        raise FolderError(f"{what} {folder} is in use by another fcsd command; wait for it to end")
     handle.seek(0)
     handle.truncate()
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "command": command_line()}
@@ -405,6 +430,23 @@ def folder_lock(folder: Path, what: str, beside: bool = False, reentrant: bool =
         handle.close()
         if created and folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
+
+
+def _held(path: Path) -> bool:
+    """Whether another open lock holds the lock file ``path`` (a missing file is held by no one)."""
+    import fcntl
+
+    try:
+        handle = open(path)
+    except OSError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
 
 
 def check_not_in_use(folder: Path, what: str) -> None:

@@ -9,7 +9,8 @@ every process it started ends with it.
   stop if this process dies without a chance to pass anything on (``PR_SET_PDEATHSIG`` through
   ``python -m fcsd.stopping``).
 - :func:`die_with_parent` does the same for worker processes fcsd's own code starts (benchmark ranks, ``fcsd plan
-  --measure`` workers), and :func:`joined` stops ``torch.multiprocessing`` workers when their parent is stopped.
+  --measure`` workers) and for the ranks of a command run under ``torchrun`` (:func:`install`), and
+  :func:`joined` stops ``torch.multiprocessing`` workers when their parent is stopped.
 """
 
 from __future__ import annotations
@@ -42,19 +43,30 @@ def raise_terminated(signum, frame):
 
 def install() -> dict:
     """SIGINT -> ``KeyboardInterrupt``, SIGTERM -> :class:`Terminated`, both remembered (:func:`received`); returns
-    the previous handlers for :func:`restore`. A SIGINT the shell set to be ignored (a background job) stays so."""
+    the previous handlers for :func:`restore`. A SIGINT the shell set to be ignored (a background job) stays so. A
+    rank that ``torchrun`` (or ``accelerate launch``) started is stopped when its launcher dies, even by ``kill -9``
+    (:func:`die_with_parent`): it never trains on alone, holding the run's lock."""
     _RECEIVED.clear()  # a stop of an earlier command run in this process (tests call the CLI in-process)
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
             continue
         previous[sig] = signal.signal(sig, _stop)
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # a rank of torchrun / accelerate launch: none outlives it
+        die_with_parent(orphaned_ends=False)
     return previous
 
 
 def restore(previous: dict) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
+
+
+def ignore_further_stops() -> None:
+    """Ignore SIGINT and SIGTERM from now on (until :func:`restore`): the command is already stopping and reports
+    it; a second Ctrl-C, or a second SIGTERM from a launcher, must not turn that report into a traceback."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def received() -> int | None:
@@ -75,9 +87,10 @@ def was_stopped(error: BaseException) -> int | None:
     return None
 
 
-def die_with_parent() -> None:
+def die_with_parent(orphaned_ends: bool = True) -> None:
     """Ask the kernel to send SIGTERM to this process when its parent dies (Linux; elsewhere nothing), and end now if
-    the parent is already gone. For processes fcsd starts, so that none outlives the command."""
+    the parent is already gone (``orphaned_ends``; not for a parent that may itself be process 1, such as a
+    container's ``torchrun``). For processes fcsd starts, so that none outlives the command."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -87,7 +100,7 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:
+    if orphaned_ends and os.getppid() == 1:
         os._exit(143)
 
 

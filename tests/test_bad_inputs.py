@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -1467,3 +1468,183 @@ def test_stop_tree_ends_a_grandchild_in_a_session_of_its_own(tmp_path):
     import psutil
 
     wait_for(lambda: not psutil.pid_exists(int(pid_file.read_text())), 60, "the grandchild's end")
+
+
+# -- issue 28, the second hostile probe: new variants of the same families --------------------------------------
+
+
+def test_an_export_into_a_folder_a_run_has_claimed_is_refused_and_the_run_keeps_its_lock(env, tmp_path, capsys):
+    """A run locks its folder from inside (`OUT/.fcsd-lock`) and marks it only once its inputs loaded; an export
+    locks beside its target. An export into a folder a run had claimed but not yet marked used to replace it (the
+    run's lock file went with it, and the run failed later at its marker); now it is refused naming the holder."""
+    source = converted_checkpoint(env, tmp_path / "a", 1)
+    out = tmp_path / "out"
+    ready = tmp_path / "claimed"
+    holder = (
+        "import sys, pathlib; from fcsd import ownership\n"
+        f"with ownership.folder_lock(pathlib.Path({str(out)!r}), 'output_dir'):\n"
+        f"    pathlib.Path({str(ready)!r}).write_text('1'); sys.stdin.read()\n"
+    )  # what `fcsd convert` holds while it loads the data and the models
+    with started([sys.executable, "-c", holder], stdin=subprocess.PIPE, env=_environ()) as run:
+        wait_for(ready.exists, 300, "the run's claim of its folder", run)
+        lock = (out / ".fcsd-lock").read_text()
+        assert main(["export", str(source), str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "is in use by another fcsd command (pid" in err and "Traceback" not in err, err
+        assert sorted(p.name for p in out.iterdir()) == [".fcsd-lock"] and (out / ".fcsd-lock").read_text() == lock
+        run.stdin.close()
+        assert run.wait(timeout=300) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "claimed"]  # the run's empty claim went with it
+
+
+def test_ranks_of_a_killed_torchrun_stop_and_name_the_torchrun_command_that_resumes(env, tmp_path):
+    """`kill -9` of torchrun's agent during a `parallel.ep_size=2` run: its ranks stop (they trained on alone, holding
+    the run's lock, re-parented to init) and the resume command they print starts as many processes."""
+    import psutil
+    from launch import free_port
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    argv += ["-m", "fcsd.cli", *run_convert(env, f"output_dir={out}", "train.max_steps=100000", "parallel.ep_size=2")]
+    argv += ["train.save_every=1", "export=false"]
+    log = tmp_path / "stderr.txt"
+    environ = {**_environ(), "OMP_NUM_THREADS": "1"}
+    with log.open("w") as stderr, started(argv, stderr=stderr, stdout=subprocess.DEVNULL, env=environ) as agent:
+        wait_for(lambda: list((out / "checkpoints").glob("step-*")), 900, "the first checkpoint", agent)
+        ranks = psutil.Process(agent.pid).children()
+        assert len(ranks) == 2, ranks
+        agent.kill()
+        agent.wait(timeout=60)
+        _, alive = psutil.wait_procs(ranks, timeout=300)
+        assert not alive, [p.pid for p in alive]
+    err = log.read_text()
+    assert "fcsd convert: terminated (SIGTERM)" in err, err
+    assert "continue with `torchrun --nproc_per_node 2 -m fcsd.cli convert" in err, err
+    assert not (out / ".fcsd-lock").exists()  # released by the rank that held it
+
+
+def test_an_export_edited_to_run_layers_with_stock_wiring_is_refused_wherever_it_loads(env, tmp_path, capsys):
+    """Exports edited by hand, new variants: layers dropped from `farskip.layers`, the stock class put before the
+    FarSkip one in `architectures` (vLLM builds the first class it knows), every FarSkip field set back to stock.
+    Each loaded (or would serve) with stock wiring; now `fcsd.from_pretrained`, `fcsd push` and the vLLM plugin's
+    check refuse each in one line naming the field, and the shipped remote code refuses dropped layers."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    import fcsd
+    from fcsd.identity import IdentityError
+    from fcsd.serving.vllm.guard import FarSkipServingError, check_served_config
+
+    out = tmp_path / "out"
+    assert main(["export", str(converted_checkpoint(env, tmp_path / "a", 1)), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    stock = {k: v for k, v in config.items() if k not in ("farskip", "auto_map")}
+    edits = {
+        "layers_dropped": ({**config, "farskip": {**config["farskip"], "layers": [0]}}, "`farskip.layers` is [0]"),
+        "stock_class_first": (
+            {**config, "architectures": ["Qwen3MoeForCausalLM", *config["architectures"]]},
+            "names ['Qwen3MoeForCausalLM'] beside the FarSkip class",
+        ),
+        "all_stock": (
+            {**stock, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+            "say a stock model, but fcsd_export.json beside it records the export of FarSkip layers [0, 1, 2, 3]",
+        ),
+    }
+    for name, (values, message) in edits.items():
+        folder = tmp_path / name
+        shutil.copytree(out, folder)
+        (folder / "config.json").write_text(json.dumps(values))
+        with pytest.raises(IdentityError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            fcsd.from_pretrained(str(folder))
+        capsys.readouterr()
+        assert main(["push", str(folder), "me/model", "--dry-run"]) == 2
+        assert message in capsys.readouterr().err, name
+        with pytest.raises(FarSkipServingError, match="export it again"):
+            check_served_config(SimpleNamespace(to_dict=lambda values=values: values), str(folder))
+    with pytest.raises(ValueError, match=r"lists FarSkip layers \[0\] but fcsd_export.json beside it records"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "layers_dropped", trust_remote_code=True)  # without fcsd
+    check_served_config(SimpleNamespace(to_dict=lambda: config), str(out))  # the export as written is served
+    assert sorted(fcsd.from_pretrained(str(out)).config.farskip["layers"]) == [0, 1, 2, 3]
+
+
+def test_a_path_that_cannot_be_a_folder_is_one_line(env, tmp_path, capsys):
+    """A symbolic link that leads back to itself (a traceback from `Path.resolve` in every command before) and a file
+    where a folder, or a folder on the way to one, is needed (errno text without the fix before)."""
+    loop, a_file = tmp_path / "loop", tmp_path / "file"
+    loop.symlink_to(loop)
+    a_file.write_text("mine")
+    run = str(env / "runs" / "x")
+    cases = [
+        (["export", run, str(loop)], "a symbolic link on this path leads back to itself; remove it or choose"),
+        (run_convert(env, f"output_dir={loop}/sub"), "a symbolic link on this path leads back to itself"),
+        (run_convert(env, f"output_dir={a_file}/sub"), "a part of this path is a file, not a folder; choose"),
+        (["export", run, f"{a_file}/sub"], f"{a_file} is a file where a folder is needed; choose another path"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
+
+
+def test_a_run_stopped_while_it_writes_final_or_its_export_resumes_or_says_how_to_export(env, tmp_path, monkeypatch):
+    """Stopped while `final/` was written, a run looked finished (its summary came first) and could neither resume
+    nor be used (no final/, and the last steps in no checkpoint); now `--resume` redoes the end. Stopped while it
+    exported, the refusal of `--resume` names the command that writes the missing export/."""
+    import fcsd.distill.trainer as trainer
+    from fcsd.export import save
+    from fcsd.ownership import FolderError
+
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", "train.max_steps=3", "train.save_every=1")
+    save_model = trainer.save_model
+
+    def stopped_at_final(model, state_dict, tokenizer, config, folder, *args, **kwargs):
+        if Path(folder).name == "final":
+            raise KeyboardInterrupt
+        return save_model(model, state_dict, tokenizer, config, folder, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "save_model", stopped_at_final)
+    assert main(argv) == 130 and not (out / "final").exists()
+    monkeypatch.setattr(trainer, "save_model", save_model)
+
+    def stopped_exporting(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(save, "export_checkpoint", stopped_exporting)
+    assert main([*argv, "--resume"]) == 130
+    assert (out / "final").is_dir() and json.loads((out / "run_summary.json").read_text())["steps"] == 3
+    monkeypatch.undo()
+    with pytest.raises(FolderError) as refused:
+        check_resume_of(out, argv)
+    assert f"its export/ is missing (stopped while exporting?): `fcsd export {out} {out / 'export'}`" in str(
+        refused.value
+    )
+    assert main(["export", str(out), str(out / "export")]) == 0
+
+
+def check_resume_of(out: Path, argv: list[str]) -> None:
+    from fcsd.distill.resume import check_resume
+
+    config = to_config(compose([*argv[2:], f"model.name={argv[1]}", "train.resume=true"]))
+    check_resume(RunFolder(out), config)
+
+
+def test_a_config_that_asks_for_weights_the_files_lack_is_refused(env, tmp_path, capsys):
+    """A config.json edited so that some layers need weights the files do not hold (dense MLPs where the checkpoint
+    has experts): transformers started them from random values with only a load report, and the teacher (or an
+    export) silently was another model; now every fcsd load refuses it in one line naming the weights."""
+    import fcsd
+
+    edited = shutil.copytree(env / "model", tmp_path / "edited")
+    values = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**values, "mlp_only_layers": [0, 1, 2, 3]}))
+    message = "weights its config.json asks for are not in its weight files (model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fcsd.from_pretrained(str(edited))
+    capsys.readouterr()
+    assert main(run_convert(env, f"output_dir={tmp_path / 'run'}", model=str(edited))) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
+    assert fcsd.from_pretrained(str(env / "model")) is not None  # the checkpoint as it was loads

@@ -233,7 +233,8 @@ def test_bad_input_fails_in_one_line(served):
     errors = {name: served["results"][name].get("error", "") for name in ("unserved", "corrupt")}
     assert all(errors.values()), f"a bad export was served: {errors}"
     assert "ValueError: vLLM has no FarSkip serving class for this export (model type 'olmoe'" in served["log"]
-    assert "ValueError: config.json farskip.layers holds [7]: expected layer indices in 0..2" in served["log"]
+    # layers edited after the export: refused against the export's parity record before any class is built
+    assert "`farskip.layers` is [0, 7], but fcsd_export.json beside it records" in errors["corrupt"], errors
 
 
 def test_farskip_fields_that_disagree_are_refused_never_served_with_stock_wiring(served):

@@ -121,10 +121,13 @@ def _finished_message(run: RunFolder) -> str:
     kept = [f"{p.name}/" for p in (run.final, run.best, run.export) if p.exists()]
     holds = f"; {' and '.join(kept)} {'hold' if len(kept) > 1 else 'holds'} it" if kept else ""
     source = "its final/" if run.final.exists() else "its export or a checkpoint"
+    export = ""
+    if run.final.exists() and not run.export.exists():  # stopped while it exported (or a run with export=false)
+        export = f"; its export/ is missing (stopped while exporting?): `fcsd export {run.root} {run.export}`"
     return (
         f"--resume: the run in {run.root} finished (step {steps}{holds}), and resuming would write over it; train "
         f"further from it as a new run (MODEL = {source}) in another output_dir, or replace it with overwrite=true "
-        "and no --resume"
+        f"and no --resume{export}"
     )
 
 

@@ -304,6 +304,7 @@ class TrainingSession:
             f"NLL {eval_after['eval/nll']:.4f}"
         )
         early_summary = self.early.summary() if self.early is not None else None
+        self.save_model(run.final, {"step": done})  # before the summary: a run with a summary is a finished run
         if accelerator.is_main_process:
             summary = {"steps": done, "eval_before": self.eval_before, "eval_after": eval_after}
             summary["data"] = self.data_summary
@@ -311,7 +312,6 @@ class TrainingSession:
                 summary["early_stop"] = early_summary
             run_io.write_summary(run, summary)
             run_io.plot_curves(self.metrics.records(), run.curves, f"FCSD: {self.config.model.name}")
-        self.save_model(run.final, {"step": done})
         self.metrics.close()
         accelerator.wait_for_everyone()
         best = run.best if self.early is not None else None

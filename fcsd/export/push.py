@@ -13,14 +13,14 @@ def check_is_export(folder: Path) -> None:
     loads or serves with stock wiring."""
     import json
 
-    from fcsd.identity import REEXPORT, identify
+    from fcsd.identity import REEXPORT, identify_folder
 
     path = folder / "config.json"
     try:
         values = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise ExportError(f"{path} cannot be read ({type(error).__name__}); {REEXPORT}") from None
-    if not isinstance(values, dict) or identify(values, str(path)) != "export":
+    if not isinstance(values, dict) or identify_folder(folder, values, str(path)) != "export":
         raise ExportError(f"{path} is not the config of an fcsd export (no farskip_* model type); {REEXPORT}")
 
 

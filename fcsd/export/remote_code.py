@@ -48,6 +48,20 @@ except ImportError:  # transformers without weight conversions: the stored layou
     pass
 
 
+def _recorded_layers(config):
+    """The converted layers ``fcsd export`` recorded beside this config.json (``fcsd_export.json``, when the folder
+    is local and holds it), or None."""
+    import json
+    import os
+
+    path = os.path.join(str(getattr(config, "_name_or_path", "") or ""), "fcsd_export.json")
+    try:
+        with open(path) as handle:
+            return json.load(handle)["farskip"]["layers"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 class FarSkipForCausalLM({model_class}):
     config_class = FarSkipConfig
 
@@ -58,6 +72,13 @@ class FarSkipForCausalLM({model_class}):
             raise ValueError(
                 "config.json has no `farskip.layers` (the converted layers), so this FarSkip export would run with "
                 "stock wiring: it is damaged; export it again with `fcsd export RUN_OR_CHECKPOINT OUT_DIR`"
+            )
+        recorded = _recorded_layers(config)
+        if isinstance(recorded, list) and sorted(set(layers)) != sorted(set(recorded)):
+            raise ValueError(
+                f"config.json lists FarSkip layers {{layers}} but fcsd_export.json beside it records the export of "
+                f"layers {{recorded}} (config.json was edited after the export, and those layers would run with stock "
+                "wiring): export it again with `fcsd export RUN_OR_CHECKPOINT OUT_DIR`"
             )
         super().__init__(config)
         apply_farskip(self, layers)

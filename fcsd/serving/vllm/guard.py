@@ -21,11 +21,13 @@ class FarSkipServingError(RuntimeError):
 def check_served_config(config, model: str) -> None:
     """Refuse (:class:`FarSkipServingError`) a transformers ``config`` of ``model`` that vLLM would serve with the
     wrong wiring; a stock config or a consistent export passes."""
-    from fcsd.identity import IdentityError, identify
+    from pathlib import Path
+
+    from fcsd.identity import IdentityError, identify_folder
 
     values = config.to_dict()
-    try:
-        kind = identify(values, f"{model}/config.json")
+    try:  # a local folder fcsd exported is also checked against its parity record
+        kind = identify_folder(Path(model), values, f"{model}/config.json")
     except IdentityError as error:
         raise FarSkipServingError(str(error)) from None
     if kind == "converted":
