@@ -185,6 +185,9 @@ def layout_reason(result: Search) -> str:
         parts.append(f"less compute ({a.compute_s:.2f} s vs {b.compute_s:.2f} s: " + _compute_why(chosen, other) + ")")
     if a.exposed_comm_s < b.exposed_comm_s - 0.01 * b.seconds:
         parts.append(f"less exposed communication ({a.exposed_comm_s:.2f} s vs {b.exposed_comm_s:.2f} s)")
+    if a.compute_s > 1.01 * b.compute_s:
+        lighter = _compute_why(other, chosen)
+        parts.append(f"despite more compute ({a.compute_s:.2f} s vs {b.compute_s:.2f} s: {lighter} there)")
     why = " and ".join(parts) or "about the same step time (within 1%)"
     return (
         f"{chosen.layout.shape} ({a.seconds:.2f} s per step) is {b.seconds / a.seconds:.2f}x as fast as "
