@@ -190,9 +190,19 @@ def _decide(model_config, fcsd_config, layouts: list[Layout], budget: int, count
         elif failing is not None:
             decided[layout] = Candidate(layout, "dominated", note=f"needs at least what {failing.layout.short} needs")
         else:
-            estimate = estimate_step(model_config, fcsd_config, layout)
-            decided[layout] = Candidate(layout, "fits" if estimate.peak <= budget else "exceeds", estimate)
+            decided[layout] = _simulated(model_config, fcsd_config, layout, budget)
     return [decided[layout] for layout in layouts]
+
+
+def _simulated(model_config, fcsd_config, layout: Layout, budget: int) -> Candidate:
+    """``layout`` simulated; a step the trainer's own code cannot run (it raises on fake tensors as it would on real
+    ones) is an ``invalid`` candidate naming the error, not a crashed plan."""
+    try:
+        estimate = estimate_step(model_config, fcsd_config, layout)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return Candidate(layout, "invalid", note=f"the trainer's step fails in this layout: {first[:160]}")
+    return Candidate(layout, "fits" if estimate.peak <= budget else "exceeds", estimate)
 
 
 def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]) -> Candidate | None:
@@ -206,9 +216,9 @@ def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]
         if not candidate.fits or group in best:
             continue
         if candidate.estimate is None:
-            candidate.estimate = estimate_step(model_config, fcsd_config, candidate.layout)
-            if candidate.estimate.peak > result.cluster.budget:  # not implied after all: keep looking
-                candidate.status = "exceeds"
+            simulated = _simulated(model_config, fcsd_config, candidate.layout, result.cluster.budget)
+            candidate.estimate, candidate.status, candidate.note = simulated.estimate, simulated.status, simulated.note
+            if not candidate.fits:  # not implied after all (or the step fails): keep looking
                 continue
         candidate.time = step_time(
             candidate.estimate,

@@ -46,6 +46,8 @@ def reduced_config(model_config):
             values[key] = value
     if values.get("q_lora_rank"):
         values["q_lora_rank"] = 96
+    if values.get("qk_rope_head_dim") and values.get("head_dim") is not None:
+        values["head_dim"] = values["qk_rope_head_dim"]  # DeepSeek-V3's rotary size is its head_dim
     if "num_key_value_heads" in values:
         mla = values.get("kv_lora_rank") is not None
         values["num_key_value_heads"] = 4 if mla else min(values["num_key_value_heads"], 2)
