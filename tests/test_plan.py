@@ -342,3 +342,24 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     assert "--num_machines 2" in commands["cache_teacher"]
     assert cache.config.parallel.ep_size == 4 and cache.config.parallel.fsdp
     assert cache.config.teacher.cache_dir == train.teacher.cache_dir
+
+
+def test_a_layout_whose_step_raises_is_an_invalid_candidate(monkeypatch):
+    """A step the trainer's code cannot run in some layout raises on fake tensors as on real ones: the search marks
+    that candidate invalid with the error's first line and goes on with the others instead of crashing the plan."""
+    from fcsd.plan import candidates
+
+    def estimate(model_config, fcsd_config, layout, target="cuda"):
+        if layout.teacher == "online" and not layout.gradient_checkpointing:
+            raise RuntimeError("aten.mul.Tensor got mixed torch.Tensor and DTensor\nmore")
+        return real(model_config, fcsd_config, layout, target)
+
+    real = candidates.estimate_step
+    monkeypatch.setattr(candidates, "estimate_step", estimate)
+    model_config, config = deep_config("qwen3_moe", layers=3), run_config()
+    cluster = Cluster(GPU("test", 64.0, 100.0, 100.0, 10.0), gpus_per_node=1, reserve_gib=0, margin=0)
+    result = candidates.search(model_config, config, cluster, candidates.parameter_counts(model_config), True)
+    failed = [c for c in result.candidates if c.status == "invalid"]
+    assert failed and all(c.layout.teacher == "online" and not c.layout.gradient_checkpointing for c in failed)
+    assert all(c.note.endswith("mixed torch.Tensor and DTensor") for c in failed)
+    assert any(c.fits for c in result.candidates)
