@@ -15,8 +15,8 @@ streamed stock-layout save), sampled every 10 ms; and, for the second optimizer 
 AdamW states exist), its tensor bytes by kind, counted op by op with ``fcsd plan``'s tracker
 (:class:`fcsd.plan.tracker.MemoryTracker`): weights, gradients and optimizer states it holds, the teacher's
 weights, the largest amount of activations alive, and the step's peak of everything together. Beside each layout the
-plan's estimate of the same step (:func:`fcsd.plan.simulate.estimate_step` on fake tensors, ``target="cpu"``) where
-``fcsd plan`` models the layout.
+plan's estimate of the same step (:func:`fcsd.plan.simulate.estimate_step` on fake tensors, ``target="cpu"``; every
+layout is modelled, EP x FSDP2 with and without checkpointing included).
 
     python benchmarks/ep_memory.py [--experts 32] [--layers 4] [--hidden 512] [--seq-len 256]
 
@@ -39,8 +39,12 @@ from pathlib import Path
 RUNS = {  # name -> (processes, overrides, plan layout or None)
     "single": (1, [], ("single", 1, 1, False)),
     "ep2": (4, ["parallel.ep_size=2"], ("ep", 4, 2, False)),
-    "ep2_fsdp2": (4, ["parallel.ep_size=2", "parallel.fsdp=true"], None),
-    "ep2_fsdp2_ckpt": (4, ["parallel.ep_size=2", "parallel.fsdp=true", "train.gradient_checkpointing=true"], None),
+    "ep2_fsdp2": (4, ["parallel.ep_size=2", "parallel.fsdp=true"], ("ep_fsdp", 4, 2, False)),
+    "ep2_fsdp2_ckpt": (
+        4,
+        ["parallel.ep_size=2", "parallel.fsdp=true", "train.gradient_checkpointing=true"],
+        ("ep_fsdp", 4, 2, True),
+    ),
     "fsdp4": (4, ["parallel.fsdp=true"], ("fsdp2", 4, 1, False)),
 }
 KINDS = ("weights", "gradients", "optimizer", "teacher", "activations", "peak")

@@ -1,15 +1,18 @@
 """Which ways of running FCSD on a cluster fit in memory, and which of them trains fastest.
 
 A candidate is a :class:`~fcsd.plan.simulate.Layout`: one process, DDP, expert parallelism over groups of ``P``
-GPUs (``P`` divides the GPUs and the experts), or FSDP2 over all of them; an online teacher (laid out as the
-strategy lays it out) or the top-k cache; a micro-batch (a divisor of each GPU's share of a step); gradient
-checkpointing on or off (not under expert parallelism, which refuses it). Each is decided by simulation, cheapest
-first, and a candidate that needs at least as much memory as one that already failed is not simulated again
-(``dominated``): the static bytes (weights, gradients, AdamW, teacher) rule a strategy out before any step; a
-step with the cached teacher and checkpointing is the frugal one, whose failure rules out the online teacher and
-the run without checkpointing at the same micro-batch; a larger micro-batch needs more (FSDP2 included: the
-trainer reduce-scatters every micro-batch, so no GPU holds unsharded gradients between them). ``fcsd cache-teacher``
-holds the whole bf16 teacher on one GPU: a teacher that does not fit there rules the cache out.
+GPUs with the rest replicated (``P`` divides the GPUs and the experts), EP ``P`` x FSDP2 (``P`` also at most the GPUs
+of a node: the all-to-all stays inside it, the expert shards FSDP2-sharded over their ``W / P`` replicas, the rest
+over all ``W`` GPUs), or FSDP2 alone over all of them; an online teacher (laid out as the student) or the top-k
+cache; a micro-batch (a divisor of each GPU's share of a step); gradient checkpointing on or off (under expert
+parallelism the layout's own, which replays the exchanges). Each is decided by simulation, cheapest first, and a
+candidate that needs at least as much memory as one that already failed is not simulated again (``dominated``):
+the static bytes (weights, gradients, AdamW, teacher) rule a strategy out before any step; a step with the cached
+teacher and checkpointing is the frugal one, whose failure rules out the online teacher and the run without
+checkpointing at the same micro-batch; a larger micro-batch needs more (FSDP2 included: the trainer reduce-scatters
+every micro-batch, so no GPU holds unsharded gradients between them). ``fcsd cache-teacher`` lays the teacher out
+as the run does (on the run's GPUs under a parallel layout, else on one GPU): a teacher whose share does not fit
+there rules the cache out.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fcsd.plan.cluster import GIB, Cluster
+from fcsd.plan.run import LAID_OUT
 from fcsd.plan.simulate import Layout, StepEstimate, estimate_step
 
 MAX_MICRO_BATCH = 8
@@ -53,14 +57,23 @@ class Search:
     cluster: Cluster
     candidates: list[Candidate] = field(default_factory=list)
     chosen: Candidate | None = None
+    timed: list[Candidate] = field(default_factory=list)  # each strategy's fastest fitting candidate, timed
+    counts: Counts | None = None
+
+    def best(self, expert_parallel: bool) -> Candidate | None:
+        """The fastest timed candidate with (True) or without (False) expert parallelism."""
+        found = [c for c in self.timed if (c.layout.ep_size > 1) == expert_parallel]
+        return min(found, key=lambda c: c.time.seconds) if found else None
 
 
-def strategies(processes: int, num_experts: int) -> list[tuple[str, int]]:
-    """``(strategy, EP size)`` pairs for ``processes`` GPUs."""
+def strategies(processes: int, num_experts: int, gpus_per_node: int | None = None) -> list[tuple[str, int]]:
+    """``(strategy, EP size)`` pairs for ``processes`` GPUs: EP x FSDP2 for every EP size dividing the GPUs and the
+    experts up to ``gpus_per_node``, expert parallelism with the rest replicated, FSDP2, DDP."""
     if processes == 1:
         return [("single", 1)]
-    found = [("ep", p) for p in range(processes, 1, -1) if processes % p == 0 and num_experts % p == 0]
-    return found + [("fsdp2", 1), ("ddp", 1)]
+    sizes = [p for p in range(processes, 1, -1) if processes % p == 0 and num_experts % p == 0]
+    node = gpus_per_node or processes
+    return [("ep_fsdp", p) for p in sizes if p <= node] + [("ep", p) for p in sizes] + [("fsdp2", 1), ("ddp", 1)]
 
 
 def micro_batches(share: int) -> list[int]:
@@ -90,42 +103,48 @@ def parameter_counts(model_config) -> Counts:
     return Counts(sum(p.numel() for p in model.parameters()), experts, sum(embeddings.values()))
 
 
+def held_parameters(layout: Layout, counts: Counts) -> int:
+    """Parameters of the model one GPU holds under ``layout``'s strategy (FSDP2's padding left out)."""
+    return {
+        "ep": counts.total - counts.experts + counts.experts // layout.ep_size,
+        "ep_fsdp": counts.total // layout.processes,
+        "fsdp2": counts.total // layout.processes,
+    }.get(layout.strategy, counts.total)
+
+
 def static_floor(layout: Layout, counts: Counts) -> int:
     """A lower bound of a candidate's static bytes per GPU, from parameter counts alone: its share of the student's
     fp32 weights (4 bytes per parameter), gradients and AdamW moments (12 more, embeddings left out in case they
     are frozen), DDP's buckets, and its share of a bf16 online teacher. Only used to skip candidates that cannot
     fit; every other one is simulated."""
-    held = {
-        "ep": counts.total - counts.experts + counts.experts // layout.ep_size,
-        "fsdp2": counts.total // layout.processes,
-    }.get(layout.strategy, counts.total)
+    held = held_parameters(layout, counts)
     trained = max(0, held - counts.embeddings * held // counts.total)
     floor = 4 * held + 12 * trained + (4 * trained if layout.strategy == "ddp" else 0)
     return floor + (2 * held if layout.teacher == "online" else 0)
 
 
-def loading_floor(layout: Layout, counts: Counts) -> int:
-    """A lower bound of a GPU's bytes while ``fcsd convert`` loads an FSDP2 run with the online teacher: the trainer
-    puts the whole bf16 teacher on every GPU and shards it only after accelerate has sharded the student (whose fp32
-    share is there by then). 0 for every other layout (expert parallelism loads each rank's experts only)."""
-    if layout.strategy != "fsdp2" or layout.teacher != "online":
-        return 0
-    return 2 * counts.total + 4 * counts.total // layout.processes
+def cache_teacher_bytes(layout: Layout, counts: Counts) -> int:
+    """What ``fcsd cache-teacher`` holds per GPU for ``layout``'s cache: under a parallel layout it runs on the same
+    GPUs laid out the same way (its bf16 share, :func:`static_floor`'s), else the whole bf16 teacher on one GPU; a
+    tenth more for its activations."""
+    held = held_parameters(layout, counts) if layout.strategy in LAID_OUT else counts.total
+    return int(1.1 * 2 * held)
 
 
 def search(model_config, fcsd_config, cluster: Cluster, counts: Counts, cache_ok: bool | str) -> Search:
     """Decide every candidate on ``cluster`` (see the module docstring). ``cache_ok``: whether the teacher cache may
-    be used (True), or why not (False: the teacher does not fit one GPU; a string: the reason)."""
+    serve the run's objective (True), or why not (a string: the reason)."""
     from fcsd.perfmodel import model_shape
 
-    result = Search(cluster)
+    result = Search(cluster, counts=counts)
     processes = cluster.gpus
     share = fcsd_config.train.batch_tokens // fcsd_config.data.seq_len // processes
-    for strategy, ep in strategies(processes, model_shape(model_config).num_experts):
+    experts = model_shape(model_config).num_experts
+    for strategy, ep in strategies(processes, experts, cluster.gpus_per_node):
         layouts = [  # fastest first: the online teacher, no recomputation, fewer micro-batches
             Layout(strategy, processes, ep, teacher, mb, gc)
             for teacher in ("online", "cache")
-            for gc in ([False, True] if strategy != "ep" else [False])
+            for gc in (False, True)
             for mb in reversed(micro_batches(share))
         ]
         result.candidates += _decide(model_config, fcsd_config, layouts, cluster.budget, counts, cache_ok)
@@ -151,16 +170,13 @@ def _decide(model_config, fcsd_config, layouts: list[Layout], budget: int, count
     for layout in layouts:
         floor = static_floor(layout, counts)
         if layout.teacher == "cache" and cache_ok is not True:
-            note = cache_ok or "fcsd cache-teacher holds the whole bf16 teacher on one GPU, which it does not fit"
+            decided[layout] = Candidate(layout, "invalid", note=cache_ok)
+        elif layout.teacher == "cache" and cache_teacher_bytes(layout, counts) > budget:
+            where = "each of the run's GPUs" if layout.strategy in LAID_OUT else "one GPU"
+            note = f"fcsd cache-teacher holds its bf16 teacher's share on {where}, which it does not fit"
             decided[layout] = Candidate(layout, "invalid", note=note)
         elif floor > budget:
             note = f"its fp32 weights, gradients and AdamW (and teacher) take at least {floor / GIB:.1f} GiB"
-            decided[layout] = Candidate(layout, "static", note=note)
-        elif loading_floor(layout, counts) > budget:
-            note = (
-                f"loading: the trainer holds the whole bf16 teacher ({2 * counts.total / GIB:.1f} GiB) on every GPU "
-                "until it shards it, after the student"
-            )
             decided[layout] = Candidate(layout, "static", note=note)
     pending = [layout for layout in layouts if layout not in decided]
     for layout in pending[:1] + pending[-1:] + pending[1:-1]:  # heaviest, lightest, then the fastest first
@@ -174,14 +190,24 @@ def _decide(model_config, fcsd_config, layouts: list[Layout], budget: int, count
         elif failing is not None:
             decided[layout] = Candidate(layout, "dominated", note=f"needs at least what {failing.layout.short} needs")
         else:
-            estimate = estimate_step(model_config, fcsd_config, layout)
-            decided[layout] = Candidate(layout, "fits" if estimate.peak <= budget else "exceeds", estimate)
+            decided[layout] = _simulated(model_config, fcsd_config, layout, budget)
     return [decided[layout] for layout in layouts]
+
+
+def _simulated(model_config, fcsd_config, layout: Layout, budget: int) -> Candidate:
+    """``layout`` simulated; a step the trainer's own code cannot run (it raises on fake tensors as it would on real
+    ones) is an ``invalid`` candidate naming the error, not a crashed plan."""
+    try:
+        estimate = estimate_step(model_config, fcsd_config, layout)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return Candidate(layout, "invalid", note=f"the trainer's step fails in this layout: {first[:160]}")
+    return Candidate(layout, "fits" if estimate.peak <= budget else "exceeds", estimate)
 
 
 def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]) -> Candidate | None:
     """The fastest candidate that fits: each strategy's first fitting candidate in its order (fastest first; it is
-    simulated now if its fit was implied), timed, the quickest kept."""
+    simulated now if its fit was implied), timed (all of them kept in ``result.timed``), the quickest chosen."""
     from fcsd.plan.timing import step_time
 
     best: dict[tuple, Candidate] = {}
@@ -190,9 +216,9 @@ def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]
         if not candidate.fits or group in best:
             continue
         if candidate.estimate is None:
-            candidate.estimate = estimate_step(model_config, fcsd_config, candidate.layout)
-            if candidate.estimate.peak > result.cluster.budget:  # not implied after all: keep looking
-                candidate.status = "exceeds"
+            simulated = _simulated(model_config, fcsd_config, candidate.layout, result.cluster.budget)
+            candidate.estimate, candidate.status, candidate.note = simulated.estimate, simulated.status, simulated.note
+            if not candidate.fits:  # not implied after all (or the step fails): keep looking
                 continue
         candidate.time = step_time(
             candidate.estimate,
@@ -201,38 +227,54 @@ def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]
             result.cluster,
             fcsd_config.train.batch_tokens,
             fcsd_config.data.seq_len,
+            result.counts,
         )
         best[group] = candidate
+    result.timed = list(best.values())
     result.chosen = min(best.values(), key=lambda c: c.time.seconds) if best else None
     return result.chosen
 
 
 def why_none_fits(result: Search, counts: Counts) -> list[str]:
     """Why no candidate of ``result`` fits, strategy by strategy, from its simulations and parameter counts, and
-    what would (design §4: expert parallelism shards only the routed experts)."""
+    what would (design §4)."""
     lines = []
     ep = [c.layout.ep_size for c in result.candidates if c.layout.strategy == "ep"]
     if ep:
         replicated = counts.total - counts.experts
         lines.append(
-            f"expert parallelism (EP up to {max(ep)}): every GPU holds the {replicated / 1e9:.1f}B parameters outside "
-            f"the routed experts whole, about {16 * replicated / GIB:.0f} GiB of fp32 weights, gradients and AdamW "
-            "at any EP size"
+            f"expert parallelism alone (EP up to {max(ep)}): every GPU holds the {replicated / 1e9:.1f}B parameters "
+            f"outside the routed experts whole, about {16 * replicated / GIB:.0f} GiB of fp32 weights, gradients and "
+            "AdamW at any EP size"
         )
-    every_fsdp2 = [c for c in result.candidates if c.layout.strategy == "fsdp2"]
-    fsdp2 = [c for c in every_fsdp2 if c.estimate is not None]
-    if not fsdp2:  # none simulated: the reasons they were ruled out before any step
-        lines += [f"FSDP2: {note}" for note in dict.fromkeys(c.note for c in every_fsdp2)]
-    else:
-        lightest = min(fsdp2, key=lambda c: c.estimate.peak)
+    for strategy, name, unsharded_what in (
+        (
+            "ep_fsdp",
+            "EP x FSDP2",
+            "the layers it gathers whole (one layer's expert shard, its attention), the rows "
+            "each exchange received, the activations and the loss",
+        ),
+        (
+            "fsdp2",
+            "FSDP2",
+            "the layers it gathers whole (every routed expert of a MoE layer at once), their "
+            "gradients and the activations",
+        ),
+    ):
+        every = [c for c in result.candidates if c.layout.strategy == strategy]
+        simulated = [c for c in every if c.estimate is not None]
+        if not simulated:  # none simulated: the reasons they were ruled out before any step
+            lines += [f"{name}: {note}" for note in dict.fromkeys(c.note for c in every)]
+            continue
+        lightest = min(simulated, key=lambda c: c.estimate.peak)
         e = lightest.estimate
         unsharded = e.peak - (e.weights + e.gradients + e.optimizer + e.teacher)
         lines.append(
-            f"FSDP2: {unsharded / GIB:.1f} GiB of its lightest step ({lightest.layout.short}) are not sharded: the "
-            "layers it gathers whole (every routed expert of a MoE layer at once), their gradients and the activations"
+            f"{name}: {unsharded / GIB:.1f} GiB of its lightest step ({lightest.layout.short}, peak "
+            f"{e.peak / GIB:.1f} GiB) are not sharded: {unsharded_what}"
         )
     lines.append(
-        "what would fit: expert parallelism with the other parameters sharded too (FSDP2 over the expert-parallel "
-        "ranks), which fcsd does not build yet, or GPUs with more memory (--gpu, --gpu-memory)"
+        "what would fit: more GPUs shrink only the sharded static bytes; GPUs with more memory (--gpu, --gpu-memory), "
+        "or a shorter data.seq_len"
     )
     return lines

@@ -2,10 +2,12 @@
 
 The chosen candidate (or, when nothing fits, the closest one) is run for real at a reduced size: the model's widths
 cut down (:func:`reduced_config`: hidden 256, experts 8, top-k at most 4, vocabulary 4096, at most 4 layers with
-the same kinds of layers), sequences of 128 tokens, at most 2 processes (local gloo processes on a CPU; one GPU
-each where there are enough), one micro-batch per step. The planner estimates the same reduced run from its config
-alone; both peak memories and step times are printed. Step time is estimated from the step's FLOPs at the speed this
-device reaches on a large matrix product (measured here, so the figure checks the FLOP count, not a preset).
+the same kinds of layers), sequences of 128 tokens, at most 4 processes (local gloo processes on a CPU; one GPU
+each where there are enough) laid out as the candidate is (EP x FSDP2 as EP 2 x FSDP 2, expert parallelism alone
+over all of them, FSDP2 over all of them), one micro-batch per step. The planner estimates the same reduced run
+from its config alone; both peak memories and step times are printed. Step time is estimated from the step's FLOPs
+at the speed this device reaches on a large matrix product (measured here, so the figure checks the FLOP count, not
+a preset).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ WIDTHS = {  # attribute -> reduced value (only attributes the config has are cha
     "v_head_dim": 64,
 }
 EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
-SEQ_LEN, MAX_PROCESSES, MAX_LAYERS = 128, 2, 4
+SEQ_LEN, MAX_PROCESSES, MAX_LAYERS = 128, 4, 4
 
 
 def reduced_config(model_config):
@@ -44,6 +46,8 @@ def reduced_config(model_config):
             values[key] = value
     if values.get("q_lora_rank"):
         values["q_lora_rank"] = 96
+    if values.get("qk_rope_head_dim") and values.get("head_dim") is not None:
+        values["head_dim"] = values["qk_rope_head_dim"]  # DeepSeek-V3's rotary size is its head_dim
     if "num_key_value_heads" in values:
         mla = values.get("kv_lora_rank") is not None
         values["num_key_value_heads"] = 4 if mla else min(values["num_key_value_heads"], 2)
@@ -69,19 +73,24 @@ def reduced_config(model_config):
 def reduced_run(plan):
     """``(model config, run config, layout)`` of the reduced run of the plan's chosen (or closest) candidate."""
     candidate = plan.chosen or _closest(plan)
-    layout = candidate.layout
+    return reduced(plan.source.config, plan.config, candidate.layout)
+
+
+def reduced(model_config, fcsd_config, layout):
+    """``(model config, run config, layout)``: ``layout``'s run at the reduced size (see the module docstring)."""
     processes = min(layout.processes, MAX_PROCESSES)
     if processes == 1:
         layout = replace(layout, strategy="single", processes=1, ep_size=1)
     else:
-        layout = replace(layout, processes=processes, ep_size=processes if layout.strategy == "ep" else 1)
-    config = copy.deepcopy(plan.config)
+        ep = {"ep": processes, "ep_fsdp": max(2, min(layout.ep_size, processes // 2))}.get(layout.strategy, 1)
+        layout = replace(layout, processes=processes, ep_size=ep)
+    config = copy.deepcopy(fcsd_config)
     config.data.seq_len = SEQ_LEN
     config.train.batch_tokens = SEQ_LEN * layout.micro_batch * processes
     config.train.max_tokens = max(config.train.max_tokens, config.train.batch_tokens)
     config.train.warmup_steps = 0
     config.train.loss_chunk_size = min(config.train.loss_chunk_size, SEQ_LEN)
-    return reduced_config(plan.source.config), config, layout
+    return reduced_config(model_config), config, layout
 
 
 def _closest(plan):
@@ -112,13 +121,18 @@ def _sync(device) -> None:
 
 
 def check_plan(plan) -> dict:
-    """Estimate and measure the reduced run (see the module docstring); the figures as a dict."""
+    """Estimate and measure the reduced run of the plan's chosen candidate (see the module docstring); the figures as
+    a dict."""
+    return check_run(*reduced_run(plan))
+
+
+def check_run(model_config, config, layout) -> dict:
+    """Estimate and measure ``layout``'s run here (:func:`check_plan` on a reduced run); the figures as a dict."""
     from fcsd.plan.measure import measure_processes
     from fcsd.plan.simulate import estimate_step
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    multi_gpu = device.type == "cuda" and torch.cuda.device_count() >= MAX_PROCESSES
-    model_config, config, layout = reduced_run(plan)
+    multi_gpu = device.type == "cuda" and torch.cuda.device_count() >= layout.processes
     if layout.processes > 1 and device.type == "cuda" and not multi_gpu:
         device = torch.device("cpu")  # several ranks need a GPU each (NCCL); gloo processes on the CPU otherwise
     target = device.type

@@ -1,5 +1,7 @@
-"""The commands a plan prints: the teacher cache (when the plan uses one), the training launch with the accelerate
-config shipped in ``recipes/accelerate/`` for its strategy, and serving the export.
+"""The commands a plan prints: the teacher cache (when the plan uses one: on the run's processes, laid out as the
+run, under a parallel layout), the training launch with the accelerate config shipped in ``recipes/accelerate/``
+for its strategy (a plain multi-process launch for the layouts fcsd lays out itself: ``parallel.ep_size``,
+``parallel.fsdp=true``), and serving the export.
 
 Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes to
 the plugin's own command (``fcsd.serving.vllm.families.serve_command``, which ``fcsd export`` prints too).
@@ -10,12 +12,10 @@ from __future__ import annotations
 import shlex
 
 from fcsd.plan.cluster import Cluster
-from fcsd.plan.simulate import Layout
+from fcsd.plan.run import LAID_OUT, Layout
 
-ACCELERATE_CONFIGS = {  # strategy -> (one node, several nodes)
-    "ep": ("recipes/accelerate/ep8_1node.yaml", "recipes/accelerate/ep8_1node.yaml"),
-    "fsdp2": ("recipes/accelerate/fsdp2_8gpu.yaml", "recipes/accelerate/fsdp2_multinode.yaml"),
-}
+PLAIN = ("recipes/accelerate/ep8_1node.yaml", "recipes/accelerate/ep8_1node.yaml")  # a plain multi-process launch
+ACCELERATE_CONFIGS = {"ep": PLAIN, "ep_fsdp": PLAIN, "fsdp2": PLAIN}  # strategy -> (one node, several nodes)
 CONFIG_PROCESSES = 8  # the shipped one-node configs launch 8 processes
 CACHE_DIR = "teacher-cache"
 
@@ -26,8 +26,7 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
     from fcsd.distill.config import hydra_override
 
     args = [model, f"farskip.layers={spec}" if "," not in spec else hydra_override("farskip.layers", spec)]
-    if layout.strategy == "ep":
-        args += [f"parallel.ep_size={layout.ep_size}", "early_stop.enabled=false"]
+    args += parallel_overrides(layout)
     settings = {
         "train.micro_batch_size": layout.micro_batch,
         "train.gradient_checkpointing": str(layout.gradient_checkpointing).lower(),
@@ -50,6 +49,12 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
     elif defaults.teacher.mode == "cache":
         args.append("teacher.mode=online")
     return args + [f"output_dir={output_dir}"]
+
+
+def parallel_overrides(layout: Layout) -> list[str]:
+    """The ``parallel.*`` keys of ``layout`` (what the trainer and ``fcsd cache-teacher`` lay the models out by)."""
+    args = [f"parallel.ep_size={layout.ep_size}"] if layout.ep_size > 1 else []
+    return args + (["parallel.fsdp=true"] if layout.fsdp else [])
 
 
 def launch_prefix(layout: Layout, cluster: Cluster) -> list[str]:
@@ -118,7 +123,11 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
             if a.split("=")[0] in ("data.seq_len", "train.batch_tokens", "train.max_tokens", "train.warmup_steps")
         ]
         others = [a for a in extra if a.split("=")[0] != "output_dir"]
-        cache = ["fcsd", "cache-teacher", model, *keep, *others, f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
+        cache = ["cache-teacher", model, *keep, *others, f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
+        if layout.strategy in LAID_OUT:  # on the run's processes, the teacher laid out as the run's
+            cache = [*launch_prefix(layout, cluster), *cache, *parallel_overrides(layout)]
+        else:  # one process, the whole teacher on one GPU
+            cache = ["fcsd", *cache]
         commands["cache_teacher"] = _line(cache)
     commands["train"] = _line(launch_prefix(layout, cluster) + ["convert", *train])
     serve = serve_line(f"{output_dir}/export", *serving)

@@ -34,21 +34,21 @@ class Measured:
         return asdict(self)
 
 
-def measure_step(model_config, fcsd_config, layout, device: str = "cpu", steps: int = 2, group=None) -> Measured:
-    """Build ``layout``'s models for real on ``device`` (this process's share: ``group`` is the expert-parallel
-    group of an ``ep`` layout, in an initialised job) and run ``steps`` optimizer steps; measure the last."""
+def measure_step(model_config, fcsd_config, layout, device: str = "cpu", steps: int = 2) -> Measured:
+    """Build ``layout``'s models for real on ``device`` (this process's share, laid out over the initialised job as
+    the trainer lays them out) and run ``steps`` optimizer steps; measure the last."""
     target = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    with balanced_experts() if layout.strategy == "ep" else contextlib.nullcontext():
+    with balanced_experts() if layout.ep_size > 1 else contextlib.nullcontext():
         if target == "cuda":
-            return _measure_cuda(model_config, fcsd_config, layout, device, steps, group)
-        return _measure_cpu(model_config, fcsd_config, layout, target, device, steps, group)
+            return _measure_cuda(model_config, fcsd_config, layout, device, steps)
+        return _measure_cpu(model_config, fcsd_config, layout, target, device, steps)
 
 
-def _measure_cpu(model_config, fcsd_config, layout, target, device, steps, group) -> Measured:
+def _measure_cpu(model_config, fcsd_config, layout, target, device, steps) -> Measured:
     from torch.profiler import ProfilerActivity, profile
 
     outside = live_tensor_bytes()  # the process's own tensors (and an earlier job's not yet collected): not the run's
-    run = _build(model_config, fcsd_config, layout, target, device, group)
+    run = _build(model_config, fcsd_config, layout, target, device)
     for _ in range(steps - 1):
         run.step()
     before = live_tensor_bytes() - outside
@@ -117,10 +117,10 @@ def live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def _measure_cuda(model_config, fcsd_config, layout, device, steps: int, group) -> Measured:
+def _measure_cuda(model_config, fcsd_config, layout, device, steps: int) -> Measured:
     torch.cuda.synchronize()
     outside = torch.cuda.memory_allocated()
-    run = _build(model_config, fcsd_config, layout, "cuda", device, group)
+    run = _build(model_config, fcsd_config, layout, "cuda", device)
     for _ in range(steps - 1):
         run.step()
     torch.cuda.synchronize()
@@ -132,19 +132,12 @@ def _measure_cuda(model_config, fcsd_config, layout, device, steps: int, group) 
     return Measured(torch.cuda.max_memory_allocated() - outside, seconds, *_static(run, CUDA_BLOCK))
 
 
-def _build(model_config, fcsd_config, layout, target, device, group):
-    from fcsd.plan.simulate import build_run
+def _build(model_config, fcsd_config, layout, target, device):
+    from fcsd.plan.run import build_run, run_meshes
 
+    meshes = run_meshes(layout, torch.device(device).type) if layout.processes > 1 else None
     with torch.device(device):
-        return build_run(model_config, fcsd_config, layout, target, group=group, mesh=_mesh(layout, device))
-
-
-def _mesh(layout, device):
-    if layout.strategy != "fsdp2":
-        return None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(torch.device(device).type, (layout.processes,), mesh_dim_names=("dp_shard",))
+        return build_run(model_config, fcsd_config, layout, target, meshes)
 
 
 def _static(run, block: int = 1) -> tuple[int, int]:
@@ -210,12 +203,7 @@ def _worker(rank: int, jobs: list, device: str, steps: int, folder: str) -> None
     try:
         results = []
         for model_config, fcsd_config, layout in jobs:
-            group = None
-            if layout.strategy == "ep":
-                from fcsd.parallel.training import expert_parallel_group
-
-                group = expert_parallel_group(layout.ep_size)
-            results.append(measure_step(model_config, fcsd_config, layout, device, steps, group).to_dict())
+            results.append(measure_step(model_config, fcsd_config, layout, device, steps).to_dict())
         (Path(folder) / f"rank{rank}.json").write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()

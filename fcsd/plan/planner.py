@@ -33,7 +33,9 @@ class Plan:
     search: Search
     fallback: Search | None = None  # when this cluster does not fit: the larger one that does, or the last tried
     flops: dict = field(default_factory=dict)  # per token, by part, of the chosen candidate
-    cache_pass_hours: float = 0.0
+    cache_pass_hours: float = 0.0  # wall hours of fcsd cache-teacher's pass, on cache_gpus GPUs
+    cache_gpus: int = 1
+    layout_reason: str = ""  # why the chosen layout: EP against the fastest FSDP2-only one
     commands: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     counts: object = None  # candidates.Counts of the model
@@ -59,7 +61,7 @@ class Plan:
     @property
     def gpu_hours(self) -> float | None:
         chosen, hours = self.chosen, self.hours
-        return None if chosen is None else hours * chosen.layout.processes + self.cache_pass_hours
+        return None if chosen is None else hours * chosen.layout.processes + self.cache_pass_hours * self.cache_gpus
 
 
 def make_plan(
@@ -89,7 +91,7 @@ def make_plan(
         probe(source.name, probe_data, options)
     choice, reason = recommend(options, tokens, max_kl)
     config.farskip.layers = choice.spec
-    cache_ok = _cache_ok(summary, cluster, config)
+    cache_ok = _cache_ok(config)
     counts = parameter_counts(source.config)
     result = search(source.config, config, cluster, counts, cache_ok)
     converted = set(choice.layers)
@@ -102,8 +104,13 @@ def make_plan(
     chosen = plan.chosen
     if chosen is not None:
         plan.flops = _flops_per_token(chosen)
+        plan.layout_reason = layout_reason(fallback if fallback is not None else result)
         if chosen.layout.teacher == "cache":
-            plan.cache_pass_hours = tokens * _teacher_flops(shape, config.data.seq_len) / _rate(cluster) / 3600
+            from fcsd.plan.run import LAID_OUT
+
+            plan.cache_gpus = chosen.layout.processes if chosen.layout.strategy in LAID_OUT else 1
+            rate = _rate(cluster) * plan.cache_gpus
+            plan.cache_pass_hours = tokens * _teacher_flops(shape, config.data.seq_len) / rate / 3600
         from fcsd.plan.commands import plan_commands
 
         user = list(overrides or [])
@@ -155,13 +162,49 @@ def _names_data(override: str) -> bool:
     return override.split("=")[0].lstrip("+") in ("data", "data.path", "data.split", "data.eval_path")
 
 
-def _cache_ok(summary, cluster: Cluster, config) -> bool | str:
-    """Whether the teacher cache can serve this run: ``fcsd cache-teacher`` runs the bf16 teacher on one GPU (its
-    weights and a tenth for activations must fit: False otherwise), and the cache holds the top-k of the forward KL
-    (another objective or divergence: the reason, as ``fcsd convert`` would refuse it)."""
+def _cache_ok(config) -> bool | str:
+    """Whether the teacher cache can serve this run's objective: it holds the top-k of the forward KL (another
+    objective or divergence: the reason, as ``fcsd convert`` would refuse it). Whether the teacher fits where
+    ``fcsd cache-teacher`` runs is decided per candidate (:func:`fcsd.plan.candidates.cache_teacher_bytes`)."""
     from fcsd.distill.config import cache_refusal
 
-    return cache_refusal(config.train) or summary.total_params * 2 * 1.1 <= cluster.budget
+    return cache_refusal(config.train) or True
+
+
+def layout_reason(result: Search) -> str:
+    """Why the chosen layout: the fastest expert-parallel candidate's step beside the fastest FSDP2-only one's
+    (compute and exposed communication), or why one kind is missing."""
+    ep, fsdp2, chosen = result.best(True), result.best(False), result.chosen
+    if ep is None or fsdp2 is None:
+        missing = "no expert-parallel layout" if ep is None else "no layout without expert parallelism"
+        return f"{missing} fits on {result.cluster.gpus} GPUs"
+    other = fsdp2 if chosen is ep else ep
+    a, b = chosen.time, other.time
+    parts = []
+    if a.compute_s < 0.99 * b.compute_s:
+        parts.append(f"less compute ({a.compute_s:.2f} s vs {b.compute_s:.2f} s: " + _compute_why(chosen, other) + ")")
+    if a.exposed_comm_s < b.exposed_comm_s - 0.01 * b.seconds:
+        parts.append(f"less exposed communication ({a.exposed_comm_s:.2f} s vs {b.exposed_comm_s:.2f} s)")
+    if a.compute_s > 1.01 * b.compute_s:
+        lighter = _compute_why(other, chosen)
+        parts.append(f"despite more compute ({a.compute_s:.2f} s vs {b.compute_s:.2f} s: {lighter} there)")
+    why = " and ".join(parts) or "about the same step time (within 1%)"
+    return (
+        f"{chosen.layout.shape} ({a.seconds:.2f} s per step) is {b.seconds / a.seconds:.2f}x as fast as "
+        f"{other.layout.short} ({b.seconds:.2f} s): {why}"
+    )
+
+
+def _compute_why(fast, slow) -> str:
+    """What makes ``fast``'s step compute less than ``slow``'s: recomputation, micro-batch, the online teacher."""
+    reasons = []
+    if slow.layout.gradient_checkpointing and not fast.layout.gradient_checkpointing:
+        reasons.append("no recomputation")
+    if fast.layout.micro_batch > slow.layout.micro_batch:
+        reasons.append(f"micro-batch {fast.layout.micro_batch} vs {slow.layout.micro_batch}")
+    if fast.layout.teacher == "cache" and slow.layout.teacher == "online":
+        reasons.append("the cached teacher runs no forward")
+    return ", ".join(reasons) or "the same work"
 
 
 def _larger_cluster(source, config, cluster: Cluster, shape, counts, converted, cache_ok, notes) -> Search | None:

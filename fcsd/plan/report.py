@@ -37,8 +37,10 @@ def memory_table(search) -> list[str]:
     lines = [f"memory on {cluster.describe()}", head]
     lines += [_memory_row(c, cluster.budget, unit) for c in search.candidates]
     lines.append(
-        "(mbN: micro-batch of N sequences; ckpt: gradient checkpointing; online: the teacher laid out as the student "
-        "is (replicated, EP-sharded, FSDP2-sharded); cache: the top-k cache; grads of FSDP2 are its sharded ones)"
+        "(EP=PxFSDP=R: experts over P GPUs, each shard FSDP2-sharded over its R replicas, the rest FSDP2 over all; "
+        "EP=P: the rest replicated; mbN: micro-batch of N sequences; ckpt: gradient checkpointing (under EP: the "
+        "exchanges replayed); online: the teacher laid out as the student; cache: the top-k cache; grads of FSDP2 "
+        "are its sharded ones)"
     )
     return lines
 
@@ -52,6 +54,30 @@ def _flops(value: float) -> str:
         if value >= size:
             return f"{value / size:.1f} {unit}"
     return f"{value:.0f}"
+
+
+def _searched(plan):
+    """The search the chosen candidate comes from (the larger cluster's when the one asked for does not fit)."""
+    return plan.fallback if plan.fallback is not None and not plan.fits else plan.search
+
+
+def timing_table(search) -> list[str]:
+    """Each strategy's fastest fitting candidate with its step time, expert-parallel ones beside the others."""
+    timed = sorted(search.timed, key=lambda c: c.time.seconds)
+    if not timed:
+        return []
+    lines = [
+        "step time of each layout's fastest fitting candidate (expert parallel and not)",
+        f"{'layout':<30}{'peak GiB':>9}{'step s':>8}{'compute':>9}{'comm':>7}",
+    ]
+    for c in timed:
+        mark = "  <- chosen" if c is search.chosen else ""
+        t = c.time
+        lines.append(
+            f"{c.layout.short:<30}{c.estimate.peak / GIB:>9.1f}{t.seconds:>8.2f}{t.compute_s:>9.2f}"
+            f"{t.exposed_comm_s:>7.2f}{mark}"
+        )
+    return lines
 
 
 def format_plan(plan) -> str:
@@ -94,6 +120,7 @@ def format_plan(plan) -> str:
     if chosen is None:
         return "\n".join(lines)
     t = chosen.time
+    lines += ["", *timing_table(_searched(plan)), f"-> {plan.layout_reason}"]
     lines += [
         "",
         f"-> {chosen.layout.name}: peak {chosen.estimate.peak / GIB:.1f} GiB per GPU "
@@ -105,7 +132,8 @@ def format_plan(plan) -> str:
         f"{t.exposed_comm_s:.2f} s), {t.tokens_per_s:,.0f} tokens/s",
         f"           {plan.hours:.1f} h on {chosen.layout.processes} GPUs, {plan.gpu_hours:,.0f} GPU-hours"
         + (
-            f" (with the teacher cache's pass, {plan.cache_pass_hours:.1f} h on one GPU)"
+            f" (with the teacher cache's pass, {plan.cache_pass_hours:.1f} h on {plan.cache_gpus} "
+            f"GPU{'s' if plan.cache_gpus > 1 else ''})"
             if plan.cache_pass_hours
             else ""
         ),
@@ -146,11 +174,14 @@ def plan_dict(plan) -> dict:
             "candidates": [c.to_dict() for c in plan.fallback.candidates],
         },
         "chosen": None if chosen is None else chosen.to_dict(),
+        "layouts_timed": [c.to_dict() for c in _searched(plan).timed],
+        "layout_reason": plan.layout_reason,
         "why_nothing_fits": [] if chosen is not None else why_none_fits(plan.fallback or plan.search, plan.counts),
         "flops_per_token": plan.flops,
         "hours": plan.hours,
         "gpu_hours": plan.gpu_hours,
         "cache_pass_hours": plan.cache_pass_hours,
+        "cache_gpus": plan.cache_gpus,
         "commands": plan.commands,
         "notes": plan.notes,
     }

@@ -2,13 +2,15 @@
 
 The student and the teacher are built the way :func:`fcsd.distill.models.load_models` builds them (FarSkip layers,
 fp32 master weights, a bf16 teacher on GPUs, the configured attention and expert kernels, gradient checkpointing),
-laid out as the trainer lays them out for a candidate (:class:`Layout`: one process; DDP; expert parallelism
-through :func:`fcsd.parallel.training.make_expert_parallel`, the teacher in mode ``regular``; FSDP2 through
-accelerate's own ``fsdp2_prepare_model``, the teacher sharded for inference by
-:func:`fcsd.parallel.inference_shard.shard_for_inference`; or a teacher cache), and :meth:`Run.step` makes the
+laid out as the trainer lays them out for a candidate (:class:`Layout`: one process; DDP; or, for expert parallelism
+(``ep``: the rest replicated), EP x FSDP2 (``ep_fsdp``) and FSDP2 alone (``fsdp2``), the trainer's own
+:func:`fcsd.parallel.layout.parallelize` over :func:`fcsd.parallel.layout.build_meshes`, student and online teacher
+alike (the teacher laid out as the student: experts EP-sharded, the rest FSDP2-sharded, resharded after every
+forward), checkpointing through the layout's own recomputation; or a teacher cache), and :meth:`Run.step` makes the
 trainer's calls: per micro-batch :func:`fcsd.distill.objectives.micro_batch_loss` under autocast (the fused chunked
 KL loss) and its backward, gradient synchronisation as accelerate runs it, then the gradient reduction and clipping
-and AdamW from :func:`fcsd.distill.optim.build_optimizer`.
+(:func:`fcsd.parallel.training.reduce_and_clip` under a layout) and AdamW from
+:func:`fcsd.distill.optim.build_optimizer`.
 
 The same :class:`Run` is simulated on fake tensors (:mod:`fcsd.plan.simulate`) and measured on real ones
 (:mod:`fcsd.plan.measure`). ``target="cuda"`` applies a GPU run's choices (bf16 autocast and teacher, fused AdamW)
@@ -24,14 +26,18 @@ from dataclasses import dataclass
 
 import torch
 
-STRATEGIES = ("single", "ddp", "ep", "fsdp2")
+STRATEGIES = ("single", "ddp", "ep", "ep_fsdp", "fsdp2")
+LAID_OUT = ("ep", "ep_fsdp", "fsdp2")  # the strategies fcsd.parallel.layout lays out (parallel.ep_size / parallel.fsdp)
 
 
 @dataclass(frozen=True)
 class Layout:
     """A candidate: how ``processes`` GPUs run the step. ``strategy``: ``single`` (one process), ``ddp``
-    (replicated student), ``ep`` (routed experts over groups of ``ep_size``), ``fsdp2`` (student and teacher
-    sharded over all processes); ``teacher``: ``online`` or ``cache`` (the top-k cache of ``fcsd cache-teacher``)."""
+    (replicated student), ``ep`` (routed experts over groups of ``ep_size``, the rest replicated: ``parallel.ep_size``),
+    ``ep_fsdp`` (the same experts, each shard FSDP2-sharded over its ``processes / ep_size`` replicas, the rest
+    FSDP2-sharded over all processes: ``parallel.ep_size`` and ``parallel.fsdp=true``), ``fsdp2`` (everything
+    FSDP2-sharded over all processes: ``parallel.fsdp=true``); the online teacher is laid out as the student;
+    ``teacher``: ``online`` or ``cache`` (the top-k cache of ``fcsd cache-teacher``)."""
 
     strategy: str
     processes: int
@@ -41,20 +47,33 @@ class Layout:
     gradient_checkpointing: bool = False
 
     @property
+    def fsdp(self) -> bool:
+        """Whether the layout FSDP2-shards (``parallel.fsdp=true``)."""
+        return self.strategy in ("ep_fsdp", "fsdp2")
+
+    @property
     def teacher_layout(self) -> str:
         if self.teacher == "cache":
             return "top-k cache"
-        return {"ep": "EP-sharded", "fsdp2": "FSDP2-sharded"}.get(self.strategy, "replicated")
+        return {"ep": "EP-sharded", "ep_fsdp": "EP x FSDP2-sharded", "fsdp2": "FSDP2-sharded"}.get(
+            self.strategy, "replicated"
+        )
+
+    @property
+    def shape(self) -> str:
+        """The strategy in a few characters: ``EP=8``, ``EP=8xFSDP=2``, ``FSDP2``, ``DDP``, ``1 GPU``."""
+        if self.strategy == "ep_fsdp":
+            return f"EP={self.ep_size}xFSDP={self.processes // self.ep_size}"
+        return {"single": "1 GPU", "ddp": "DDP", "fsdp2": "FSDP2"}.get(self.strategy, f"EP={self.ep_size}")
 
     @property
     def short(self) -> str:
-        shape = {"single": "1 GPU", "ddp": "DDP", "fsdp2": "FSDP2"}.get(self.strategy, f"EP={self.ep_size}")
         teacher = "cache" if self.teacher == "cache" else "online"
-        return f"{shape} {teacher} mb{self.micro_batch}" + (" ckpt" if self.gradient_checkpointing else "")
+        return f"{self.shape} {teacher} mb{self.micro_batch}" + (" ckpt" if self.gradient_checkpointing else "")
 
     @property
     def name(self) -> str:
-        shape = {"single": "1 process", "ddp": "DDP", "fsdp2": "FSDP2"}.get(self.strategy, f"EP={self.ep_size}")
+        shape = "1 process" if self.strategy == "single" else self.shape.replace("x", " x ").replace("=", " ")
         checkpointing = ", grad ckpt" if self.gradient_checkpointing else ""
         return f"{shape}, teacher {self.teacher_layout}, micro-batch {self.micro_batch}{checkpointing}"
 
@@ -66,7 +85,8 @@ def step_config(fcsd_config, layout: Layout, processes: int):
     config.train.micro_batch_size = layout.micro_batch
     config.train.gradient_checkpointing = layout.gradient_checkpointing
     config.teacher.mode = layout.teacher
-    config.parallel.ep_size = layout.ep_size if layout.strategy == "ep" else 1
+    config.parallel.ep_size = layout.ep_size if layout.strategy in ("ep", "ep_fsdp") else 1
+    config.parallel.fsdp = layout.fsdp
     return config
 
 
@@ -121,30 +141,6 @@ def _materialize(model: torch.nn.Module) -> torch.nn.Module:
                     made[id(tensor)] = torch.nn.Parameter(empty, tensor.requires_grad) if wrap else empty
                 table[name] = made[id(tensor)]
     return model
-
-
-class _AcceleratorView:
-    """What accelerate's ``fsdp2_prepare_model`` and fcsd's ``shard_for_inference`` read from an ``Accelerator``
-    configured like ``recipes/accelerate/fsdp2_*.yaml`` (FSDP2, TRANSFORMER_BASED_WRAP, bf16 or no mixed
-    precision, reshard after forward)."""
-
-    def __init__(self, mesh, mixed_precision: str):
-        from types import SimpleNamespace
-
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True
-        )
-        if mixed_precision != "no":
-            plugin.set_mixed_precision(mixed_precision)
-        self.state = SimpleNamespace(fsdp_plugin=plugin)
-        self.torch_device_mesh = mesh
-        self.parallelism_config = SimpleNamespace(fsdp_dim_names=list(mesh.mesh_dim_names))
-        self.mixed_precision = mixed_precision
-        self.distributed_type = DistributedType.FSDP
-        self.is_main_process = True
-        self.device = torch.device(mesh.device_type)
 
 
 @dataclass
@@ -209,14 +205,13 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
 
     def clip(self) -> None:
-        """``TrainingSession.clip_gradients``: EP reduces and clips itself, the others through torch's clipping."""
+        """``TrainingSession.clip_gradients``: a laid-out model reduces and clips itself, the others through torch's
+        clipping."""
         max_norm = self.config.train.grad_clip or math.inf
-        if self.layout.strategy == "ep":
-            from fcsd.parallel import reduce_gradients
-            from fcsd.parallel.training import clip_grad_norm_
+        if self.layout.strategy in LAID_OUT:
+            from fcsd.parallel.training import reduce_and_clip
 
-            reduce_gradients(self.unwrapped, op="mean")
-            clip_grad_norm_(self.unwrapped, max_norm)
+            reduce_and_clip(self.unwrapped, max_norm)
             return
         params = [p for p in self.model.parameters() if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda" or None)
@@ -238,12 +233,23 @@ def _gradient_sync(model, layout: Layout, last: bool):
     return contextlib.nullcontext()
 
 
-def build_run(
-    model_config, fcsd_config, layout: Layout, target: str, group=None, mesh=None, subset=None, seed: int = 0
-) -> Run:
+def run_meshes(layout: Layout, device_type: str = "cpu"):
+    """The device meshes the trainer builds for ``layout`` (:func:`fcsd.parallel.training.run_meshes`), over the
+    initialised job (a real one, or the planner's fake process group of ``layout.processes`` ranks); None for the
+    strategies fcsd does not lay out."""
+    if layout.strategy not in LAID_OUT:
+        return None
+    from fcsd.parallel.layout import ParallelDims, build_meshes
+
+    ep = layout.ep_size if layout.strategy in ("ep", "ep_fsdp") else 1
+    return build_meshes(ParallelDims(layout.processes, ep, layout.fsdp), device_type)
+
+
+def build_run(model_config, fcsd_config, layout: Layout, target: str, meshes=None, subset=None, seed: int = 0) -> Run:
     """Build this process's models, optimizer and micro-batches for ``layout`` (real tensors, or fake ones with
-    ``subset``: see :func:`_text_model`). ``group``: the expert-parallel group (``ep``); ``mesh``: the FSDP2 mesh
-    (``fsdp2``)."""
+    ``subset``: see :func:`_text_model`). ``meshes``: the run's device meshes (:func:`run_meshes`) for the
+    strategies fcsd lays out (``ep``, ``ep_fsdp``, ``fsdp2``), as :func:`fcsd.parallel.training.laid_out_loader`
+    lays out the student and the teacher."""
     from fcsd.connectivity.families import text_config
     from fcsd.distill.optim import build_optimizer, plan_steps
 
@@ -258,27 +264,25 @@ def build_run(
         teacher = _text_model(model_config, dtype, config, subset=subset).eval().requires_grad_(False)
     dtype = _dtype(config.model.dtype, cuda, torch.float32, torch.float32)
     student = _text_model(model_config, dtype, config, config.farskip.layers, subset)
-    if config.train.gradient_checkpointing:
-        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model, head_in_forward = student, False
-    if layout.strategy == "ep":
-        from fcsd.parallel.training import make_expert_parallel
+    if layout.strategy in LAID_OUT:
+        from fcsd.parallel.layout import parallelize
 
-        model = student = make_expert_parallel(student, group, config.parallel.mode)
+        if meshes is None:
+            raise ValueError(f"layout {layout.name} needs the run's device meshes (fcsd.plan.run.run_meshes)")
+        parallel = config.parallel
+        options = {"mode": parallel.mode, "dispatcher": parallel.dispatcher}
+        compute = torch.bfloat16 if mixed == "bf16" else None
+        checkpointing = config.train.gradient_checkpointing
+        parallelize(student, meshes, "student", **options, checkpointing=checkpointing, compute_dtype=compute)
         if teacher is not None:
-            teacher = make_expert_parallel(teacher, group, config.parallel.mode)
-    optimizer = None
-    if layout.strategy == "fsdp2":
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-        from fcsd.parallel.inference_shard import shard_for_inference
-
-        view = _AcceleratorView(mesh, mixed)
-        model = student = fsdp2_prepare_model(view, student)
-        if teacher is not None:
-            shard_for_inference(teacher, view)
-        head_in_forward = True
-    elif layout.strategy == "ddp" and subset is None:  # fake tensors cannot run DDP's reducer: see track_step
+            parallelize(teacher, meshes, "teacher", **options)
+        _adopt_laid_out_experts(student)
+        _adopt_laid_out_experts(teacher)
+        head_in_forward = layout.fsdp
+    elif config.train.gradient_checkpointing:
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if layout.strategy == "ddp" and subset is None:  # fake tensors cannot run DDP's reducer: see track_step
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(student)
@@ -289,11 +293,29 @@ def build_run(
     # a real step runs all its micro-batches; a simulated one only the last (the simulation leaves the gradients the
     # earlier ones would have left)
     count = plan.accumulation if subset is None else 1
-    device = torch.device("cpu") if subset is not None else next(student.parameters()).device
+    device = torch.device("cpu") if subset is not None else _device_of(student)
     vocab = text_config(model_config).vocab_size
     return Run(
         layout, config, model, student, teacher, optimizer, count, vocab, mixed == "bf16", device, head_in_forward
     )
+
+
+def _adopt_laid_out_experts(model) -> None:
+    """What the trainer's loader does once a laid-out model is filled (:func:`fcsd.parallel.load.finish_loading`):
+    the expert-parallel runtime's list of expert parameters names the laid-out ones (FSDP2's shards), so that the
+    tensors the experts held before ``fully_shard`` (the trainer's are meta tensors) are not kept alive."""
+    if model is None:
+        return
+    from fcsd.parallel.step_state import expert_names
+
+    model.fcsd_expert_parallel.expert_params = [model.get_parameter(name) for name in expert_names(model)]
+
+
+def _device_of(model) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    param = next(model.parameters())
+    return (param._local_tensor if isinstance(param, DTensor) else param).device
 
 
 def _dtype(name: str, cuda: bool, cpu_default, gpu_default) -> torch.dtype:

@@ -2,12 +2,11 @@
 
 The student and the teacher are built the way :func:`fcsd.distill.models.load_models` builds them (FarSkip layers,
 fp32 master weights, a bf16 teacher on GPUs, the configured attention and expert kernels, gradient checkpointing),
-laid out as the trainer lays them out for the candidate (one process; DDP; expert parallelism through
-:func:`fcsd.parallel.training.make_expert_parallel`, the teacher in mode ``regular``; FSDP2 through accelerate's own
-``fsdp2_prepare_model`` with the teacher sharded for inference by :func:`fcsd.parallel.inference_shard
-.shard_for_inference`; or a teacher cache), and a step runs the trainer's calls: per micro-batch
+laid out as the trainer lays them out for the candidate (one process; DDP; expert parallelism, EP x FSDP2 or FSDP2
+alone through the trainer's own :func:`fcsd.parallel.layout.parallelize`, the online teacher laid out as the student
+(:mod:`fcsd.plan.run`); or a teacher cache), and a step runs the trainer's calls: per micro-batch
 :func:`fcsd.distill.objectives.micro_batch_loss` under autocast (the fused chunked KL loss) and its backward (DDP
-synchronises the last micro-batch only, FSDP2 reduce-scatters every one, as the trainer configures accelerate), then
+synchronises the last micro-batch only, FSDP2 reduce-scatters every one), then the gradient reduction and
 the clipping and AdamW from :func:`fcsd.distill.optim.build_optimizer`.
 
 With ``fake=True`` everything runs under ``FakeTensorMode`` (shapes and dtypes only) on a fake process group of the
@@ -28,10 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fcsd.plan.run import Layout, Run, accumulation_steps, build_run, step_config
+from fcsd.plan.run import LAID_OUT, Layout, Run, accumulation_steps, build_run, run_meshes, step_config
 from fcsd.plan.tracker import MemoryTracker
 
-STRATEGIES = ("single", "ddp", "ep", "fsdp2")
 CATEGORIES = ("weights", "gradients", "optimizer", "teacher", "activations", "loss")
 
 
@@ -303,24 +301,16 @@ def simulate(model_config, fcsd_config, layout: Layout, target: str, subset: tup
     config = step_config(fcsd_config, layout, layout.processes)
     tokens = layout.micro_batch * config.data.seq_len
     top_k = int(getattr(text_config(model_config), family_for_config(model_config).top_k_attr))
-    world = {"ep": layout.ep_size, "fsdp2": layout.processes}.get(layout.strategy, 1)
     with contextlib.ExitStack() as stack:
-        group = mesh = None
-        if world > 1:
-            stack.enter_context(fake_process_group(world))
-        if layout.strategy == "ep":
-            from fcsd.parallel.training import expert_parallel_group
-
-            group = expert_parallel_group(layout.ep_size)
-        if layout.strategy == "fsdp2":
-            from torch.distributed.device_mesh import init_device_mesh
-
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        meshes = None
+        if layout.processes > 1 and layout.strategy in LAID_OUT:
+            stack.enter_context(fake_process_group(layout.processes))
+            meshes = run_meshes(layout)
         stack.enter_context(balanced_routing(tokens, top_k))
         stack.enter_context(meshes_outside_fake_mode())
         stack.enter_context(_quiet_fake_warnings())
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        run = build_run(model_config, fcsd_config, layout, target, group, mesh, subset)
+        run = build_run(model_config, fcsd_config, layout, target, meshes, subset)
         prime_optimizer(run, keep_gradients=accumulation_steps(config, layout) > 1)
         return track_step(run, target)
 

@@ -9,8 +9,12 @@ GPU's peak, plus the communication the step cannot hide:
   the window in backward), a regular layer exposes them, and so does the online teacher (regular, forward only);
   then the data-parallel all-reduce of the fp32 gradients (non-expert weights over every GPU, experts over their
   replicas), after the backward;
-- FSDP2: all-gathers of the bf16 weights (forward and backward) and the reduce-scatter of the gradients per
-  micro-batch, prefetched behind the compute (only what exceeds it is exposed), the teacher's all-gathers too;
+- FSDP2 (alone, or under EP x FSDP2 where the routed experts' shards are FSDP2-sharded over their ``W / P``
+  replicas and the rest over all ``W`` GPUs): per micro-batch the all-gathers of the bf16 weights (forward, and
+  again in backward: every unit reshards after forward), the fp32 reduce-scatter of the gradients and the online
+  teacher's all-gathers (forward only), each over its group's bandwidth (consecutive ranks inside a node, the
+  replicas of an expert shard ``P`` apart), prefetched behind the compute (only what exceeds it is exposed); EP x
+  FSDP2 adds the expert-parallel all-to-alls above;
 - DDP: the fp32 gradient all-reduce, overlapped with the backward.
 
 Per-layer compute times come from :func:`fcsd.perfmodel.prefill_layer_times` at ``peak x mfu``, bandwidths from the
@@ -104,8 +108,30 @@ class StepTime:
         return {**asdict(self), "step_s": self.seconds}
 
 
-def step_time(estimate, shape: pm.ModelShape, converted: set[int], cluster: Cluster, batch_tokens: int, seq_len: int):
-    """:class:`StepTime` of one optimizer step (``batch_tokens`` over the cluster) of the simulated candidate."""
+def gather_seconds(layout, counts, cluster: Cluster, accumulation: int) -> float:
+    """Seconds of FSDP2 collectives one GPU makes per optimizer step under ``layout`` (``ep_fsdp`` or ``fsdp2``; see
+    the module docstring): ring collectives moving ``(n-1)/n`` of the gathered (reduced) bytes of each group."""
+    processes, ep = layout.processes, layout.ep_size
+    teacher = layout.teacher == "online"
+    groups = [(counts.total - counts.experts, processes, hardware(cluster, processes))]  # the dense mesh
+    efsdp = processes // ep
+    if efsdp > 1:  # the replicas of one expert shard: ranks ep apart, in other nodes once ep x efsdp spans several
+        spread = processes if processes > cluster.gpus_per_node else efsdp
+        groups.append((counts.experts // ep, efsdp, hardware(cluster, spread)))
+    seconds = 0.0
+    for parameters, ranks, hw in groups:
+        if ranks <= 1:
+            continue
+        moved = (2 * 2 + 4 + (2 if teacher else 0)) * parameters  # bf16 gathers fwd + bwd, fp32 reduce, teacher
+        seconds += moved * (ranks - 1) / ranks / (hw.allreduce_gbps * 1e9)
+    return accumulation * seconds
+
+
+def step_time(
+    estimate, shape: pm.ModelShape, converted: set[int], cluster: Cluster, batch_tokens: int, seq_len: int, counts
+):
+    """:class:`StepTime` of one optimizer step (``batch_tokens`` over the cluster) of the simulated candidate;
+    ``counts``: the model's :class:`fcsd.plan.candidates.Counts` (what FSDP2 gathers)."""
     layout = estimate.layout
     processes = layout.processes
     tokens = batch_tokens // processes  # per GPU and step
@@ -113,17 +139,13 @@ def step_time(estimate, shape: pm.ModelShape, converted: set[int], cluster: Clus
     compute = tokens * flops_per_token / (cluster.gpu.tflops * cluster.mfu * 1e12)
     exposed = 0.0
     grad_bytes = estimate.gradients  # fp32 gradients held by this GPU
-    if layout.strategy == "ep":
+    if layout.ep_size > 1:
         hw = hardware(cluster, layout.ep_size)
         exposed += ep_exposure(shape, converted, tokens, seq_len, layout.ep_size, hw, layout.teacher == "online")
+    if layout.strategy == "ep":
         exposed += pm.allreduce_s(grad_bytes, processes, hardware(cluster, processes))
-    elif layout.strategy == "fsdp2":
-        hw = hardware(cluster, processes)
-        weights_bf16 = estimate.weights * processes / 2  # the whole student in bf16
-        teacher_bf16 = estimate.teacher * processes if layout.teacher == "online" else 0
-        per_micro = 2 * (weights_bf16 + teacher_bf16 / 2) + weights_bf16  # all-gathers fwd + bwd, reduce-scatter
-        comm = estimate.accumulation * per_micro * (processes - 1) / processes / (hw.allreduce_gbps * 1e9)
-        exposed += max(0.0, comm - compute)
+    elif layout.strategy in ("ep_fsdp", "fsdp2"):
+        exposed += max(0.0, gather_seconds(layout, counts, cluster, estimate.accumulation) - compute)
     elif layout.strategy == "ddp":
         comm = pm.allreduce_s(grad_bytes, processes, hardware(cluster, processes))
         exposed += max(0.0, comm - compute * 2 / 3)  # overlapped with the backward (two thirds of the compute)
