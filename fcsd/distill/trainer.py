@@ -22,14 +22,22 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import FCSDConfig
+from fcsd.distill.config import FCSDConfig, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
-from fcsd.distill.optim import SpikeGuard, apply_update, build_optimizer, fuse_on_gpu, plan_steps
+from fcsd.distill.optim import (
+    SpikeGuard,
+    apply_update,
+    build_optimizer,
+    fuse_on_gpu,
+    plan_steps,
+    reset_optimizer_state,
+)
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
+from fcsd.distill.warm_start import layer_local_loss
 from fcsd.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,9 @@ def train(config: FCSDConfig) -> RunResult:
     done = s.start_step
     bar = tqdm(total=plan.total_steps, initial=done, desc="FCSD", unit="step", disable=not s.show_progress)
     for step in range(s.start_step, plan.total_steps):
+        if step == s.warm_steps and step > 0:  # the warm start is over: end-to-end KL from fresh AdamW moments
+            reset_optimizer_state(s.optimizer)
+            s.guard.history = []  # the warm start's losses are on another scale than the KL's
         loss, grad_norm, terms = s.forward_backward(step)
         applied, reason = apply_update(s.optimizer, s.accelerator.scaler, s.guard, loss, grad_norm)
         if reason:
@@ -99,6 +110,12 @@ class TrainingSession:
         if mixed == "auto":
             mixed = "no" if cpu_only else "bf16"
         self.plan = plan_steps(config, PartialState(cpu=cpu_only).num_processes)
+        self.warm_steps = warm_steps(config)  # steps 0 .. warm_steps - 1: the layer-local warm start
+        if self.warm_steps and self.plan.world_size > 1:
+            raise ValueError(
+                f"recovery.warm_share runs in one process for now ({self.plan.world_size} here): run the warm start "
+                "alone, or use recovery=plain"
+            )
         # under FSDP, skipping the reduce-scatter before a step's last micro-batch would keep unsharded gradients of
         # the whole model on every GPU (what `fcsd plan` found): reduce-scatter every micro-batch instead
         accumulation = GradientAccumulationPlugin(
@@ -213,9 +230,12 @@ class TrainingSession:
             batch = Packed(packed.input_ids.to(device), packed.position_ids.to(device))
             cached = None if self.cache is None else tuple(t.to(device) for t in self.cache.rows(micro))
             with accelerator.accumulate(self.model), accelerator.autocast():
-                parts = micro_batch_loss(
-                    self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward
-                )
+                if step < self.warm_steps:
+                    parts = layer_local_loss(self.unwrapped, self.teacher, batch)[0]
+                else:
+                    parts = micro_batch_loss(
+                        self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward
+                    )
                 accelerator.backward(parts.total * scale)
             sums["loss"] += parts.total.detach()
             for name, value in parts.terms.items():
@@ -243,6 +263,8 @@ class TrainingSession:
         record = {"step": done, "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm}
         record.update({"train/tokens": self.tokens_seen, "train/tokens_per_s": self.throughput(done)})
         record["train/skipped"] = skipped
+        if self.warm_steps:
+            record["train/stage"] = "warm_start" if done <= self.warm_steps else "kl"
         record.update({f"train/{name}": value for name, value in terms.items()})
         self.metrics.log(record)
 
