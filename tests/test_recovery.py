@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny_models import build
 
+import fcsd
 from fcsd.cli import main
 from fcsd.connectivity import apply_farskip
 from fcsd.connectivity.families import family_for_config, find_decoder_layers
@@ -202,22 +203,39 @@ def test_frozen_groups_get_no_gradient_and_no_optimizer_state(assets, tmp_path):
     assert any(params[name] in optimizer.state for name in set(params) - frozen)
 
 
-def test_warm_start_through_fcsd_convert_and_a_run_killed_in_each_stage_resumes_exactly(assets, tmp_path, monkeypatch):
+WARM = ["recovery=warm_start", "recovery.warm_share=0.5"]
+PROGRESSIVE = ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]"]
+
+
+@pytest.mark.parametrize(
+    "recipe, stages, kill_steps",
+    [
+        (WARM, ["warm_start"] * 4 + ["kl"] * 4, (3, 7)),  # killed in the warm start (resumes from 2), in the KL stage
+        (PROGRESSIVE, ["layers last:50%"] * 4 + ["layers all"] * 4, (3,)),
+    ],
+    ids=["warm_start", "progressive"],
+)
+def test_recipes_through_fcsd_convert_and_a_run_killed_in_each_stage_resumes_exactly(
+    assets, tmp_path, monkeypatch, recipe, stages, kill_steps
+):
     args = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", f"data.cache_dir={assets / 'c'}"]
-    args += [*FAST, "train.max_steps=8", "recovery=warm_start", "recovery.warm_share=0.5", "train.save_every=2"]
+    args += [*FAST, "train.max_steps=8", *recipe, "train.save_every=2", "farskip.layers=all"]
     assert main([*args, f"output_dir={tmp_path / 'u'}"]) in (0, None)
     whole = records(tmp_path / "u")
-    stages = [r["train/stage"] for r in whole if "train/loss" in r]
-    assert stages == ["warm_start"] * 4 + ["kl"] * 4
+    assert [r["train/stage"] for r in whole if "train/loss" in r] == stages
     kl = [r["eval/kl"] for r in whole if "eval/kl" in r]
-    assert kl[-1] < 0.8 * kl[0]  # the warm start alone (steps 1-4) already lowers the end-to-end KL
-    assert min(kl[1:5]) < kl[0]
+    if recipe is WARM:
+        assert kl[-1] < 0.8 * kl[0]
+        assert min(kl[1:5]) < kl[0]  # the warm start alone (steps 1-4) already lowers the end-to-end KL
+    else:  # the last half converts almost for free; converting the rest at step 4 costs, then KL recovers it
+        assert kl[5] > 10 * kl[4] and kl[-1] < kl[5]
+    assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "u" / "final"))) == [0, 1, 2, 3]
 
     class Killed(Exception):
         pass
 
     original = trainer.TrainingSession.log_step
-    for kill_at in (3, 7):  # in the warm start (resumes from step 2), in the KL stage (resumes from step 6)
+    for kill_at in kill_steps:
 
         def dying(self, done, *rest, _at=kill_at, **keywords):
             original(self, done, *rest, **keywords)
@@ -243,6 +261,8 @@ def test_recovery_refusals_are_one_line(assets, tmp_path):
         ("recovery.trainable=[attention,bogus]",): "choose all, non_expert",
         ("+recovery.lr_mult.experts=0",): "multiplier > 0",
         ("recovery.warm_share=1.0",): "[0, 1)",
+        ("recovery.progressive=[last:50%]",): "one share",
+        ("recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]", "recovery=warm_start"): "choose one",
         ("recovery=warm_start", "recovery.warm_share=0.9", "train.max_steps=2", "train.warmup_steps=1"): "no step",
     }
     for overrides, fix in cases.items():

@@ -151,6 +151,9 @@ class RecoveryConfig:
     trainable: Any = "all"  # all | non_expert (everything but the routed experts) | a list of groups of
     # PARAM_GROUPS, e.g. [attention,norms,router]; the rest is frozen (no gradient, no optimizer state)
     lr_mult: dict[str, float] = field(default_factory=dict)  # per-group LR multiplier, e.g. {attention: 2.0}
+    progressive: list[str] = field(default_factory=list)  # progressive conversion: layer specs trained first, in
+    # order, each within farskip.layers (e.g. [last:50%,last:75%]), then farskip.layers; weights carried over
+    progressive_shares: list[float] = field(default_factory=list)  # share of the run's steps for each of them
 
 
 @dataclass
@@ -395,12 +398,38 @@ def check_recovery(config: FCSDConfig) -> None:
         raise ValueError(
             f"recovery.warm_share={recovery.warm_share} leaves no step of the run for end-to-end KL: lower it"
         )
-    custom = recovery.trainable != "all" or bool(recovery.lr_mult)
+    _check_progressive(config)
+    custom = recovery.trainable != "all" or bool(recovery.lr_mult) or bool(recovery.progressive)
     if (warm or custom) and (parallel.ep_size > 1 or parallel.fsdp):
         raise ValueError(
-            "recovery.warm_share / recovery.trainable / recovery.lr_mult are not supported with parallel.ep_size > 1 "
-            "or parallel.fsdp yet: use recovery=plain there"
+            "recovery.warm_share / trainable / lr_mult / progressive are not supported with parallel.ep_size > 1 or "
+            "parallel.fsdp yet: use recovery=plain there"
         )
+
+
+def _check_progressive(config: FCSDConfig) -> None:
+    recovery = config.recovery
+    specs, shares = list(recovery.progressive), list(recovery.progressive_shares)
+    if not specs and not shares:
+        return
+    if len(specs) != len(shares) or not all(0 < s < 1 for s in shares) or sum(shares) >= 1:
+        raise ValueError(
+            f"recovery.progressive={specs} needs one share in (0, 1) per spec in recovery.progressive_shares "
+            f"(now {shares}), summing below 1 (the rest trains farskip.layers)"
+        )
+    for spec in specs:
+        _layer_spec(spec)
+    if recovery.warm_share > 0:
+        raise ValueError("recovery.progressive cannot be combined with recovery.warm_share yet: choose one")
+
+
+def layer_stages(config: FCSDConfig) -> list[tuple[int, str]]:
+    """``(first step, layer spec)`` of each progressive-conversion stage, the last being ``farskip.layers``."""
+    horizon, start, stages = schedule_steps(config.train), 0, []
+    for spec, share in zip(config.recovery.progressive, config.recovery.progressive_shares, strict=True):
+        stages.append((start, str(spec)))
+        start += round(share * horizon)
+    return [*stages, (start, str(config.farskip.layers))]
 
 
 def warm_steps(config: FCSDConfig) -> int:

@@ -36,6 +36,8 @@ RESUME_KEYS = (
     "parallel.placement",  # the weights are permuted by it
     "recovery.warm_share",  # where the stages change
     "recovery.trainable",
+    "recovery.progressive",
+    "recovery.progressive_shares",
 )
 PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import FCSDConfig, warm_steps
+from fcsd.distill.config import FCSDConfig, layer_stages, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
@@ -65,6 +65,7 @@ def train(config: FCSDConfig) -> RunResult:
         if step == s.warm_steps and step > 0:  # the warm start is over: end-to-end KL from fresh AdamW moments
             reset_optimizer_state(s.optimizer)
             s.guard.history = []  # the warm start's losses are on another scale than the KL's
+        s.convert_for(step)
         loss, grad_norm, terms = s.forward_backward(step)
         applied, reason = apply_update(s.optimizer, s.accelerator.scaler, s.guard, loss, grad_norm)
         if reason:
@@ -197,6 +198,9 @@ class TrainingSession:
         self.guard = SpikeGuard(*guard, **saved["guard"], can_skip=not deepspeed)
         if self.early is not None and saved.get("early_stop"):
             self.early.load(saved["early_stop"])
+        self.layer_stages = layer_stages(config) if config.recovery.progressive else []
+        self.layers = None
+        self.convert_for(self.start_step, check=True)
         self.metrics = run_io.MetricsLog(self.run.root, self.start_step, accelerator.is_main_process)
         self.started = time.perf_counter()
         self.show_progress = config.progress and accelerator.is_main_process
@@ -208,6 +212,27 @@ class TrainingSession:
         if self.early is not None and not self.early.scores:  # the baseline: step 0, or a resume without this state
             self.early_stop_check(self.start_step)
         self.model.train()
+
+    def convert_for(self, step: int, check: bool = False) -> None:
+        """Progressive conversion (``recovery.progressive``): give the student the layer spec of ``step``'s stage,
+        its weights kept (:func:`fcsd.connectivity.apply_farskip` replaces the previous selection)."""
+        if not self.layer_stages:
+            return
+        from fcsd.connectivity import apply_farskip
+        from fcsd.connectivity.families import family_for_config, find_decoder_layers
+        from fcsd.connectivity.layer_spec import converted_layers
+
+        if check:
+            count = len(find_decoder_layers(self.unwrapped, family_for_config(self.unwrapped.config)))
+            final = set(converted_layers(self.config.farskip.layers, count, "farskip.layers"))
+            for _, spec in self.layer_stages:
+                if not set(converted_layers(spec, count, "recovery.progressive")) <= final:
+                    raise ValueError(f"recovery.progressive stage {spec!r} converts layers outside farskip.layers")
+        spec = [spec for start, spec in self.layer_stages if start <= step][-1]
+        if spec != self.layers:
+            apply_farskip(self.unwrapped, spec)
+            self.layers = spec
+            self.accelerator.print(f"step {step}: FarSkip on layers {spec}")
 
     def forward_backward(self, step: int) -> tuple[float, float, dict]:
         """Forward/backward of one optimizer step's micro-batches on this process, the loss normalised by the
@@ -265,6 +290,8 @@ class TrainingSession:
         record["train/skipped"] = skipped
         if self.warm_steps:
             record["train/stage"] = "warm_start" if done <= self.warm_steps else "kl"
+        if self.layer_stages:
+            record["train/stage"] = f"layers {self.layers}"
         record.update({f"train/{name}": value for name, value in terms.items()})
         self.metrics.log(record)
 
