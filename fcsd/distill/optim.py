@@ -73,18 +73,20 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
     stage follows its own warm-up and cosine (:class:`StagedSchedule`)."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    train = config.train
-    if hasattr(student, "fcsd_layout"):  # one group per device mesh (fused AdamW cannot mix them)
-        from fcsd.parallel.training import parameter_groups
-
-        if train.freeze_embeddings:  # paper Tab. 2 "KL embed."
-            student.get_input_embeddings().requires_grad_(False)
-            student.get_output_embeddings().requires_grad_(False)
-        params = parameter_groups(student, [p for p in student.parameters() if p.requires_grad])
-    else:
+    train, recovery = config.train, config.recovery
+    if recovery.trainable != "all" or recovery.lr_mult:
         from fcsd.distill.param_groups import optimizer_groups
 
         params = optimizer_groups(student, config)
+    else:
+        if train.freeze_embeddings:  # paper Tab. 2 "KL embed."
+            student.get_input_embeddings().requires_grad_(False)
+            student.get_output_embeddings().requires_grad_(False)
+        params = [p for p in student.parameters() if p.requires_grad]
+        if hasattr(student, "fcsd_layout"):  # one group per device mesh (fused AdamW cannot mix them)
+            from fcsd.parallel.training import parameter_groups
+
+            params = parameter_groups(student, params)
     optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
     warm = warm_steps(config)
     if warm == 0:
