@@ -269,3 +269,20 @@ def test_recovery_refusals_are_one_line(assets, tmp_path):
         with pytest.raises(ValueError, match=None) as error:
             config_for(assets, tmp_path / "x", "train.max_steps=4", *overrides)
         assert fix in str(error.value) and "\n" not in str(error.value), (overrides, error.value)
+
+
+def test_warm_start_under_ddp_matches_one_process(assets, tmp_path):
+    """Two gloo processes (DDP) train the warm start and the KL stage as one process does: the warm start calls the
+    layers outside DDP's forward, so fcsd averages their gradients itself."""
+    from launch import torchrun
+
+    args = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", f"data.cache_dir={assets / 'c'}"]
+    args += [*FAST, "train.max_steps=4", *WARM, "train.grad_clip=0", "train.save_every=0"]
+    assert main([*args, f"output_dir={tmp_path / 'one'}"]) in (0, None)
+    torchrun(2, "-m", "fcsd.cli", *args, f"output_dir={tmp_path / 'ddp'}", timeout=600)
+    one, ddp = records(tmp_path / "one"), records(tmp_path / "ddp")
+    for key in ("train/loss", "train/grad_norm", "eval/kl"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in ddp if key in r]), torch.tensor([r[key] for r in one if key in r]), msg=key
+        )
+    assert [r["train/stage"] for r in ddp if "train/loss" in r] == ["warm_start"] * 2 + ["kl"] * 2

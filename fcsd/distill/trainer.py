@@ -37,7 +37,7 @@ from fcsd.distill.optim import (
 )
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
-from fcsd.distill.warm_start import layer_local_loss
+from fcsd.distill.warm_start import average_gradients, layer_local_loss
 from fcsd.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,6 @@ class TrainingSession:
             mixed = "no" if cpu_only else "bf16"
         self.plan = plan_steps(config, PartialState(cpu=cpu_only).num_processes)
         self.warm_steps = warm_steps(config)  # steps 0 .. warm_steps - 1: the layer-local warm start
-        if self.warm_steps and self.plan.world_size > 1:
-            raise ValueError(
-                f"recovery.warm_share runs in one process for now ({self.plan.world_size} here): run the warm start "
-                "alone, or use recovery=plain"
-            )
         # under FSDP, skipping the reduce-scatter before a step's last micro-batch would keep unsharded gradients of
         # the whole model on every GPU (what `fcsd plan` found): reduce-scatter every micro-batch instead
         accumulation = GradientAccumulationPlugin(
@@ -129,6 +124,11 @@ class TrainingSession:
             step_scheduler_with_optimizer=False,
         )
         deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        if self.warm_steps and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise ValueError(
+                f"recovery.warm_share runs in one process or under DDP, not under {accelerator.distributed_type.value}"
+                " (its sharded parameters are gathered only by the model's forward): use recovery=plain"
+            )
         if deepspeed and train_cfg.spike_factor:
             raise ValueError(
                 "train.spike_factor cannot skip steps under DeepSpeed (its optimizer steps inside backward, before "
@@ -265,6 +265,8 @@ class TrainingSession:
             sums["loss"] += parts.total.detach()
             for name, value in parts.terms.items():
                 sums[name] = sums.get(name, 0) + value
+        if step < self.warm_steps and accelerator.num_processes > 1:  # DDP's forward, which reduces, never ran
+            average_gradients(self.unwrapped)
         reduced = {name: float(accelerator.reduce(value, "sum")) / global_tokens for name, value in sums.items()}
         grad_norm = self.clip_gradients(config.train.grad_clip or math.inf)
         loss = reduced.pop("loss")

@@ -106,3 +106,23 @@ def layer_local_loss(student, teacher, batch: Packed) -> tuple[LossParts, dict[i
         total = layer_sum if total is None else total + layer_sum
     tokens = batch.input_ids.numel()
     return LossParts(total, tokens, {"local": total.detach()}), per_layer
+
+
+def average_gradients(student) -> None:
+    """Average the converted layers' gradients over the data-parallel processes. The warm start calls the layers
+    directly, not through DDP's forward, so DDP does not reduce them; every process holds the same set of
+    parameters with gradients (the converted layers'), a missing one counting as zero."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    layers = find_decoder_layers(student, family_for_config(student.config))
+    for layer in layers:
+        if not isinstance(layer, FarSkipLayerMixin):
+            continue
+        for param in layer.parameters():
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad)
+            param.grad.div_(world)
