@@ -65,7 +65,8 @@ def train(config: FCSDConfig) -> RunResult:
         if step == s.warm_steps and step > 0:  # the warm start is over: end-to-end KL from fresh AdamW moments
             reset_optimizer_state(s.optimizer)
             s.guard.history = []  # the warm start's losses are on another scale than the KL's
-        s.convert_for(step)
+        if s.convert_for(step):
+            s.guard.history = []  # more converted layers: a higher loss is expected, not a spike
         loss, grad_norm, terms = s.forward_backward(step)
         applied, reason = apply_update(s.optimizer, s.accelerator.scaler, s.guard, loss, grad_norm)
         if reason:
@@ -213,11 +214,12 @@ class TrainingSession:
             self.early_stop_check(self.start_step)
         self.model.train()
 
-    def convert_for(self, step: int, check: bool = False) -> None:
+    def convert_for(self, step: int, check: bool = False) -> bool:
         """Progressive conversion (``recovery.progressive``): give the student the layer spec of ``step``'s stage,
-        its weights kept (:func:`fcsd.connectivity.apply_farskip` replaces the previous selection)."""
+        its weights kept (:func:`fcsd.connectivity.apply_farskip` replaces the previous selection); True when the
+        spec changed."""
         if not self.layer_stages:
-            return
+            return False
         from fcsd.connectivity import apply_farskip
         from fcsd.connectivity.families import family_for_config, find_decoder_layers
         from fcsd.connectivity.layer_spec import converted_layers
@@ -233,6 +235,8 @@ class TrainingSession:
             apply_farskip(self.unwrapped, spec)
             self.layers = spec
             self.accelerator.print(f"step {step}: FarSkip on layers {spec}")
+            return True
+        return False
 
     def forward_backward(self, step: int) -> tuple[float, float, dict]:
         """Forward/backward of one optimizer step's micro-batches on this process, the loss normalised by the
