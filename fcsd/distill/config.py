@@ -20,6 +20,8 @@ SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
 EP_DISPATCHERS = ("plain", "dedup")
 EARLY_STOP_METRICS = ("plus", "base")
+# parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
+PARAM_GROUPS = ("embeddings", "attention", "norms", "router", "experts", "shared_experts", "dense_mlp")
 
 
 @dataclass
@@ -138,6 +140,23 @@ class SweepConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """Recovery recipes beyond the paper (design §3, issue 27): a layer-local warm start, which parameters train."""
+
+    name: str = "plain"  # the recipe's name, recorded in the run (recipes/recovery/ presets set it)
+    warm_share: float = 0.0  # share of the run's steps (train.max_steps / max_tokens count every stage) spent in
+    # the layer-local warm start: each converted layer fed FarSkip inputs built from the teacher's own streams and
+    # fitted to the teacher layer's update, all layers at once; then end-to-end KL (0: no warm start)
+    warm_lr_mult: float = 10.0  # the warm start's peak LR as a multiple of train.lr (Zebra-Llama: 10x)
+    trainable: Any = "all"  # all | non_expert (everything but the routed experts) | a list of groups of
+    # PARAM_GROUPS, e.g. [attention,norms,router]; the rest is frozen (no gradient, no optimizer state)
+    lr_mult: dict[str, float] = field(default_factory=dict)  # per-group LR multiplier, e.g. {attention: 2.0}
+    progressive: list[str] = field(default_factory=list)  # progressive conversion: layer specs trained first, in
+    # order, each within farskip.layers (e.g. [last:50%,last:75%]), then farskip.layers; weights carried over
+    progressive_shares: list[float] = field(default_factory=list)  # share of the run's steps for each of them
+
+
+@dataclass
 class FCSDConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     farskip: ConnectivityConfig = field(default_factory=ConnectivityConfig)
@@ -146,6 +165,7 @@ class FCSDConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     output_dir: str = "outputs/fcsd"
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
@@ -336,6 +356,87 @@ def cache_refusal(train: TrainConfig) -> str | None:
     return None
 
 
+def trainable_groups(recovery: RecoveryConfig) -> tuple[str, ...]:
+    """The parameter groups ``recovery.trainable`` trains (a one-line error names a wrong value)."""
+    value = recovery.trainable
+    if value == "all":
+        return PARAM_GROUPS
+    if value == "non_expert":
+        return tuple(g for g in PARAM_GROUPS if g != "experts")
+    names = [str(v) for v in value] if isinstance(value, list | tuple) else [str(v) for v in str(value).split(",")]
+    unknown = [n for n in names if n not in PARAM_GROUPS]
+    if unknown or not names:
+        raise ValueError(
+            f"recovery.trainable={value!r}: choose all, non_expert or a list of groups of {', '.join(PARAM_GROUPS)} "
+            "(e.g. recovery.trainable=[attention,norms,router])"
+        )
+    return tuple(g for g in PARAM_GROUPS if g in names)
+
+
+def check_recovery(config: FCSDConfig) -> None:
+    """Refuse, in one line naming the fix, a recovery recipe the run cannot follow (design §3)."""
+    recovery, parallel = config.recovery, config.parallel
+    trainable_groups(recovery)
+    if not 0 <= recovery.warm_share < 1:
+        raise ValueError(f"recovery.warm_share={recovery.warm_share}: it must lie in [0, 1) (0: no warm start)")
+    if not (math.isfinite(recovery.warm_lr_mult) and recovery.warm_lr_mult > 0):
+        raise ValueError(f"recovery.warm_lr_mult={recovery.warm_lr_mult}: it must be a finite number > 0")
+    for group, mult in recovery.lr_mult.items():
+        if group not in PARAM_GROUPS or not (math.isfinite(mult) and mult > 0):
+            raise ValueError(
+                f"recovery.lr_mult.{group}={mult}: name a group of {', '.join(PARAM_GROUPS)} with a multiplier > 0"
+            )
+    warm = recovery.warm_share > 0
+    if warm and config.teacher.mode != "online":
+        raise ValueError(
+            "recovery.warm_share needs the online teacher's hidden states (the teacher cache holds logits only): use "
+            "teacher.mode=online, or recovery.warm_share=0"
+        )
+    if warm and config.train.objective == "sft":
+        raise ValueError("recovery.warm_share fits the teacher's layers: it needs a teacher, not train.objective=sft")
+    if warm and schedule_steps(config.train) - warm_steps(config) < 1:
+        raise ValueError(
+            f"recovery.warm_share={recovery.warm_share} leaves no step of the run for end-to-end KL: lower it"
+        )
+    _check_progressive(config)
+    custom = recovery.trainable != "all" or bool(recovery.lr_mult) or bool(recovery.progressive)
+    if (warm or custom) and (parallel.ep_size > 1 or parallel.fsdp):
+        raise ValueError(
+            "recovery.warm_share / trainable / lr_mult / progressive are not supported with parallel.ep_size > 1 or "
+            "parallel.fsdp yet: use recovery=plain there"
+        )
+
+
+def _check_progressive(config: FCSDConfig) -> None:
+    recovery = config.recovery
+    specs, shares = list(recovery.progressive), list(recovery.progressive_shares)
+    if not specs and not shares:
+        return
+    if len(specs) != len(shares) or not all(0 < s < 1 for s in shares) or sum(shares) >= 1:
+        raise ValueError(
+            f"recovery.progressive={specs} needs one share in (0, 1) per spec in recovery.progressive_shares "
+            f"(now {shares}), summing below 1 (the rest trains farskip.layers)"
+        )
+    for spec in specs:
+        _layer_spec(spec)
+    if recovery.warm_share > 0:
+        raise ValueError("recovery.progressive cannot be combined with recovery.warm_share yet: choose one")
+
+
+def layer_stages(config: FCSDConfig) -> list[tuple[int, str]]:
+    """``(first step, layer spec)`` of each progressive-conversion stage, the last being ``farskip.layers``."""
+    horizon, start, stages = schedule_steps(config.train), 0, []
+    for spec, share in zip(config.recovery.progressive, config.recovery.progressive_shares, strict=True):
+        stages.append((start, str(spec)))
+        start += round(share * horizon)
+    return [*stages, (start, str(config.farskip.layers))]
+
+
+def warm_steps(config: FCSDConfig) -> int:
+    """Steps of the layer-local warm start: ``recovery.warm_share`` of the schedule's horizon (rounded)."""
+    return round(config.recovery.warm_share * schedule_steps(config.train))
+
+
 def to_config(cfg) -> FCSDConfig:
     """The typed config object, after checking the values the schema cannot express."""
     from omegaconf import OmegaConf
@@ -410,6 +511,7 @@ def to_config(cfg) -> FCSDConfig:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_recovery(config)
     if train.eval_every is not None and train.eval_every < 0:
         raise ValueError(f"train.eval_every={train.eval_every}: it must be >= 0 (0: held-out KL at step 0 and the end)")
     train.eval_every = auto_eval_every(train)

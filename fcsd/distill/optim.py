@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fcsd.distill.config import FCSDConfig, schedule_steps
+from fcsd.distill.config import FCSDConfig, schedule_steps, warm_steps
 
 
 @dataclass
@@ -68,23 +68,65 @@ def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
 
 def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
     """AdamW and cosine annealing with linear warm-up to ``train.min_lr_ratio * lr`` over the schedule's horizon
-    (paper Sec. 5.1)."""
+    (paper Sec. 5.1). ``recovery.trainable`` / ``train.freeze_embeddings`` freeze parameter groups and
+    ``recovery.lr_mult`` scales their LR (:mod:`fcsd.distill.param_groups`); with a layer-local warm start each
+    stage follows its own warm-up and cosine (:class:`StagedSchedule`)."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    train = config.train
-    if train.freeze_embeddings:  # paper Tab. 2 "KL embed."
-        student.get_input_embeddings().requires_grad_(False)
-        student.get_output_embeddings().requires_grad_(False)
-    params = [p for p in student.parameters() if p.requires_grad]
-    if hasattr(student, "fcsd_layout"):  # one group per device mesh (fused AdamW cannot mix them)
-        from fcsd.parallel.training import parameter_groups
+    train, recovery = config.train, config.recovery
+    if recovery.trainable != "all" or recovery.lr_mult:
+        from fcsd.distill.param_groups import optimizer_groups
 
-        params = parameter_groups(student, params)
+        params = optimizer_groups(student, config)
+    else:
+        if train.freeze_embeddings:  # paper Tab. 2 "KL embed."
+            student.get_input_embeddings().requires_grad_(False)
+            student.get_output_embeddings().requires_grad_(False)
+        params = [p for p in student.parameters() if p.requires_grad]
+        if hasattr(student, "fcsd_layout"):  # one group per device mesh (fused AdamW cannot mix them)
+            from fcsd.parallel.training import parameter_groups
+
+            params = parameter_groups(student, params)
     optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, train.warmup_steps, max(plan.schedule_steps, 1), min_lr_rate=train.min_lr_ratio
-    )
+    warm = warm_steps(config)
+    if warm == 0:
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, train.warmup_steps, max(plan.schedule_steps, 1), min_lr_rate=train.min_lr_ratio
+        )
+    else:
+        schedule = StagedSchedule(warm, plan.schedule_steps, train.warmup_steps, train.min_lr_ratio)
+        schedule.warm_mult = config.recovery.warm_lr_mult
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return optimizer, scheduler
+
+
+class StagedSchedule:
+    """LR factor of a run with a layer-local warm start of ``warm`` steps, then end-to-end KL up to ``horizon``:
+    each stage has its own linear warm-up (``warmup`` steps shared in proportion to the stages' lengths) and cosine
+    to ``min_ratio``; the warm stage's factor is multiplied by ``warm_mult`` (a plain object, so that the
+    scheduler's state dict saves it)."""
+
+    def __init__(self, warm: int, horizon: int, warmup: int, min_ratio: float):
+        self.warm, self.horizon, self.min_ratio, self.warm_mult = warm, horizon, min_ratio, 1.0
+        self.warm_warmup = round(warmup * warm / horizon)
+        self.rest_warmup = warmup - self.warm_warmup
+
+    def __call__(self, step: int) -> float:
+        if step < self.warm:
+            return self.warm_mult * _cosine(step, self.warm_warmup, self.warm, self.min_ratio)
+        return _cosine(step - self.warm, self.rest_warmup, self.horizon - self.warm, self.min_ratio)
+
+
+def _cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def reset_optimizer_state(optimizer) -> None:
+    """Forget AdamW's moments (at a stage boundary: the warm start's moments belong to another objective)."""
+    getattr(optimizer, "optimizer", optimizer).state.clear()
 
 
 def fuse_on_gpu(optimizer) -> None:

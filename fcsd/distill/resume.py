@@ -34,11 +34,15 @@ RESUME_KEYS = (
     "train.seed",
     "teacher.mode",
     "parallel.placement",  # the weights are permuted by it
+    "recovery.warm_share",  # where the stages change
+    "recovery.trainable",
+    "recovery.progressive",
+    "recovery.progressive_shares",
 )
 PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value
 # would bend the curve where the run continues (the LR of the next step jumps) without a word.
-SCHEDULE_KEYS = ("train.lr", "train.min_lr_ratio", "train.warmup_steps")
+SCHEDULE_KEYS = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "recovery.warm_lr_mult", "recovery.lr_mult")
 
 
 def check_resume(run: RunFolder, config) -> None:

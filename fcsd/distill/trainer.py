@@ -22,14 +22,22 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import FCSDConfig
+from fcsd.distill.config import FCSDConfig, layer_stages, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
-from fcsd.distill.optim import SpikeGuard, apply_update, build_optimizer, fuse_on_gpu, plan_steps
+from fcsd.distill.optim import (
+    SpikeGuard,
+    apply_update,
+    build_optimizer,
+    fuse_on_gpu,
+    plan_steps,
+    reset_optimizer_state,
+)
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
+from fcsd.distill.warm_start import average_gradients, layer_local_loss
 from fcsd.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,11 @@ def train(config: FCSDConfig) -> RunResult:
     done = s.start_step
     bar = tqdm(total=plan.total_steps, initial=done, desc="FCSD", unit="step", disable=not s.show_progress)
     for step in range(s.start_step, plan.total_steps):
+        if step == s.warm_steps and step > 0:  # the warm start is over: end-to-end KL from fresh AdamW moments
+            reset_optimizer_state(s.optimizer)
+            s.guard.history = []  # the warm start's losses are on another scale than the KL's
+        if s.convert_for(step):
+            s.guard.history = []  # more converted layers: a higher loss is expected, not a spike
         loss, grad_norm, terms = s.forward_backward(step)
         applied, reason = apply_update(s.optimizer, s.accelerator.scaler, s.guard, loss, grad_norm)
         if reason:
@@ -99,6 +112,7 @@ class TrainingSession:
         if mixed == "auto":
             mixed = "no" if cpu_only else "bf16"
         self.plan = plan_steps(config, PartialState(cpu=cpu_only).num_processes)
+        self.warm_steps = warm_steps(config)  # steps 0 .. warm_steps - 1: the layer-local warm start
         # under FSDP, skipping the reduce-scatter before a step's last micro-batch would keep unsharded gradients of
         # the whole model on every GPU (what `fcsd plan` found): reduce-scatter every micro-batch instead
         accumulation = GradientAccumulationPlugin(
@@ -111,6 +125,11 @@ class TrainingSession:
             step_scheduler_with_optimizer=False,
         )
         deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+        if self.warm_steps and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise ValueError(
+                f"recovery.warm_share runs in one process or under DDP, not under {accelerator.distributed_type.value}"
+                " (its sharded parameters are gathered only by the model's forward): use recovery=plain"
+            )
         if deepspeed and train_cfg.spike_factor:
             raise ValueError(
                 "train.spike_factor cannot skip steps under DeepSpeed (its optimizer steps inside backward, before "
@@ -180,6 +199,9 @@ class TrainingSession:
         self.guard = SpikeGuard(*guard, **saved["guard"], can_skip=not deepspeed)
         if self.early is not None and saved.get("early_stop"):
             self.early.load(saved["early_stop"])
+        self.layer_stages = layer_stages(config) if config.recovery.progressive else []
+        self.layers = None
+        self.convert_for(self.start_step, check=True)
         self.metrics = run_io.MetricsLog(self.run.root, self.start_step, accelerator.is_main_process)
         self.started = time.perf_counter()
         self.show_progress = config.progress and accelerator.is_main_process
@@ -191,6 +213,30 @@ class TrainingSession:
         if self.early is not None and not self.early.scores:  # the baseline: step 0, or a resume without this state
             self.early_stop_check(self.start_step)
         self.model.train()
+
+    def convert_for(self, step: int, check: bool = False) -> bool:
+        """Progressive conversion (``recovery.progressive``): give the student the layer spec of ``step``'s stage,
+        its weights kept (:func:`fcsd.connectivity.apply_farskip` replaces the previous selection); True when the
+        spec changed."""
+        if not self.layer_stages:
+            return False
+        from fcsd.connectivity import apply_farskip
+        from fcsd.connectivity.families import family_for_config, find_decoder_layers
+        from fcsd.connectivity.layer_spec import converted_layers
+
+        if check:
+            count = len(find_decoder_layers(self.unwrapped, family_for_config(self.unwrapped.config)))
+            final = set(converted_layers(self.config.farskip.layers, count, "farskip.layers"))
+            for _, spec in self.layer_stages:
+                if not set(converted_layers(spec, count, "recovery.progressive")) <= final:
+                    raise ValueError(f"recovery.progressive stage {spec!r} converts layers outside farskip.layers")
+        spec = [spec for start, spec in self.layer_stages if start <= step][-1]
+        if spec != self.layers:
+            apply_farskip(self.unwrapped, spec)
+            self.layers = spec
+            self.accelerator.print(f"step {step}: FarSkip on layers {spec}")
+            return True
+        return False
 
     def forward_backward(self, step: int) -> tuple[float, float, dict]:
         """Forward/backward of one optimizer step's micro-batches on this process, the loss normalised by the
@@ -213,13 +259,18 @@ class TrainingSession:
             batch = Packed(packed.input_ids.to(device), packed.position_ids.to(device))
             cached = None if self.cache is None else tuple(t.to(device) for t in self.cache.rows(micro))
             with accelerator.accumulate(self.model), accelerator.autocast():
-                parts = micro_batch_loss(
-                    self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward
-                )
+                if step < self.warm_steps:
+                    parts = layer_local_loss(self.unwrapped, self.teacher, batch)[0]
+                else:
+                    parts = micro_batch_loss(
+                        self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward
+                    )
                 accelerator.backward(parts.total * scale)
             sums["loss"] += parts.total.detach()
             for name, value in parts.terms.items():
                 sums[name] = sums.get(name, 0) + value
+        if step < self.warm_steps and accelerator.num_processes > 1:  # DDP's forward, which reduces, never ran
+            average_gradients(self.unwrapped)
         reduced = {name: float(accelerator.reduce(value, "sum")) / global_tokens for name, value in sums.items()}
         grad_norm = self.clip_gradients(config.train.grad_clip or math.inf)
         loss = reduced.pop("loss")
@@ -243,6 +294,10 @@ class TrainingSession:
         record = {"step": done, "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm}
         record.update({"train/tokens": self.tokens_seen, "train/tokens_per_s": self.throughput(done)})
         record["train/skipped"] = skipped
+        if self.warm_steps:
+            record["train/stage"] = "warm_start" if done <= self.warm_steps else "kl"
+        if self.layer_stages:
+            record["train/stage"] = f"layers {self.layers}"
         record.update({f"train/{name}": value for name, value in terms.items()})
         self.metrics.log(record)
 

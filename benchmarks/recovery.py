@@ -1,0 +1,277 @@
+"""Recovery recipes side by side (issue 27): held-out KL against tokens seen, for the plain FCSD recipe and each
+recovery recipe of ``fcsd convert``, on two tiny teachers this script pretrains itself on real text.
+
+* Text: the Python standard library's own source files (real code, on every machine, no network); files are
+  documents, the trainer holds some out for the held-out KL.
+* Teachers: a tiny Qwen3-MoE and a tiny DeepSeek-V2 (MLA, a shared expert, a dense first layer), pretrained here as
+  plain language models on that text; every layer is converted to FarSkip.
+* Runs: each recipe through :func:`fcsd.distill.convert.convert` (the product's own trainer), the same data order,
+  2,048 tokens per step; the budget (``train.max_steps``) counts every stage. Held-out KL and NLL every
+  ``--eval-every`` steps; each run's tokens, teacher forwards and wall time are recorded.
+* Output: the tokens each recipe needs to reach the plain recipe's held-out KL at the "short" (600 / 200 with
+  ``--quick``) and "long" (1,800 / 600 with ``--quick``) step marks, as ratios to plain's; ``recovery.json`` and
+  ``recovery.png`` (the curves) in ``--out``.
+
+    python benchmarks/recovery.py --quick        # 600 steps per run, marks at 200 and 600
+    python benchmarks/recovery.py                # 1,800 steps per run, marks at 600 and 1,800
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+STEP_TOKENS = 2048
+SEQ_LEN = 256
+RECIPES = {  # name -> overrides of `fcsd convert`
+    "plain": ["recovery=plain"],
+    "warm_start": ["recovery=warm_start"],  # 10% of the steps at 10x the LR
+    "warm_start_lr3": ["recovery=warm_start", "recovery.warm_lr_mult=3"],
+    "non_expert": ["recovery=non_expert"],
+    "progressive": ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
+}
+
+
+def corpus(out: Path, max_chars: int) -> Path:
+    """``corpus.jsonl``: standard-library source files (sorted, so the same on every run), one document each."""
+    path = out / "corpus.jsonl"
+    if path.exists():
+        return path
+    root = Path(sysconfig.get_paths()["stdlib"])
+    rows, total = [], 0
+    for file in sorted(root.glob("*.py")) + sorted(root.glob("*/*.py")):
+        if "test" in file.parts[-2:][0] or file.stat().st_size > 200_000:
+            continue
+        text = file.read_text(errors="replace")
+        rows.append(json.dumps({"text": text}))
+        total += len(text)
+        if total >= max_chars:
+            break
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def tiny_config(family: str, vocab: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        )
+    return transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config(
+        **common,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        head_dim=8,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+    )
+
+
+def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0) -> Path:
+    """A tiny ``family`` language model pretrained on the corpus (next-token loss, AdamW, one cycle), saved with its
+    tokenizer; reused when already there."""
+    folder = out / "teachers" / family
+    if (folder / "config.json").exists():
+        return folder
+    from fcsd.distill.tokenizer import train_tokenizer
+
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    tokenizer = train_tokenizer(texts, vocab_size=1024)
+    ids = torch.tensor([t for text in texts for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]])
+    rows = ids[: len(ids) // SEQ_LEN * SEQ_LEN].view(-1, SEQ_LEN)
+    model_cls, config = tiny_config(family, len(tokenizer))
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=steps, pct_start=0.05)
+    generator = torch.Generator().manual_seed(seed)
+    started = time.perf_counter()
+    for step in range(steps):
+        batch = rows[torch.randint(len(rows), (STEP_TOKENS // SEQ_LEN,), generator=generator)]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 100 == 0 or step == steps - 1:
+            print(f"  {family} teacher step {step + 1}/{steps}: loss {loss.item():.3f}", flush=True)
+    print(f"  {family} teacher pretrained in {time.perf_counter() - started:.0f}s", flush=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def run(out: Path, family: str, model: Path, data: Path, recipe: str, steps: int, args) -> dict:
+    """One recipe through ``fcsd convert``; its held-out curve, tokens, teacher forwards and wall time."""
+    from fcsd.distill.config import compose, layer_stages, to_config
+    from fcsd.distill.convert import convert
+
+    folder = out / "runs" / family / recipe
+    result_file = folder / "bench.json"
+    overrides = [
+        f"model.name={model}",
+        f"data.path={data}",
+        f"data.cache_dir={out / 'packed'}",
+        f"output_dir={folder}",
+        f"data.seq_len={SEQ_LEN}",
+        f"data.eval_sequences={args.eval_sequences}",
+        f"train.batch_tokens={STEP_TOKENS}",
+        f"train.micro_batch_size={STEP_TOKENS // SEQ_LEN}",
+        f"train.max_steps={steps}",
+        f"train.lr={args.lr}",
+        f"train.warmup_steps={max(1, steps // 20)}",
+        f"train.eval_every={args.eval_every}",
+        "train.save_every=0",
+        "train.log_every=10",
+        "early_stop.enabled=false",
+        "export=false",
+        "progress=false",
+        "overwrite=true",
+        *RECIPES[recipe],
+    ]
+    config = to_config(compose(overrides))
+    final_stage = layer_stages(config)[-1][0]  # progressive: the step the whole conversion starts training
+    if result_file.exists():
+        return {**json.loads(result_file.read_text()), "final_stage_start": final_stage}
+    started = time.perf_counter()
+    convert(config)
+    wall = time.perf_counter() - started
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    curve = [(r["step"], r["eval/kl"], r["eval/nll"]) for r in records if "eval/kl" in r]
+    result = {
+        "family": family,
+        "recipe": recipe,
+        "overrides": RECIPES[recipe],
+        "curve": curve,
+        "tokens_per_step": STEP_TOKENS,
+        "teacher_forwards_per_step": STEP_TOKENS // SEQ_LEN,  # one per sequence, in either stage
+        "warm_steps": round(config.recovery.warm_share * steps),
+        "final_stage_start": final_stage,
+        "wall_s": wall,
+    }
+    result_file.write_text(json.dumps(result))
+    return result
+
+
+def converted_curve(result: dict) -> list:
+    """The held-out evaluations of the whole conversion: a progressive run's earlier stages score a partly
+    converted model, which is not the model being recovered."""
+    return [point for point in result["curve"] if point[0] > result.get("final_stage_start", 0)]
+
+
+def tokens_to_reach(result: dict, target: float) -> int | None:
+    """Tokens at the first held-out evaluation (of the whole conversion) whose KL is at or below ``target``
+    (None: never)."""
+    return next((step * STEP_TOKENS for step, kl, _ in converted_curve(result) if kl <= target), None)
+
+
+def kl_at(curve, step: int) -> float:
+    return next(kl for s, kl, _ in curve if s == step)
+
+
+def report(results: list[dict], marks: tuple[int, int]) -> list[str]:
+    lines = []
+    for family in dict.fromkeys(r["family"] for r in results):
+        runs = {r["recipe"]: r for r in results if r["family"] == family}
+        plain = runs["plain"]["curve"]
+        targets = {mark: kl_at(plain, mark) for mark in marks}
+        lines.append(
+            f"{family}: plain held-out KL {plain[0][1]:.4f} at step 0, "
+            + ", ".join(f"{targets[m]:.4f} at step {m}" for m in marks)
+        )
+        for recipe, result in runs.items():
+            ratios = []
+            for mark in marks:
+                tokens = tokens_to_reach(result, targets[mark])
+                ratios.append("not reached" if tokens is None else f"{tokens / (mark * STEP_TOKENS):.2f}x")
+            final = result["curve"][-1]
+            lines.append(
+                f"  {recipe:14s} tokens to plain's KL@{marks[0]}: {ratios[0]:>11s}  @{marks[1]}: {ratios[1]:>11s}  "
+                f"final KL {final[1]:.4f} NLL {final[2]:.4f}  warm steps {result['warm_steps']}  "
+                f"wall {result['wall_s']:.0f}s"
+            )
+    return lines
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families = list(dict.fromkeys(r["family"] for r in results))
+    figure, axes = plt.subplots(1, len(families), figsize=(6 * len(families), 4), squeeze=False)
+    for axis, family in zip(axes[0], families, strict=True):
+        for result in (r for r in results if r["family"] == family):
+            steps, kls = zip(*[(s, kl) for s, kl, _ in converted_curve(result) if s > 0], strict=True)
+            axis.plot([s * STEP_TOKENS for s in steps], kls, label=result["recipe"])
+        axis.set(xscale="log", yscale="log", xlabel="tokens seen (every stage)", ylabel="held-out KL", title=family)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="600 steps per run (marks at 200 and 600)")
+    parser.add_argument("--out", type=Path, default=Path("recovery-bench"))
+    parser.add_argument("--families", default="qwen3_moe,deepseek_v2")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--eval-every", type=int, default=None, help="held-out KL every N steps (default: marks/10)")
+    parser.add_argument("--eval-sequences", type=int, default=16)
+    parser.add_argument("--teacher-steps", type=int, default=None, help="pretraining steps (default 1500, quick 600)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest for these sizes)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    marks = (200, 600) if args.quick else (600, 1800)
+    args.eval_every = args.eval_every or marks[0] // 10
+    teacher_steps = args.teacher_steps or (600 if args.quick else 1500)
+    data = corpus(args.out, 3_000_000)
+    results = []
+    for family in args.families.split(","):
+        model = teacher(args.out, family, data, teacher_steps)
+        for recipe in args.recipes.split(","):
+            print(f"{family} / {recipe}: {marks[1]} steps", flush=True)
+            results.append(run(args.out, family, model, data, recipe, marks[1], args))
+    (args.out / "recovery.json").write_text(json.dumps({"marks": marks, "runs": results}, indent=1))
+    plot(results, args.out / "recovery.png")
+    print("\n".join(report(results, marks)))
+    print(f"curves: {args.out / 'recovery.png'}")
+
+
+if __name__ == "__main__":
+    main()
