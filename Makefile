@@ -22,8 +22,10 @@ serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd'
 	$(VLLM_VENV)/bin/python -m fcsd.serving.vllm.check
 
 TEST_WORKERS ?= 2  # pytest-xdist processes; each test file runs whole in one of them (its module fixtures once)
+# one torch thread per worker unless set: two workers of two threads each on two cores spin against each other
+# (tests/test_demo.py took over 25 min that way on a loaded machine, 161 s with one thread)
 test:  ## the fast CPU test-suite (no network, no GPU), TEST_WORKERS files at a time
-	$(PYTHON) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTHON) -m pytest tests -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 demo:  ## the embedded default job, offline on CPU (~8 min the first time): build the demo teacher, convert it with FCSD
 	$(PYTHON) -m fcsd.cli inspect demo --layers last:50%

@@ -25,13 +25,20 @@ from fcsd.user_cache import cache_root
 PRETRAIN_STEPS = 900
 
 
-def demo_dir() -> Path:
-    """The demo's folder in the user cache, named by a digest of its builder (this module, the synthetic tasks, the
-    tokenizer trainer) and :data:`PRETRAIN_STEPS`: a changed builder never reuses a stale teacher."""
+def builder_sources() -> tuple[str, ...]:
+    """The files whose code builds the demo: this module (its :data:`PRETRAIN_STEPS` included), the synthetic tasks
+    and the tokenizer trainer."""
     from fcsd.distill import synthetic, tokenizer
 
-    digest = hashlib.sha256(str(PRETRAIN_STEPS).encode())
-    for source in (__file__, synthetic.__file__, tokenizer.__file__):
+    return (__file__, synthetic.__file__, tokenizer.__file__)
+
+
+def demo_dir() -> Path:
+    """The demo's folder in the user cache, named by a digest of its builder's source (:func:`builder_sources`): a
+    changed builder never reuses a stale teacher. Only the source counts, not values patched at run time, so every
+    process of a command (a sweep's jobs, torchrun's ranks) finds the demo its parent prepared in ``FCSD_CACHE``."""
+    digest = hashlib.sha256()
+    for source in builder_sources():
         digest.update(Path(source).read_bytes())
     return cache_root() / f"demo-{digest.hexdigest()[:12]}"
 

@@ -55,10 +55,17 @@ def test_demo_is_built_once_and_resolves(demo_root, capsys):
 
 
 def test_a_changed_builder_gets_another_cache_folder(monkeypatch, tmp_path):
-    monkeypatch.setenv("FCSD_CACHE", str(tmp_path))
+    monkeypatch.setenv("FCSD_CACHE", str(tmp_path / "cache"))
     first = demo_assets.demo_dir()
+    # a value patched at run time is not the builder: a sweep's jobs and torchrun's ranks find their parent's demo
     monkeypatch.setattr(demo_assets, "PRETRAIN_STEPS", demo_assets.PRETRAIN_STEPS + 1)
-    assert demo_assets.demo_dir() != first and demo_assets.demo_dir().parent == first.parent == tmp_path
+    assert demo_assets.demo_dir() == first
+    edited = tmp_path / "demo_assets.py"  # the builder's code edited: another folder
+    source = Path(demo_assets.__file__).read_text()
+    edited.write_text(source.replace("PRETRAIN_STEPS = ", "PRETRAIN_STEPS = 1 + "))
+    sources = demo_assets.builder_sources()
+    monkeypatch.setattr(demo_assets, "builder_sources", lambda: (str(edited), *sources[1:]))
+    assert demo_assets.demo_dir() != first and demo_assets.demo_dir().parent == first.parent == tmp_path / "cache"
 
 
 def test_teacher_pretraining_learns():
