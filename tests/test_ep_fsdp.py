@@ -1,11 +1,11 @@
-"""EP x FSDP2 on one set of device meshes (fcsd.parallel.layout), 4 gloo processes against one process, in one
-launch (tests/workers/ep_fsdp.py): losses, global gradient norms and weights after two AdamW steps with and without
-activation checkpointing, EP 4 x FSDP 1, a placement with the deduplicating dispatcher; the planted factor-of-ep
-expert gradient and the planted recomputed collective caught; each process's student and teacher bytes equal to its
-share, the teacher resharded after its forward, generation (MBPP+'s included) and streamed saving of a model loaded
-laid out; fcsd cache-teacher on the 4 processes, each writing its shards of the one-process cache. And the same
-layout on fake tensors over a fake process group (what `fcsd plan` models): rank 0 holds what it holds in the real
-launch."""
+"""EP x FSDP2 on one set of device meshes (fcsd.parallel.layout), 4 gloo processes against one process, in one launch
+(tests/workers/ep_fsdp.py): losses, global gradient norms and weights after two AdamW steps with and without activation
+checkpointing, EP 4 x FSDP 1, FSDP 4 alone with checkpointing, a placement with the deduplicating dispatcher; the
+planted factor-of-ep expert gradient and the planted recomputed collective caught; each process's student and teacher
+bytes equal to its share, the teacher resharded after its forward, generation (MBPP+'s included) and streamed saving of
+a model loaded laid out; fcsd cache-teacher on the 4 processes, each writing its shards of the one-process cache. And
+the same layout on fake tensors over a fake process group (what `fcsd plan` models): rank 0 holds what it holds in the
+real launch."""
 
 from pathlib import Path
 
@@ -18,6 +18,7 @@ CASES = [
     "deepseek_v3/ep2xfsdp2/checkpointing",
     "llama4_text/ep2xfsdp2/checkpointing",
     "qwen3_moe/ep4xfsdp1",
+    "qwen3_moe/fsdp4/checkpointing",  # FSDP2 alone: a layer recomputed before its own unit's pre-backward gather
     "qwen3_moe/ep2xfsdp2/placement+dedup",
 ]
 

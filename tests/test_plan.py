@@ -363,3 +363,17 @@ def test_a_layout_whose_step_raises_is_an_invalid_candidate(monkeypatch):
     assert failed and all(c.layout.teacher == "online" and not c.layout.gradient_checkpointing for c in failed)
     assert all(c.note.endswith("mixed torch.Tensor and DTensor") for c in failed)
     assert any(c.fits for c in result.candidates)
+
+
+def test_fsdp2_alone_with_checkpointing_simulates_on_qwen3():
+    """FSDP2 alone with checkpointing on Qwen3-MoE, every layer FarSkip (a MoE layer 0 whose ``o_0`` the next layer
+    completes): the backward reaches layer 0's MLP side before its outputs, and the recomputation must gather the
+    layer's own weights (it raised a Tensor/DTensor mix). It now simulates as a checkpointed step: fewer activations
+    kept, the forward recomputed in the backward, the same weights."""
+    model_config, config = deep_config("qwen3_moe", layers=3), run_config(layers="all")
+    kept, whole = (
+        estimate_step(model_config, config, Layout("fsdp2", 2, teacher="cache", gradient_checkpointing=flag), "cpu")
+        for flag in (True, False)
+    )
+    assert kept.activations < whole.activations and kept.flops["backward"] > whole.flops["backward"]
+    assert kept.weights == whole.weights and kept.peak < whole.peak

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -73,6 +74,22 @@ def _mode(log: ReplayLog, replaying: bool):
         _ACTIVE.log, _ACTIVE.replaying = saved
 
 
+@contextmanager
+def _recomputing(log: ReplayLog, layer):
+    """The recomputation of ``layer``: its exchanges replayed from ``log`` and, when the layer is an FSDP2 unit, its
+    parameters gathered first. The checkpoint wraps the layer's ``forward``, inside FSDP2's hooks, so nothing else
+    gathers them: FSDP2's pre-backward hook sits on the layer's outputs, but under the overlapped schedule the
+    backward can reach the layer's MLP side first (through ``o_k``, completed in the next layer), and unpacking any
+    tensor the layer saved recomputes all of it, its norms and attention included. The unshard is a collective every
+    rank issues at the same point of its backward (the same graph); the layer's own post-backward reshards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(layer, FSDPModule):
+        layer.unshard()
+    with _mode(log, True):
+        yield
+
+
 def recording_log() -> ReplayLog | None:
     """The log of the checkpointed forward in progress (its exchanges are recorded there), or None."""
     return _ACTIVE.log if not _ACTIVE.replaying else None
@@ -110,6 +127,7 @@ class ReplayingCheckpoint:
         from torch.utils.checkpoint import checkpoint
 
         log = ReplayLog()
+        layer = function.args[0] if isinstance(function, partial) and function.args else None
         pending = getattr(function, "keywords", {}).get("farskip_pending")
         if pending is not None and args and args[0] is pending.full:
             # o_{k-1} arrives empty and is completed in place inside the layer (the overlapped schedule): the
@@ -117,7 +135,11 @@ class ReplayingCheckpoint:
             held, layer_forward = pending.full, function
             function, args = (lambda *rest, **options: layer_forward(held, *rest, **options)), args[1:]
         return checkpoint(
-            function, *args, use_reentrant=False, context_fn=lambda: (_mode(log, False), _mode(log, True)), **kwargs
+            function,
+            *args,
+            use_reentrant=False,
+            context_fn=lambda: (_mode(log, False), _recomputing(log, layer)),
+            **kwargs,
         )
 
 

@@ -319,6 +319,7 @@ cases = {
     "deepseek_v3/ep2xfsdp2/checkpointing": ("deepseek_v3", 2, {"checkpointing": True}),
     "llama4_text/ep2xfsdp2/checkpointing": ("llama4_text", 2, {"checkpointing": True}),
     "qwen3_moe/ep4xfsdp1": ("qwen3_moe", 4, {}),
+    "qwen3_moe/fsdp4/checkpointing": ("qwen3_moe", 1, {"checkpointing": True}),
     "qwen3_moe/ep2xfsdp2/placement+dedup": ("qwen3_moe", 2, {"dispatcher": "dedup", "placement": "ep2"}),
 }
 for name, (family, ep, options) in cases.items():
