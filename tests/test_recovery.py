@@ -8,21 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import config_for as trainer_config_for
+from test_trainer import pretrained_assets
 from tiny_models import build
 
 import fcsd
 from fcsd.cli import main
 from fcsd.connectivity import apply_farskip
 from fcsd.connectivity.families import family_for_config, find_decoder_layers
-from fcsd.demo_assets import pretrain_teacher
 from fcsd.distill import trainer, warm_start
-from fcsd.distill.config import compose, to_config
 from fcsd.distill.data import Packed
 from fcsd.distill.objectives import micro_batch_loss
 from fcsd.distill.optim import build_optimizer, plan_steps
 from fcsd.distill.param_groups import parameter_groups
-from fcsd.distill.synthetic import make_dataset, write_jsonl
-from fcsd.distill.tokenizer import train_tokenizer
 
 FAST = [
     "data.seq_len=32",
@@ -49,21 +47,11 @@ def one_thread():
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """A tiny Qwen3-MoE teacher briefly pretrained on chat data (so the conversion visibly hurts it) and the data."""
-    root = tmp_path_factory.mktemp("assets")
-    rows = make_dataset(120, seed=5)
-    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=280)
-    model = build("qwen3_moe")
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    pretrain_teacher(model, tokenizer, rows, steps=40, seq_len=64, batch_size=4, lr=1e-2)
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    write_jsonl(rows, root / "train.jsonl")
-    return root
+    return pretrained_assets(tmp_path_factory.mktemp("assets"), rows=120, steps=40, batch_size=4)
 
 
 def config_for(assets, out, *overrides):
-    base = [f"model.name={assets / 'model'}", f"data.path={assets / 'train.jsonl'}", f"output_dir={out}"]
-    return to_config(compose([*base, f"data.cache_dir={assets / 'cache'}", *FAST, *overrides]))
+    return trainer_config_for(assets, out, *overrides, fast=FAST)
 
 
 def records(out) -> list[dict]:

@@ -42,22 +42,27 @@ FAST = [
 def assets(tmp_path_factory):
     """A tiny teacher briefly pretrained on the chat data (so FarSkip conversion visibly hurts it), its tokenizer
     and the data."""
-    root = tmp_path_factory.mktemp("assets")
-    rows = make_dataset(240, seed=5)
-    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=280)
+    return pretrained_assets(tmp_path_factory.mktemp("assets"), rows=240, steps=150, batch_size=8)
+
+
+def pretrained_assets(root: Path, rows: int, steps: int, batch_size: int) -> Path:
+    """``root/model`` (a tiny Qwen3-MoE teacher pretrained ``steps`` steps on chat data, with its tokenizer) and
+    ``root/train.jsonl`` (the data)."""
+    data = make_dataset(rows, seed=5)
+    tokenizer = train_tokenizer((m["content"] for r in data for m in r["messages"]), vocab_size=280)
     model = build("qwen3_moe")
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     with torch_threads(1):  # the same teacher on any machine and after any test (sums depend on the thread count)
-        pretrain_teacher(model, tokenizer, rows, steps=150, seq_len=64, batch_size=8, lr=1e-2)
+        pretrain_teacher(model, tokenizer, data, steps=steps, seq_len=64, batch_size=batch_size, lr=1e-2)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    write_jsonl(rows, root / "train.jsonl")
+    write_jsonl(data, root / "train.jsonl")
     return root
 
 
-def config_for(assets, out, *overrides):
+def config_for(assets, out, *overrides, fast=FAST):
     base = [f"model.name={assets / 'model'}", f"data.path={assets / 'train.jsonl'}", f"output_dir={out}"]
-    return to_config(compose([*base, f"data.cache_dir={assets / 'cache'}", *FAST, *overrides]))
+    return to_config(compose([*base, f"data.cache_dir={assets / 'cache'}", *fast, *overrides]))
 
 
 def losses_of(out) -> list[float]:
