@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_trainer import FAST as TRAINER_FAST
 from test_trainer import config_for as trainer_config_for
 from test_trainer import pretrained_assets
 from tiny_models import build
@@ -22,17 +23,7 @@ from fcsd.distill.objectives import micro_batch_loss
 from fcsd.distill.optim import build_optimizer, plan_steps
 from fcsd.distill.param_groups import parameter_groups
 
-FAST = [
-    "data.seq_len=32",
-    "data.eval_sequences=4",
-    "train.batch_tokens=256",
-    "train.micro_batch_size=4",
-    "train.warmup_steps=2",
-    "train.lr=1e-3",
-    "progress=false",
-    "early_stop.enabled=false",
-    "export=false",
-]
+FAST = [*TRAINER_FAST, "export=false"]  # the trainer tests' short runs, without the export
 
 
 @pytest.fixture(autouse=True, scope="module")
