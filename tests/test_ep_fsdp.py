@@ -17,6 +17,7 @@ CASES = [
     "deepseek_v3/ep2xfsdp2",
     "deepseek_v3/ep2xfsdp2/checkpointing",
     "llama4_text/ep2xfsdp2/checkpointing",
+    "qwen3_moe/ep2xfsdp2/checkpointing+offload",  # the replayed rows kept in host memory (train.checkpoint_offload)
     "qwen3_moe/ep4xfsdp1",
     "qwen3_moe/fsdp4/checkpointing",  # FSDP2 alone: a layer recomputed before its own unit's pre-backward gather
     "qwen3_moe/ep2xfsdp2/placement+dedup",
@@ -42,12 +43,30 @@ def test_layout_trains_as_one_process(ranks, case):
         assert result["cases"][case]["param_groups"] == 2  # fused AdamW, one group per mesh
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3/ep2xfsdp2/checkpointing", "llama4_text/ep2xfsdp2/checkpointing"])
+CHECKPOINTED = [c for c in CASES if "/ep" in c and "checkpointing" in c]
+
+
+@pytest.mark.parametrize("case", CHECKPOINTED)
 def test_checkpointed_backward_replays_and_never_launches_an_exchange(ranks, case):
     for result in ranks:
         events = result["cases"][case]["backward_events"]
         assert "replay" in events and "reverse" in events  # recomputed layers, the reverse exchanges as always
         assert "launch" not in events and "done" not in events  # no forward exchange issued in the backward
+
+
+@pytest.mark.parametrize("case", CHECKPOINTED)
+def test_only_checkpoint_offload_moves_the_replayed_rows_to_host_memory(ranks, case):
+    """Every Dispatch and Combine of every MoE layer and step (2 steps) copied out once waited, and nothing copied
+    without the option; the training still equals one process's."""
+    from tiny_models import CONFIGS
+
+    from fcsd.connectivity.families import family_for_config, meta_model, moe_blocks
+
+    _, config = CONFIGS[case.split("/")[0]]()
+    layers = len(moe_blocks(meta_model(config), family_for_config(config)))
+    expected = 2 * layers * 2 if case.endswith("+offload") else 0
+    for result in ranks:
+        assert f"host copies: {expected}" in result["cases"][case]["backward_events"]
 
 
 def test_planted_factor_of_ep_expert_gradient_is_caught(ranks):

@@ -89,6 +89,9 @@ class TrainConfig:
     seed: int = 0  # data order, initialisation of anything random
     mixed_precision: str = "auto"  # bf16 | fp16 | no; auto = bf16 on GPU, no on CPU
     gradient_checkpointing: bool = False
+    # with gradient_checkpointing under parallel.ep_size > 1: the rows each exchange received wait for the backward in
+    # pinned host memory instead of on the GPU (what lets Qwen3-30B-A3B's EP layouts fit one node; fcsd plan says)
+    checkpoint_offload: bool = False
     loss_chunk_size: int = 256  # tokens per chunk of the fused LM-head + loss (peak memory ~ chunk x vocab)
     save_every: int = 1000  # checkpoint every N steps (0: only at the end)
     keep_checkpoints: int = 2  # how many step checkpoints to keep
@@ -478,6 +481,11 @@ def to_config(cfg) -> FCSDConfig:
         ),
         (config.sweep.schedule in SWEEP_SCHEDULES, f"sweep.schedule: choose {SWEEP_SCHEDULES}"),
         (config.parallel.ep_size >= 1, f"parallel.ep_size={config.parallel.ep_size}: it must be at least 1"),
+        (
+            not train.checkpoint_offload or (train.gradient_checkpointing and config.parallel.ep_size > 1),
+            "train.checkpoint_offload keeps the rows of checkpointed expert-parallel exchanges in host memory: it "
+            "needs train.gradient_checkpointing=true and parallel.ep_size > 1",
+        ),
         (config.parallel.mode in EP_MODES, f"parallel.mode={config.parallel.mode!r}: choose {EP_MODES}"),
         (
             config.parallel.placement is None or config.parallel.ep_size > 1,

@@ -189,6 +189,8 @@ class Exchange:
         self.work = self.reverse_work = None
         self.keep_alive = ()  # send buffers must outlive the asynchronous collective
         self.reverse_grad = None
+        self.replay_log = None  # the checkpointed layer's log that recorded the receive buffer
+        self.received = None  # the receive buffer (or its host copy under train.checkpoint_offload): see received()
         self.sequence_nr = None  # of its launch node, before re-numbering (see launch_all_to_all)
 
     def start(self, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], phase: str):
@@ -199,6 +201,7 @@ class Exchange:
         recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
         if phase == "forward" and (log := recompute.recording_log()) is not None:
             log.put(self.kind, recv)  # filled by the collective before anything reads it
+            self.replay_log = log  # offloaded once waited (wait_all_to_all)
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group, async_op=True)
         if LINK is not None:  # full duplex: the larger of what leaves and what arrives from other ranks
             row_bytes = send[:1].nbytes if send.shape[0] else recv[:1].nbytes
@@ -285,10 +288,12 @@ def launch_all_to_all(
         exchange.chain = None
         (recv,) = replay.take(exchange.kind)
         record("replay", exchange.kind, exchange.serial)
+        exchange.received = recv
         return recv
     exchange.chain = chain
     token = chain.take(send.device) if chain is not None else None
     recv, token = _Launch.apply(send, exchange, token)
+    exchange.received = recv
     if chain is not None:
         chain.put(token)
     if REPRIORITISES and recv.grad_fn is not None:
@@ -296,6 +301,15 @@ def launch_all_to_all(
         late = getattr(wait_after, "sequence_nr", None)
         recv.grad_fn._set_sequence_nr(0 if late is None else late)  # when its backward waits
     return recv
+
+
+def received(exchange: Exchange) -> torch.Tensor:
+    """The receive buffer of ``exchange`` (launched by :func:`launch_all_to_all`), back on its device if it waits in
+    host memory. A wait closure reads it here rather than holding the buffer itself, so that a checkpointed layer's
+    rows can leave the GPU once waited (``train.checkpoint_offload``) while the closure stays for the
+    recomputation."""
+    rows = exchange.received
+    return rows if isinstance(rows, torch.Tensor) else rows.back()
 
 
 def wait_all_to_all(recv: torch.Tensor, exchange: Exchange) -> torch.Tensor:
@@ -307,6 +321,8 @@ def wait_all_to_all(recv: torch.Tensor, exchange: Exchange) -> torch.Tensor:
     ready, token = _Wait.apply(recv, exchange, token)
     if chain is not None:
         chain.put(token)
+    if exchange.replay_log is not None:  # filled now: the log may keep it in host memory
+        exchange.received = exchange.replay_log.offload(recv) or recv
     if REPRIORITISES and ready.grad_fn is not None:
         ready.grad_fn._set_sequence_nr(_SEQUENCE_NR_MAX)  # its backward launches: as early as possible
     return ready

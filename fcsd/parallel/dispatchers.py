@@ -52,6 +52,7 @@ from fcsd.parallel.collectives import (
     OrderChain,
     exchange_counts,
     launch_all_to_all,
+    received,
     sync_debug,
     wait_all_to_all,
 )
@@ -78,6 +79,11 @@ class Pending:
         if self._wait_fn is not None:
             self._result, self._wait_fn = self._wait_fn(), None
         return self._result
+
+    def release(self) -> None:
+        """Forget the result of a completed wait (its consumer holds it now); :meth:`rerun` still rebuilds it."""
+        if self._wait_fn is None:
+            self._result = None
 
     def rerun(self):
         """Run the wait again, for the recomputation of a checkpointed layer (:mod:`fcsd.parallel.recompute`): the
@@ -236,13 +242,13 @@ class AllToAllDispatcher(CollectiveDispatcher):
         else:
             send_RD = x_TD.to(wire)[token_of_row]
         exchange = self._exchange(send_sizes, recv_sizes, "dispatch")
-        recv = launch_all_to_all(send_RD, exchange, self._chain(needs_backward))
+        launch_all_to_all(send_RD, exchange, self._chain(needs_backward))  # the wait reads it back: received()
         self._count(_remote(send_sizes, rank), send_RD[:1].nbytes, dispatch=True)
         local_ids = torch.arange(self.num_local_experts, device=x_TD.device).repeat(num_ranks)
         local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_sizes)).unsqueeze(1)
 
         def wait() -> DispatchedRows:
-            ready = wait_all_to_all(recv, exchange)
+            ready = wait_all_to_all(received(exchange), exchange)
             return DispatchedRows(ready, local_ids, torch.ones_like(local_ids, dtype=ready.dtype))
 
         state = _AllToAllState(
@@ -256,11 +262,11 @@ class AllToAllDispatcher(CollectiveDispatcher):
         forward = state.exchange
         back = self._exchange(forward.recv_sizes, forward.send_sizes, "combine")
         y_RD = y_RD.to(wire_dtype(y_RD))
-        recv = launch_all_to_all(y_RD, back, forward.chain, wait_after=forward)
+        launch_all_to_all(y_RD, back, forward.chain, wait_after=forward)
         self._count(_remote(back.send_sizes, dist.get_rank(self.group)), y_RD[:1].nbytes)
 
         def wait() -> torch.Tensor:
-            rows = wait_all_to_all(recv, back)
+            rows = wait_all_to_all(received(back), back)
             pairs = rows.new_empty(rows.shape).index_put((state.order,), rows)  # back to (token, slot) order
             pairs_TKD = pairs.view(*state.shape, rows.shape[1]).float()
             if state.weights_TK is not None:
@@ -325,8 +331,8 @@ class DedupAllToAllDispatcher(CollectiveDispatcher):
         chain = self._chain(needs_backward)
         rows_exchange = self._exchange(send_rows, recv_rows, "dispatch")
         pairs_exchange = self._exchange(send_pairs, recv_pairs, "ids")
-        recv = launch_all_to_all(send_RD, rows_exchange, chain)
-        recv_pairs_A2 = launch_all_to_all(pairs_A2, pairs_exchange, chain)
+        launch_all_to_all(send_RD, rows_exchange, chain)  # the wait reads the buffers back: received()
+        launch_all_to_all(pairs_A2, pairs_exchange, chain)
         elem = send_RD.element_size()
         pair_bytes = ID_BYTES + WEIGHT_BYTES
         self._count(
@@ -335,8 +341,8 @@ class DedupAllToAllDispatcher(CollectiveDispatcher):
         state = _DedupState(token_of_row, num_tokens, top_k, x_TD.dtype, (rows_exchange, pairs_exchange), {})
 
         def wait() -> DispatchedRows:
-            rows_RD = wait_all_to_all(recv, rows_exchange)
-            pairs = wait_all_to_all(recv_pairs_A2, pairs_exchange)
+            rows_RD = wait_all_to_all(received(rows_exchange), rows_exchange)
+            pairs = wait_all_to_all(received(pairs_exchange), pairs_exchange)
             ids = pairs[:, 1].detach()
             starts = ids < 0
             local_A = torch.where(starts, -ids - 1, ids).long()
@@ -365,12 +371,12 @@ class DedupAllToAllDispatcher(CollectiveDispatcher):
         partial = slot_sum(pairs_AD, got["row_of"], got["rows"], width, ordered=True).to(wire_dtype(y_RD))
         rows_exchange = state.exchanges[0]
         back = self._exchange(rows_exchange.recv_sizes, rows_exchange.send_sizes, "combine")
-        recv = launch_all_to_all(partial, back, rows_exchange.chain, wait_after=rows_exchange)
+        launch_all_to_all(partial, back, rows_exchange.chain, wait_after=rows_exchange)
         rank = dist.get_rank(self.group)
         self._count(_remote(back.send_sizes, rank), partial.shape[1] * partial.element_size())
 
         def wait() -> torch.Tensor:
-            rows = wait_all_to_all(recv, back)
+            rows = wait_all_to_all(received(back), back)
             width = min(state.top_k, dist.get_world_size(self.group))  # most rows one token sends
             return slot_sum(rows, state.token_of_row, state.num_tokens, width).to(state.out_dtype)
 

@@ -154,12 +154,14 @@ def parallelize(
     placement=None,
     dispatcher: str = "plain",
     checkpointing: bool = False,
+    offload: bool = False,
     compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Lay ``model`` out over ``meshes`` in place (the module docstring says how) and return it.
 
     - ``role="student"``: trained (gradient divide factors as above, ``checkpointing`` recomputes each decoder
-      layer with its exchanges replayed: :mod:`fcsd.parallel.recompute`); ``"teacher"``: frozen, no gradients,
+      layer with its exchanges replayed, ``offload`` keeping their rows in host memory: :mod:`fcsd.parallel.recompute`);
+      ``"teacher"``: frozen, no gradients,
       resharded after every forward, run in mode ``regular`` when it has no FarSkip layers.
     - ``mode``, ``placement``, ``dispatcher``: as :func:`fcsd.parallel.expert_parallel` (expert parallelism over the
       ep groups; with ``ep=1`` the local dispatcher). On a meta model (the sharded loader's) the placement is kept
@@ -188,7 +190,7 @@ def parallelize(
     if checkpointing and role == "student":
         from fcsd.parallel import recompute
 
-        recompute.enable(model)
+        recompute.enable(model, offload)
     if dims.fsdp:
         shard_fully(model, layout, compute_dtype, column_experts=placement is not None)
     return model

@@ -11,7 +11,13 @@ would belong to other tokens). The backward's reverse exchanges are issued by th
 without checkpointing, so the overlapped backward and its order chain are unchanged.
 
 Memory: a layer keeps its inputs plus the rows its exchanges received (what torchtitan keeps), instead of every
-activation. The log is per layer call and freed with the checkpoint.
+activation. The log is per layer call and freed with the checkpoint. With ``offload`` (``train.checkpoint_offload``)
+the received rows wait for the backward in host memory instead: each is copied to pinned host memory once its
+exchange has been waited (on a side stream, so the forward goes on while it copies; the GPU buffer is released when
+the copy is done), and copied back when the layer is recomputed. That is what lets the replay of 48-61 MoE layers at
+``tokens x top_k x hidden`` rows each stop growing the GPU's share with the tokens (``fcsd plan`` prices the copies
+over the host link). On a CPU the host copy is a buffer outside torch's allocator (what the tests and ``fcsd plan
+--measure`` run; the planner's simulation charges it to host memory).
 
 Guard: a forward exchange issued while a backward runs (a recomputation that does not replay) raises at once
 (:func:`check_not_in_backward`), so a re-issued collective can never go unnoticed or hang a job.
@@ -23,21 +29,90 @@ Guard: a forward exchange issued while a backward runs (a recomputation that doe
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
 
 
-class ReplayLog:
-    """The exchanges of one checkpointed layer call, in issue order: ``(kind, tensors)``."""
+class HostCopy:
+    """A tensor waiting in host memory for the recomputation: ``host`` (pinned on a GPU run), the ``device`` it
+    returns to and, on CUDA, the ``event`` that marks the end of its copy out."""
 
-    def __init__(self):
+    def __init__(self, tensor: torch.Tensor):
+        self.device, self.requires_grad = tensor.device, tensor.requires_grad
+        self.event = None
+        with host_allocation():
+            if tensor.device.type == "cuda":
+                stream = _copy_stream(tensor.device)
+                stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the exchange's result is complete
+                with torch.cuda.stream(stream):
+                    self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                    self.host.copy_(tensor, non_blocking=True)
+                    self.event = torch.cuda.Event()
+                    self.event.record(stream)
+                tensor.record_stream(stream)  # its GPU memory is reused only once the copy has read it
+            elif _is_fake(tensor):  # the planner's simulation: a copy it charges to host memory
+                self.host = tensor.detach().clone()
+            else:  # a CPU run: bytes outside torch's allocator, as a GPU's host memory is outside the GPU's
+                self.host = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().copy()
+                self.shape, self.dtype = tensor.shape, tensor.dtype
+
+    def back(self) -> torch.Tensor:
+        """The tensor on its device again (a GPU run: queued on the current stream after the copy out), requiring
+        gradients as the recorded one did, so that the recomputation saves what the forward saved."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            back = self.host.to(self.device, non_blocking=True)
+        elif isinstance(self.host, torch.Tensor):
+            back = self.host.clone()
+        else:
+            back = torch.from_numpy(self.host).view(self.dtype).view(self.shape).clone()
+        return back.requires_grad_(self.requires_grad)
+
+
+def _is_fake(tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device):
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+#: the context host copies are allocated in; the planner's memory tracker charges them to host memory
+host_allocation = nullcontext
+
+
+class ReplayLog:
+    """The exchanges of one checkpointed layer call, in issue order: ``(kind, tensors)``. With ``offload``, the
+    received rows move to host memory once their exchange is waited (:meth:`offload`)."""
+
+    def __init__(self, offload: bool = False):
         self.entries: list[tuple[str, tuple]] = []
         self.position = 0
+        self.offloads = offload
 
     def put(self, kind: str, *tensors) -> None:
         self.entries.append((kind, tensors))
+
+    def offload(self, tensor: torch.Tensor) -> HostCopy | None:
+        """Move the recorded ``tensor`` (an exchange's receive buffer, now filled) to host memory, if this log
+        offloads; returns its :class:`HostCopy` (None: kept on the device)."""
+        if not self.offloads:
+            return None
+        for index, (kind, tensors) in enumerate(self.entries):
+            if len(tensors) == 1 and tensors[0] is tensor:
+                copy = HostCopy(tensor)
+                self.entries[index] = (kind, (copy,))
+                return copy
+        return None
 
     def take(self, kind: str) -> tuple:
         if self.position >= len(self.entries):
@@ -53,7 +128,7 @@ class ReplayLog:
             )
         self.entries[self.position] = (recorded, ())  # released: the recomputation holds it now
         self.position += 1
-        return tensors
+        return tuple(t.back() if isinstance(t, HostCopy) else t for t in tensors)
 
 
 class _Active(threading.local):
@@ -123,10 +198,13 @@ class ReplayingCheckpoint:
 
     fcsd_replays = True
 
+    def __init__(self, offload: bool = False):
+        self.offload = offload
+
     def __call__(self, function, *args, **kwargs):
         from torch.utils.checkpoint import checkpoint
 
-        log = ReplayLog()
+        log = ReplayLog(self.offload)
         layer = function.args[0] if isinstance(function, partial) and function.args else None
         pending = getattr(function, "keywords", {}).get("farskip_pending")
         if pending is not None and args and args[0] is pending.full:
@@ -150,12 +228,13 @@ def replays(layer) -> bool:
     return getattr(getattr(layer, "_gradient_checkpointing_func", None), "fcsd_replays", False)
 
 
-def enable(model) -> None:
+def enable(model, offload: bool = False) -> None:
     """Checkpoint every decoder layer of ``model`` with :class:`ReplayingCheckpoint` (the layer's inputs and its
-    exchanges' results are kept, the rest is recomputed in the backward)."""
+    exchanges' results are kept, the rest is recomputed in the backward); ``offload``: the exchanges' results are
+    kept in host memory (see the module docstring)."""
     from fcsd.connectivity.families import family_for_config, find_decoder_layers
 
-    function = ReplayingCheckpoint()
+    function = ReplayingCheckpoint(offload)
     for layer in find_decoder_layers(model, family_for_config(model.config)):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = function

@@ -84,7 +84,11 @@ def laid_out_loader(config, meshes, role: str, device):
     options = {"mode": parallel.mode, "dispatcher": parallel.dispatcher, "placement": parallel.placement or None}
     if role == "student":
         bf16 = train.mixed_precision == "bf16" or (train.mixed_precision == "auto" and device.type == "cuda")
-        options.update(checkpointing=train.gradient_checkpointing, compute_dtype=torch.bfloat16 if bf16 else None)
+        options.update(
+            checkpointing=train.gradient_checkpointing,
+            offload=train.checkpoint_offload,
+            compute_dtype=torch.bfloat16 if bf16 else None,
+        )
 
     def load(path, layers=None, text_only=False, **kwargs):
         return from_pretrained_parallel(path, meshes, role, layers, text_only, device, options, **kwargs)

@@ -141,32 +141,37 @@ def search(model_config, fcsd_config, cluster: Cluster, counts: Counts, cache_ok
     share = fcsd_config.train.batch_tokens // fcsd_config.data.seq_len // processes
     experts = model_shape(model_config).num_experts
     for strategy, ep in strategies(processes, experts, cluster.gpus_per_node):
-        layouts = [  # fastest first: the online teacher, no recomputation, fewer micro-batches
-            Layout(strategy, processes, ep, teacher, mb, gc)
+        # under expert parallelism checkpointing may keep its replayed rows in host memory (train.checkpoint_offload)
+        recomputing = [(True, False), (True, True)] if strategy in ("ep", "ep_fsdp") else [(True, False)]
+        layouts = [  # fastest first: the online teacher, no recomputation (then no offload), fewer micro-batches
+            Layout(strategy, processes, ep, teacher, mb, gc, offload)
             for teacher in ("online", "cache")
-            for gc in (False, True)
+            for gc, offload in [(False, False), *recomputing]
             for mb in reversed(micro_batches(share))
         ]
-        result.candidates += _decide(model_config, fcsd_config, layouts, cluster.budget, counts, cache_ok)
+        result.candidates += _decide(model_config, fcsd_config, layouts, cluster, counts, cache_ok)
     return result
 
 
 def lighter(a: Layout, b: Layout) -> bool:
     """Whether ``a`` needs at most the memory of ``b`` (same strategy): a cached teacher needs less than an online
-    one, checkpointing less than none, a smaller micro-batch less than a larger one."""
+    one, checkpointing less than none (and with its replay in host memory less than without), a smaller
+    micro-batch less than a larger one."""
     return (
         (a.strategy, a.ep_size) == (b.strategy, b.ep_size)
         and (a.teacher == "cache" or b.teacher == "online")
         and (a.gradient_checkpointing or not b.gradient_checkpointing)
+        and (a.offload or not b.offload)
         and a.micro_batch <= b.micro_batch
     )
 
 
-def _decide(model_config, fcsd_config, layouts: list[Layout], budget: int, counts: Counts, cache_ok: bool | str):
+def _decide(model_config, fcsd_config, layouts: list[Layout], cluster: Cluster, counts: Counts, cache_ok: bool | str):
     """Decide ``layouts`` (one strategy, fastest first): the heaviest and the lightest are simulated first, then
     every candidate not implied by a simulated one (a lighter one fits when a heavier one does, a heavier one does
     not when a lighter one does not)."""
     decided: dict[Layout, Candidate] = {}
+    budget = cluster.budget
     for layout in layouts:
         floor = static_floor(layout, counts)
         if layout.teacher == "cache" and cache_ok is not True:
@@ -190,11 +195,11 @@ def _decide(model_config, fcsd_config, layouts: list[Layout], budget: int, count
         elif failing is not None:
             decided[layout] = Candidate(layout, "dominated", note=f"needs at least what {failing.layout.short} needs")
         else:
-            decided[layout] = _simulated(model_config, fcsd_config, layout, budget)
+            decided[layout] = _simulated(model_config, fcsd_config, layout, cluster)
     return [decided[layout] for layout in layouts]
 
 
-def _simulated(model_config, fcsd_config, layout: Layout, budget: int) -> Candidate:
+def _simulated(model_config, fcsd_config, layout: Layout, cluster: Cluster) -> Candidate:
     """``layout`` simulated; a step the trainer's own code cannot run (it raises on fake tensors as it would on real
     ones) is an ``invalid`` candidate naming the error, not a crashed plan."""
     try:
@@ -202,7 +207,16 @@ def _simulated(model_config, fcsd_config, layout: Layout, budget: int) -> Candid
     except RuntimeError as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return Candidate(layout, "invalid", note=f"the trainer's step fails in this layout: {first[:160]}")
-    return Candidate(layout, "fits" if estimate.peak <= budget else "exceeds", estimate)
+    if estimate.peak > cluster.budget:
+        return Candidate(layout, "exceeds", estimate)
+    host = estimate.host * cluster.gpus_per_node
+    if host > cluster.host_budget:
+        note = (
+            f"its GPUs' rows for the replay take {host / GIB:.0f} GiB of a node's host memory, more than the "
+            f"{cluster.host_budget / GIB:.0f} GiB allowed (--host-memory)"
+        )
+        return Candidate(layout, "exceeds", estimate, note=note)
+    return Candidate(layout, "fits", estimate)
 
 
 def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]) -> Candidate | None:
@@ -216,7 +230,7 @@ def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]
         if not candidate.fits or group in best:
             continue
         if candidate.estimate is None:
-            simulated = _simulated(model_config, fcsd_config, candidate.layout, result.cluster.budget)
+            simulated = _simulated(model_config, fcsd_config, candidate.layout, result.cluster)
             candidate.estimate, candidate.status, candidate.note = simulated.estimate, simulated.status, simulated.note
             if not candidate.fits:  # not implied after all (or the step fails): keep looking
                 continue

@@ -31,6 +31,10 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-tflops", type=float, help="peak dense bf16 TFLOP/s per GPU (default: the preset's)")
     p.add_argument("--intra-gbps", type=float, help="bus bandwidth inside a node, GB/s (default: the preset's)")
     p.add_argument("--inter-gbps", type=float, help="bus bandwidth between nodes per GPU, GB/s")
+    p.add_argument(
+        "--host-gbps", type=float, help="GPU-host copy bandwidth per GPU and direction, GB/s (checkpoint offload; 25)"
+    )
+    p.add_argument("--host-memory", help="host memory of a node, e.g. 2TiB (default); a plan pins at most half")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--mfu", type=float, default=0.3, help="share of peak FLOP/s a training step reaches (0.3)")
@@ -78,6 +82,8 @@ def run_plan(args) -> int:
         args.inter_gbps,
         args.mfu,
         args.margin,
+        args.host_gbps,
+        args.host_memory,
     )
     plan = make_plan(args.model, cluster, args.tokens, args.layers, args.probe, args.overrides, args.max_kl)
     report = plan_dict(plan)

@@ -6,7 +6,10 @@ Peak FLOP/s are the vendors' dense bf16 figures (no sparsity). Bandwidths are *b
 NVLink 4 (900 GB/s bidirectional per GPU) gives about 360 GB/s for an all-reduce and 300 GB/s for an all-to-all
 (MI300X's Infinity Fabric a little less), between nodes one 400 Gb/s NIC per GPU gives about 45 GB/s. These are the
 planner's stated assumptions, not measurements: override them with ``--intra-gbps`` / ``--inter-gbps`` (and
-``--gpu-memory``, ``--gpu-tflops``) for your cluster.
+``--gpu-memory``, ``--gpu-tflops``) for your cluster. The host link (what ``train.checkpoint_offload`` copies over)
+is a PCIe Gen5 x16 per GPU, shared with its neighbour behind one switch as in DGX/HGX nodes: about 25 GB/s each way
+per GPU while all copy (``--host-gbps``); a node has 2 TiB of host memory, of which a plan pins at most half
+(``--host-memory``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class GPU:
     tflops: float  # dense bf16 peak
     intra_gbps: float  # bus bandwidth inside a node (all-reduce; all-to-all uses 5/6 of it)
     inter_gbps: float  # bus bandwidth between nodes, per GPU
+    host_gbps: float = 25.0  # GPU <-> host copies, per GPU and direction, every GPU of the node copying
+    host_gib: float = 2048.0  # host memory of a node
 
 
 GPUS = {
@@ -31,6 +36,7 @@ GPUS = {
     "h200": GPU("H200 141GB", 139.8, 989.0, 360.0, 45.0),
     "mi300x": GPU("MI300X 192GB", 192.0, 1307.0, 300.0, 45.0),
 }
+HOST_SHARE = 0.5  # of a node's host memory, what a plan may pin (the rest: the OS, data loading, the page cache)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,11 @@ class Cluster:
         """Bytes of tensors a GPU can hold in a plan that fits: memory less the reserve, less the margin."""
         return int((self.gpu.memory_gib - self.reserve_gib) * (1 - self.margin) * GIB)
 
+    @property
+    def host_budget(self) -> int:
+        """Bytes of a node's host memory a plan may pin (:data:`HOST_SHARE` of it)."""
+        return int(self.gpu.host_gib * HOST_SHARE * GIB)
+
     def with_nodes(self, nodes: int) -> Cluster:
         return replace(self, nodes=nodes)
 
@@ -75,16 +86,16 @@ class Cluster:
         return {**asdict(self), "gpus": self.gpus, "budget_bytes": self.budget}
 
 
-def parse_memory(text: str) -> float:
-    """``80GB`` / ``80GiB`` / ``80`` (GiB) / ``81920MiB`` -> GiB. GB are 10^9 bytes, GiB 2^30."""
+def parse_memory(text: str, option: str = "--gpu-memory") -> float:
+    """``80GB`` / ``80GiB`` / ``80`` (GiB) / ``81920MiB`` / ``2TiB`` -> GiB. GB are 10^9 bytes, GiB 2^30."""
     found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB])?\s*", str(text))
     if not found:
-        raise ValueError(f"--gpu-memory {text!r}: give a size such as 80GB, 141GiB or 80 (GiB)")
+        raise ValueError(f"{option} {text!r}: give a size such as 80GB, 141GiB, 2TiB or 80 (GiB)")
     value, unit = float(found.group(1)), (found.group(2) or "GiB").lower()
     power = "kmgt".index(unit[0]) + 1
     size = value * (1024**power if "i" in unit else 1000**power) / GIB
     if size <= 0:
-        raise ValueError(f"--gpu-memory {text!r}: it must be more than 0")
+        raise ValueError(f"{option} {text!r}: it must be more than 0")
     return size
 
 
@@ -98,6 +109,8 @@ def make_cluster(
     inter_gbps: float | None = None,
     mfu: float = 0.3,
     margin: float = 0.1,
+    host_gbps: float | None = None,
+    host_memory: str | None = None,
 ) -> Cluster:
     """A :class:`Cluster` from the command line's options, with one-line errors for impossible values."""
     if gpu not in GPUS:
@@ -116,8 +129,10 @@ def make_cluster(
         "tflops": gpu_tflops,
         "intra_gbps": intra_gbps,
         "inter_gbps": inter_gbps,
+        "host_gbps": host_gbps,
+        "host_gib": parse_memory(host_memory, "--host-memory") if host_memory else None,
     }
-    options = {"memory_gib": "--gpu-memory", "tflops": "--gpu-tflops", "intra_gbps": "--intra-gbps"}
+    options = {"memory_gib": "--gpu-memory", "tflops": "--gpu-tflops", "host_gib": "--host-memory"}
     for key, value in changes.items():
         if value is not None and value <= 0:
             raise ValueError(f"{options.get(key, '--' + key.replace('_', '-'))} {value}: it must be more than 0")

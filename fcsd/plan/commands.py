@@ -30,6 +30,7 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
     settings = {
         "train.micro_batch_size": layout.micro_batch,
         "train.gradient_checkpointing": str(layout.gradient_checkpointing).lower(),
+        "train.checkpoint_offload": str(layout.offload).lower(),
         "train.batch_tokens": config.train.batch_tokens,
         "train.max_tokens": config.train.max_tokens,
         "train.warmup_steps": config.train.warmup_steps,
@@ -38,6 +39,7 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
     current = {
         "train.micro_batch_size": defaults.train.micro_batch_size,
         "train.gradient_checkpointing": str(defaults.train.gradient_checkpointing).lower(),
+        "train.checkpoint_offload": str(defaults.train.checkpoint_offload).lower(),
         "train.batch_tokens": defaults.train.batch_tokens,
         "train.max_tokens": defaults.train.max_tokens,
         "train.warmup_steps": defaults.train.warmup_steps,

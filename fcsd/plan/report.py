@@ -21,26 +21,28 @@ def _memory_row(candidate, budget: int, unit: tuple[str, int]) -> str:
     if estimate is None:
         cells = ["-"] * (len(CATEGORIES) + 1)
         verdict = STATUS[candidate.status] if candidate.status != "fits" else "fits (implied)"
-        return f"{name:<26}" + "".join(f"{c:>8}" for c in cells) + f"  {verdict}: {candidate.note}"
+        return f"{name:<32}" + "".join(f"{c:>8}" for c in cells) + f"  {verdict}: {candidate.note}"
     cells = [f"{getattr(estimate, k) / size:.1f}" for k in CATEGORIES] + [f"{estimate.peak / size:.1f}"]
     verdict = STATUS[candidate.status]
     if candidate.fits:
         verdict += f" ({(budget - estimate.peak) / GIB:.1f} GiB to spare)"
-    else:
+    elif estimate.peak > budget:
         verdict += f" (+{(estimate.peak - budget) / GIB:.1f} GiB)"
-    return f"{name:<26}" + "".join(f"{c:>8}" for c in cells) + f"  {verdict}"
+    if candidate.layout.offload:
+        verdict += f", {estimate.host / GIB:.1f} GiB in host memory" + (f": {candidate.note}" if candidate.note else "")
+    return f"{name:<32}" + "".join(f"{c:>8}" for c in cells) + f"  {verdict}"
 
 
 def memory_table(search) -> list[str]:
     cluster, unit = search.cluster, _unit(search)
-    head = f"{'per GPU, ' + unit[0]:<26}" + "".join(f"{h:>8}" for h in (*_SHORT, "peak")) + "  fits"
+    head = f"{'per GPU, ' + unit[0]:<32}" + "".join(f"{h:>8}" for h in (*_SHORT, "peak")) + "  fits"
     lines = [f"memory on {cluster.describe()}", head]
     lines += [_memory_row(c, cluster.budget, unit) for c in search.candidates]
     lines.append(
         "(EP=PxFSDP=R: experts over P GPUs, each shard FSDP2-sharded over its R replicas, the rest FSDP2 over all; "
         "EP=P: the rest replicated; mbN: micro-batch of N sequences; ckpt: gradient checkpointing (under EP: the "
-        "exchanges replayed); online: the teacher laid out as the student; cache: the top-k cache; grads of FSDP2 "
-        "are its sharded ones)"
+        "exchanges replayed; ckpt+host: their rows kept in host memory, train.checkpoint_offload); online: the "
+        "teacher laid out as the student; cache: the top-k cache; grads of FSDP2 are its sharded ones)"
     )
     return lines
 
@@ -68,13 +70,13 @@ def timing_table(search) -> list[str]:
         return []
     lines = [
         "step time of each layout's fastest fitting candidate (expert parallel and not)",
-        f"{'layout':<30}{'peak GiB':>9}{'step s':>8}{'compute':>9}{'comm':>7}",
+        f"{'layout':<32}{'peak GiB':>9}{'step s':>8}{'compute':>9}{'comm':>7}",
     ]
     for c in timed:
         mark = "  <- chosen" if c is search.chosen else ""
         t = c.time
         lines.append(
-            f"{c.layout.short:<30}{c.estimate.peak / GIB:>9.1f}{t.seconds:>8.2f}{t.compute_s:>9.2f}"
+            f"{c.layout.short:<32}{c.estimate.peak / GIB:>9.1f}{t.seconds:>8.2f}{t.compute_s:>9.2f}"
             f"{t.exposed_comm_s:>7.2f}{mark}"
         )
     return lines

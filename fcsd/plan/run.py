@@ -45,6 +45,7 @@ class Layout:
     teacher: str = "online"
     micro_batch: int = 1
     gradient_checkpointing: bool = False
+    offload: bool = False  # checkpointing's replayed rows in host memory (train.checkpoint_offload)
 
     @property
     def fsdp(self) -> bool:
@@ -69,12 +70,14 @@ class Layout:
     @property
     def short(self) -> str:
         teacher = "cache" if self.teacher == "cache" else "online"
-        return f"{self.shape} {teacher} mb{self.micro_batch}" + (" ckpt" if self.gradient_checkpointing else "")
+        checkpointing = (" ckpt+host" if self.offload else " ckpt") if self.gradient_checkpointing else ""
+        return f"{self.shape} {teacher} mb{self.micro_batch}{checkpointing}"
 
     @property
     def name(self) -> str:
         shape = "1 process" if self.strategy == "single" else self.shape.replace("x", " x ").replace("=", " ")
         checkpointing = ", grad ckpt" if self.gradient_checkpointing else ""
+        checkpointing += " (replay in host memory)" if self.offload else ""
         return f"{shape}, teacher {self.teacher_layout}, micro-batch {self.micro_batch}{checkpointing}"
 
 
@@ -84,6 +87,7 @@ def step_config(fcsd_config, layout: Layout, processes: int):
     config = copy.deepcopy(fcsd_config)
     config.train.micro_batch_size = layout.micro_batch
     config.train.gradient_checkpointing = layout.gradient_checkpointing
+    config.train.checkpoint_offload = layout.offload
     config.teacher.mode = layout.teacher
     config.parallel.ep_size = layout.ep_size if layout.strategy in ("ep", "ep_fsdp") else 1
     config.parallel.fsdp = layout.fsdp
@@ -273,8 +277,9 @@ def build_run(model_config, fcsd_config, layout: Layout, target: str, meshes=Non
         parallel = config.parallel
         options = {"mode": parallel.mode, "dispatcher": parallel.dispatcher}
         compute = torch.bfloat16 if mixed == "bf16" else None
-        checkpointing = config.train.gradient_checkpointing
-        parallelize(student, meshes, "student", **options, checkpointing=checkpointing, compute_dtype=compute)
+        train = config.train
+        checkpointing = {"checkpointing": train.gradient_checkpointing, "offload": train.checkpoint_offload}
+        parallelize(student, meshes, "student", **options, **checkpointing, compute_dtype=compute)
         if teacher is not None:
             parallelize(teacher, meshes, "teacher", **options)
         _adopt_laid_out_experts(student)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fcsd.plan.run import LAID_OUT, Layout, Run, accumulation_steps, build_run, run_meshes, step_config
-from fcsd.plan.tracker import MemoryTracker
+from fcsd.plan.tracker import HOST, MemoryTracker
 
 CATEGORIES = ("weights", "gradients", "optimizer", "teacher", "activations", "loss")
 
@@ -54,10 +54,11 @@ class StepEstimate:
     tokens: int
     accumulation: int
     peak_phase: str = ""
+    host: int = 0  # bytes kept in host memory at most (train.checkpoint_offload's rows for the replay)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in ("peak", "peak_phase", "at_peak", *CATEGORIES, "flops", "tokens")}
+        out = {k: getattr(self, k) for k in ("peak", "peak_phase", "at_peak", *CATEGORIES, "host", "flops", "tokens")}
         return {"layout": self.layout.__dict__ | {"name": self.layout.name}, "accumulation": self.accumulation, **out}
 
 
@@ -200,7 +201,7 @@ def track_step(run: Run, target: str = "cpu") -> dict:
     for param in run.unwrapped.parameters():
         if param.grad is not None:
             tracker.track(_local(param.grad), "gradients")
-    with _phases(run, tracker), tracker:
+    with _phases(run, tracker), tracker, _host_copies(tracker):
         run.step(tracker.phase_as)
     static = static_bytes(run, tracker)
     # DDP's reducer (which fake tensors cannot run) holds its buckets, a flat copy of the gradients, for the step
@@ -215,9 +216,22 @@ def track_step(run: Run, target: str = "cpu") -> dict:
         "largest": {
             "activations": tracker.largest.get("activations", 0) + tracker.largest.get("backward", 0),
             "loss": tracker.largest.get("loss", 0),
+            "host": tracker.largest.get(HOST, 0),
         },
         "flops": dict(tracker.flops),
     }
+
+
+@contextlib.contextmanager
+def _host_copies(tracker: MemoryTracker):
+    """The rows ``train.checkpoint_offload`` keeps for the replay charged to host memory, not to the GPU."""
+    from fcsd.parallel import recompute
+
+    saved, recompute.host_allocation = recompute.host_allocation, lambda: tracker.phase_as(HOST)
+    try:
+        yield
+    finally:
+        recompute.host_allocation = saved
 
 
 def static_bytes(run: Run, tracker: MemoryTracker) -> dict[str, int]:
@@ -258,6 +272,7 @@ def _estimate(measured: dict, layout: Layout, tokens: int, accumulation: int) ->
         **{k: int(v) for k, v in measured["static"].items()},
         activations=int(measured["largest"]["activations"]),
         loss=int(measured["largest"]["loss"]),
+        host=int(measured["largest"].get("host", 0)),
         flops=dict(measured["flops"]),
         tokens=tokens,
         accumulation=accumulation,

@@ -15,7 +15,10 @@ GPU's peak, plus the communication the step cannot hide:
   teacher's all-gathers (forward only), each over its group's bandwidth (consecutive ranks inside a node, the
   replicas of an expert shard ``P`` apart), prefetched behind the compute (only what exceeds it is exposed); EP x
   FSDP2 adds the expert-parallel all-to-alls above;
-- DDP: the fp32 gradient all-reduce, overlapped with the backward.
+- DDP: the fp32 gradient all-reduce, overlapped with the backward;
+- ``train.checkpoint_offload``: each micro-batch's replayed rows go to host memory during its forward (a side
+  stream: hidden behind the forward, a quarter of a checkpointed micro-batch's compute, up to its length) and come
+  back when each layer is recomputed (exposed: nothing prefetches them), over the host link (``host_gbps``).
 
 Per-layer compute times come from :func:`fcsd.perfmodel.prefill_layer_times` at ``peak x mfu``, bandwidths from the
 cluster (inside a node, or between nodes once a group spans several).
@@ -149,4 +152,13 @@ def step_time(
     elif layout.strategy == "ddp":
         comm = pm.allreduce_s(grad_bytes, processes, hardware(cluster, processes))
         exposed += max(0.0, comm - compute * 2 / 3)  # overlapped with the backward (two thirds of the compute)
+    if layout.offload:
+        exposed += estimate.accumulation * offload_exposure(estimate.host, compute / estimate.accumulation, cluster)
     return StepTime(compute, exposed, tokens, processes)
+
+
+def offload_exposure(host_bytes: int, micro_batch_compute: float, cluster: Cluster) -> float:
+    """Seconds a checkpointed micro-batch of ``micro_batch_compute`` seconds waits for ``host_bytes`` of replayed
+    rows going to host memory and back (see the module docstring)."""
+    copy = host_bytes / (cluster.gpu.host_gbps * 1e9)
+    return max(0.0, copy - micro_batch_compute / 4) + copy

@@ -27,6 +27,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
 CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
+HOST = "host"  # the category of tensors in host memory (the replayed rows of train.checkpoint_offload): not counted
+# in the GPU's live bytes or peak, their own largest amount kept in ``largest["host"]``
 
 
 def _round(value: int, multiple: int) -> int:
@@ -134,13 +136,17 @@ class MemoryTracker(TorchDispatchMode):
         return -(-nbytes // self.block) * self.block if nbytes else 0
 
     def _change(self, category: str, delta: int) -> None:
+        if category == HOST:  # not on the GPU: counted apart
+            self.live[HOST] += delta
+            self.largest[HOST] = max(self.largest[HOST], self.live[HOST])
+            return
         self.live[category] += delta
         self.total += delta
         if delta > 0:
             self.largest[category] = max(self.largest[category], self.live[category])
             best = self.phase_peaks.get(self.phase)
             if best is None or self.total > best[0]:
-                self.phase_peaks[self.phase] = (self.total, {k: v for k, v in self.live.items() if v})
+                self.phase_peaks[self.phase] = (self.total, {k: v for k, v in self.live.items() if v and k != HOST})
             if self.total > self.peak:
                 self.peak, self.peak_phase = self.total, self.phase
                 self.at_peak = self.phase_peaks[self.phase][1]

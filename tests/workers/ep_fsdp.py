@@ -8,9 +8,11 @@ the teacher resharded after its forward, generation and streamed saving of a mod
 ``<out>.<rank>.json``.
 """
 
+import contextlib
 import json
 import sys
 import tempfile
+from functools import partial
 
 import numpy as np
 import torch
@@ -77,15 +79,23 @@ def single(family, placement=None):
     return SINGLE.setdefault(family, (records, model.state_dict()))
 
 
-def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain"):
+@contextlib.contextmanager
+def counting_host_copies(counter: list):
+    """Counts the rows a checkpointed layer moves to host memory (``train.checkpoint_offload``)."""
+    counter.append(1)
+    yield
+
+
+def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain", offload=False):
     """The same steps laid out EP ``ep`` x FSDP ``WORLD / ep`` (the trainer's loss scale and calls)."""
     model = prepare(family, "farskip_overlap").train()
     meshes = build_meshes(ParallelDims(WORLD, ep, True), "cpu")
-    options = dict(placement=placement, dispatcher=dispatcher, checkpointing=checkpointing)
+    options = dict(placement=placement, dispatcher=dispatcher, checkpointing=checkpointing, offload=offload)
     parallelize(model, meshes, "student", **options)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameter_groups(model, params), lr=LR, fused=True)
-    records, events = [], []
+    records, events, host_copies = [], [], []
+    recompute.host_allocation = partial(counting_host_copies, host_copies)
     for step in range(STEPS):
         shares, tokens = step_batch(model, step)
         loss = loss_of(model(input_ids=shares[RANK], use_cache=False).logits)
@@ -102,7 +112,9 @@ def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain"
         total = loss.detach().clone()
         dist.all_reduce(total)
         records.append([float(total) / tokens, norm, float(squares.sqrt())])
+    recompute.host_allocation = contextlib.nullcontext
     state = {key: gather(value) for key, value in model_state(model).items()}
+    events.append(f"host copies: {len(host_copies)}")
     return records, state, events, len(optimizer.param_groups), (model, optimizer)
 
 
@@ -318,6 +330,7 @@ cases = {
     "deepseek_v3/ep2xfsdp2": ("deepseek_v3", 2, {}),
     "deepseek_v3/ep2xfsdp2/checkpointing": ("deepseek_v3", 2, {"checkpointing": True}),
     "llama4_text/ep2xfsdp2/checkpointing": ("llama4_text", 2, {"checkpointing": True}),
+    "qwen3_moe/ep2xfsdp2/checkpointing+offload": ("qwen3_moe", 2, {"checkpointing": True, "offload": True}),
     "qwen3_moe/ep4xfsdp1": ("qwen3_moe", 4, {}),
     "qwen3_moe/fsdp4/checkpointing": ("qwen3_moe", 1, {"checkpointing": True}),
     "qwen3_moe/ep2xfsdp2/placement+dedup": ("qwen3_moe", 2, {"dispatcher": "dedup", "placement": "ep2"}),
