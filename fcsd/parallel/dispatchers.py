@@ -81,8 +81,8 @@ class Pending:
         return self._result
 
     def release(self) -> None:
-        """Forget the result of a completed wait (its consumer holds it now); :meth:`rerun` still rebuilds it."""
-        if self._wait_fn is None:
+        """Forget the result of a completed wait (its consumer holds it now) when :meth:`rerun` can rebuild it."""
+        if self._wait_fn is None and self._function is not None:
             self._result = None
 
     def rerun(self):

@@ -80,7 +80,7 @@ def reduced(model_config, fcsd_config, layout):
     """``(model config, run config, layout)``: ``layout``'s run at the reduced size (see the module docstring)."""
     processes = min(layout.processes, MAX_PROCESSES)
     if processes == 1:
-        layout = replace(layout, strategy="single", processes=1, ep_size=1)
+        layout = replace(layout, strategy="single", processes=1, ep_size=1, offload=False)
     else:
         ep = {"ep": processes, "ep_fsdp": max(2, min(layout.ep_size, processes // 2))}.get(layout.strategy, 1)
         layout = replace(layout, processes=processes, ep_size=ep)
