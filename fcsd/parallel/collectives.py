@@ -323,6 +323,8 @@ def wait_all_to_all(recv: torch.Tensor, exchange: Exchange) -> torch.Tensor:
         chain.put(token)
     if exchange.replay_log is not None:  # filled now: the log may keep it in host memory
         exchange.received = exchange.replay_log.offload(recv) or recv
+    else:  # waited once: only a checkpointed layer's recomputation reads it again (autograd holds the exchange)
+        exchange.received = None
     if REPRIORITISES and ready.grad_fn is not None:
         ready.grad_fn._set_sequence_nr(_SEQUENCE_NR_MAX)  # its backward launches: as early as possible
     return ready
