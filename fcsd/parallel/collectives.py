@@ -200,7 +200,7 @@ class Exchange:
         send = send.contiguous()
         recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
         if phase == "forward" and (log := recompute.recording_log()) is not None:
-            log.put(self.kind, recv)  # filled by the collective before anything reads it
+            log.put(self.kind, recv, exchange=self)  # filled by the collective before anything reads it
             self.replay_log = log  # offloaded once waited (wait_all_to_all)
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group, async_op=True)
         if LINK is not None:  # full duplex: the larger of what leaves and what arrives from other ranks

@@ -80,11 +80,6 @@ class Pending:
             self._result, self._wait_fn = self._wait_fn(), None
         return self._result
 
-    def release(self) -> None:
-        """Forget the result of a completed wait (its consumer holds it now) when :meth:`rerun` can rebuild it."""
-        if self._wait_fn is None and self._function is not None:
-            self._result = None
-
     def rerun(self):
         """Run the wait again, for the recomputation of a checkpointed layer (:mod:`fcsd.parallel.recompute`): the
         collective is not waited twice, its post-processing is rebuilt."""

@@ -96,11 +96,15 @@ class ReplayLog:
 
     def __init__(self, offload: bool = False):
         self.entries: list[tuple[str, tuple]] = []
+        self.exchanges: list = []
         self.position = 0
         self.offloads = offload
 
-    def put(self, kind: str, *tensors) -> None:
+    def put(self, kind: str, *tensors, exchange=None) -> None:
+        """Record an exchange's result; ``exchange`` (its :class:`~fcsd.parallel.collectives.Exchange`) forgets its
+        copy when the recomputation takes this one, as autograd keeps the exchange until its reverse has run."""
         self.entries.append((kind, tensors))
+        self.exchanges.append(exchange)
 
     def offload(self, tensor: torch.Tensor) -> HostCopy | None:
         """Move the recorded ``tensor`` (an exchange's receive buffer, now filled) to host memory, if this log
@@ -127,6 +131,9 @@ class ReplayLog:
                 f"forward issued a {recorded} one (exchange {self.position + 1})"
             )
         self.entries[self.position] = (recorded, ())  # released: the recomputation holds it now
+        if (exchange := self.exchanges[self.position]) is not None:
+            exchange.received = None
+            self.exchanges[self.position] = None
         self.position += 1
         return tuple(t.back() if isinstance(t, HostCopy) else t for t in tensors)
 

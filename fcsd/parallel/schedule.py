@@ -135,9 +135,7 @@ class ReplayableHandOver(HandOver):
         if self.routed is None and recompute.replaying():
             self.partial + self.combine.rerun().view(self.partial.shape)  # noqa: B018 (rebuilds the saved tensors)
             return self.full
-        full = super().complete()
-        self.combine.release()  # added into ``full``: not kept until the backward by this hand-over
-        return full
+        return super().complete()
 
 
 class FarSkipEPSchedule:
