@@ -21,12 +21,12 @@ import time
 
 from fcsd.plan.run import Layout
 
-LAYOUTS = [  # (model, GPU, nodes, layout): what the plans of docs/planning.md choose (Qwen3: the EP one it times)
+LAYOUTS = [  # (model, GPU, nodes, layout): what the plans of docs/planning.md choose (Qwen3: its fastest EP one)
     ("deepseek_v2_lite", "h100", 1, Layout("ep_fsdp", 8, 8, "online", 2, True)),
     ("deepseek_v2_lite", "h100", 1, Layout("fsdp2", 8, 1, "online", 2, True)),
     ("llama4_scout", "h200", 2, Layout("ep_fsdp", 16, 8, "online", 1, True)),
-    ("qwen3_30b_a3b", "h100", 1, Layout("ep_fsdp", 8, 8, "online", 1, False)),
-    ("deepseek-v3", "h200", 16, Layout("ep_fsdp", 128, 8, "cache", 1, True)),
+    ("qwen3_30b_a3b", "h100", 1, Layout("ep_fsdp", 8, 8, "online", 2, True, offload=True)),
+    ("deepseek-v3", "h200", 16, Layout("ep_fsdp", 128, 8, "online", 1, True, offload=True)),
 ]
 
 

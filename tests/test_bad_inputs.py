@@ -338,6 +338,13 @@ CASES = [
         None,
     ),
     (
+        "checkpoint_offload_without_expert_parallelism",
+        lambda w: run_convert(w, "train.gradient_checkpointing=true", "train.checkpoint_offload=true", "output_dir=n"),
+        "train.checkpoint_offload keeps the rows of checkpointed expert-parallel exchanges in host memory: it needs "
+        "train.gradient_checkpointing=true and parallel.ep_size > 1",
+        None,
+    ),
+    (
         "placement_for_another_model",
         lambda w: run_convert(w, "parallel.ep_size=2", f"parallel.placement={w / 'placement16.json'}", "output_dir=n"),
         "placement16.json is for 16 experts per layer, the model has 8",

@@ -186,10 +186,10 @@ def test_paper_models_fit_with_ep_x_fsdp2(model, gpu, nodes, layout):
 
 def test_deepseek_v3_on_16_nodes_misses_by_what_more_gpus_cannot_shard():
     """DeepSeek-V3 on 16 x 8 H200 with EP 8 x FSDP 16, the frugal step (cached teacher, micro-batch 1,
-    checkpointing): the static bytes fit (a 128th of the model), but more than half a GPU goes to what checkpointing
-    under EP keeps (each layer's inputs and the rows its Dispatch and Combine received, for the replay), which grows
-    with the tokens of a micro-batch, not with the model's share: the step does not fit, and the plan must say so
-    rather than claim a fit."""
+    checkpointing) with the replay kept on the GPU: the static bytes fit (a 128th of the model), but more than half a
+    GPU goes to what checkpointing under EP keeps (each layer's inputs and the rows its Dispatch and Combine received,
+    for the replay), which grows with the tokens of a micro-batch, not with the model's share: the step does not fit
+    (train.checkpoint_offload is what fits it, below), and the plan must say so rather than claim a fit."""
     from fcsd.plan.models import load_model_config
     from fcsd.plan.planner import run_config as plan_config
 
