@@ -1,11 +1,12 @@
-"""How `fcsd convert` walks through fcsd's own modules before its first training step (issue: validate once).
+"""How `fcsd convert` walks through fcsd's own modules before it loads the models (its pre-flight).
 
-`fcsd convert` runs on the demo teacher (built once in the user cache) with a tiny run, under a profiler hook that
-follows fcsd's own frames from `fcsd.cli.main` to the first `TrainingSession.forward_backward` (where it stops the
-run): calls into other packages are transparent, so the "current module" is the module of the innermost fcsd frame.
+`fcsd convert` runs on the demo's files (built in a scratch cache, the teacher barely pretrained) with a tiny run, under a profiler hook that
+follows fcsd's own frames from `fcsd.cli.main` to `fcsd.distill.models.load_models` (where it stops the run: all
+before it resolves and checks the sources, the folders, the data and the resume): calls into other packages are transparent, so the "current module" is the module of the innermost fcsd frame.
 Printed:
 
-- modules: how many distinct fcsd modules the walk enters;
+- modules: how many distinct fcsd modules the walk enters (imports, i.e. module bodies and what they call, are not
+  part of it);
 - stays: how many times the current module changes (each maximal stretch in one module is a stay);
 - climbs: how many of those changes are returns (back up into a caller's module), the back-and-forth of a
   pre-flight that alternates between helpers;
@@ -28,15 +29,17 @@ from pathlib import Path
 
 
 class _Reached(BaseException):
-    """Raised at the first training step: the walk is over (a BaseException, so no `except Exception` keeps it)."""
+    """Raised when the models start loading: the walk is over (a BaseException, so no `except Exception` keeps it)."""
 
 
 def walk(argv: list[str]) -> list[tuple[str, str]]:
-    """``(event, module)`` for each change of the current fcsd module while ``fcsd <argv>`` runs to its first step."""
+    """``(event, module)`` for each change of the current fcsd module while ``fcsd <argv>`` runs until it loads the
+    models."""
     from fcsd.cli import main
 
     changes: list[tuple[str, str]] = []
     stack: list[str] = []
+    importing = [0]  # fcsd module bodies running (an import): not part of the walk
 
     def profile(frame, event, _arg):
         if event not in ("call", "return"):
@@ -44,8 +47,13 @@ def walk(argv: list[str]) -> list[tuple[str, str]]:
         module = frame.f_globals.get("__name__", "")
         if not (module == "fcsd" or module.startswith("fcsd.")):
             return
+        if frame.f_code.co_name == "<module>":
+            importing[0] += 1 if event == "call" else -1
+            return
+        if importing[0]:
+            return
         if event == "call":
-            if frame.f_code.co_name == "forward_backward" and module == "fcsd.distill.trainer":
+            if frame.f_code.co_name == "load_models" and module == "fcsd.distill.models":
                 raise _Reached
             if not stack or stack[-1] != module:
                 changes.append(("enter", module))
@@ -79,10 +87,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from fcsd.demo_assets import prepare_demo
+    import os
 
-    demo = prepare_demo()
+    from fcsd import demo_assets
+
     with tempfile.TemporaryDirectory() as scratch:
+        # the demo's files, its teacher barely pretrained (the walk does not depend on what the model knows)
+        os.environ["FCSD_CACHE"] = str(Path(scratch) / "cache")
+        demo_assets.PRETRAIN_STEPS = 1
+        demo = demo_assets.prepare_demo()
         argv = [
             "convert",
             str(demo / "model"),
@@ -100,8 +113,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"fcsd convert, fcsd.cli.main to the first training step: {result['modules']} modules entered, ")
-    print(f"{result['stays']} stays, {result['climbs']} climbs back up")
+    print(
+        f"fcsd convert, fcsd.cli.main to load_models: {result['modules']} modules entered, {result['stays']} stays, "
+        f"{result['climbs']} climbs back up"
+    )
     for module, count in result["visits"].items():
         print(f"{count:>5}  {module}")
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from fcsd.distill import run_io
 from fcsd.distill.config import FCSDConfig
+from fcsd.distill.preflight import preflight
 from fcsd.distill.trainer import RunResult, train
-from fcsd.run_folder import RunFolder
 
 
 def convert(config: FCSDConfig) -> RunResult:
-    """Check the hub token, claim the output folder (:func:`~fcsd.distill.run_io.output_dir_claimed`), train,
-    export, push; returns the training result."""
+    """Check the hub token, check every input once (:func:`~fcsd.distill.preflight.preflight`), claim the output
+    folder (:func:`~fcsd.distill.run_io.output_dir_claimed`), train, export, push; returns the training result."""
     from accelerate import PartialState
 
     state = PartialState(cpu=not _cuda())
@@ -22,14 +22,17 @@ def convert(config: FCSDConfig) -> RunResult:
 
         if not get_token():
             raise ValueError(f"push_to_hub={config.push_to_hub} needs a hub token: set HF_TOKEN or `hf auth login`")
-    with run_io.output_dir_claimed(config, state.is_main_process):  # one run per folder, for the whole run
+    checked = preflight(config, state.is_main_process)
+    with run_io.output_dir_claimed(
+        config, state.is_main_process, checked=True
+    ):  # one run per folder, for the whole run
         state.wait_for_everyone()
-        result = train(config)
+        result = train(checked)
         if config.export and (config.parallel.ep_size > 1 or config.parallel.fsdp):  # no process loads it whole
             from fcsd.parallel.export import export_laid_out
             from fcsd.parallel.training import run_meshes
 
-            export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
+            export_dir = Path(config.export_dir or checked.run.export)
             source = result.best_dir or result.final_dir
             export_laid_out(source, export_dir, run_meshes(config, state), overwrite=True)
             if state.is_main_process:
@@ -37,7 +40,7 @@ def convert(config: FCSDConfig) -> RunResult:
         elif config.export and state.is_main_process:  # after the summary: the export's model card reads it
             from fcsd.export.save import export_checkpoint
 
-            export_dir = Path(config.export_dir or RunFolder(config.output_dir).export)
+            export_dir = Path(config.export_dir or checked.run.export)
             source = result.best_dir or result.final_dir
             # the run's own export/ is the run's to replace; an explicit export_dir only with overwrite=true (checked
             # before training, and again under its lock at the rename: another command may have written it since)

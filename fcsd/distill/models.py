@@ -12,28 +12,30 @@ from fcsd.distill.config import FCSDConfig
 from fcsd.sources import resolve_model
 
 
-def load_tokenizer(config: FCSDConfig):
-    """The checkpoint's tokenizer (an export's without its remote code), after :func:`check_model_config` (the first
-    moment the model's config is read, before any weights load) and checked against the model's vocabulary."""
+def load_tokenizer(config: FCSDConfig, source: str | None = None, model_config=None):
+    """The checkpoint's tokenizer (an export's without its remote code), checked against the model's vocabulary.
+    ``source`` and ``model_config``: the resolved model and its config (:mod:`fcsd.distill.preflight`); without
+    them :func:`check_model_config` runs first (the first moment the model's config is read, before any weights)."""
     from fcsd.loading import check_tokenizer_fits, tokenizer_from_pretrained
 
-    model_config = check_model_config(config)
-    name = resolve_model(config.model.name)
+    name = source or resolve_model(config.model.name)
+    model_config = model_config or check_model_config(config, name)
     tokenizer = tokenizer_from_pretrained(name, revision=config.model.revision)
     check_tokenizer_fits(tokenizer, model_config, name)
     return tokenizer
 
 
-def check_model_config(config: FCSDConfig):
+def check_model_config(config: FCSDConfig, source: str | None = None):
     """What the model's ``config.json`` decides about the run, checked before any weights load: a supported family
     of a possible shape (:func:`~fcsd.connectivity.families.family_for_config`), ``farskip.layers`` converting at
     least one of its layers, ``data.seq_len`` within its ``max_position_embeddings`` (above, it would train
-    positions the model never learned, silently) and ``parallel.placement`` made for it. Returns the config."""
+    positions the model never learned, silently) and ``parallel.placement`` made for it. Returns the config.
+    ``source``: ``model.name`` already resolved."""
     from fcsd.connectivity.families import family_for_config, text_config
     from fcsd.connectivity.layer_spec import converted_layers
     from fcsd.loading import load_config
 
-    name = resolve_model(config.model.name)
+    name = source or resolve_model(config.model.name)
     model_config = load_config(name, config.model.revision)
     family_for_config(model_config)
     decoder = text_config(model_config)
@@ -77,6 +79,7 @@ def load_models(
     need_student: bool = True,
     meshes=None,
     teacher_meshes=None,
+    source: str | None = None,
 ):
     """Frozen teacher and FarSkip student (each ``None`` when not needed) from the same checkpoint.
 
@@ -86,7 +89,7 @@ def load_models(
     :func:`fcsd.parallel.training.run_meshes`): both are built on the meta device, laid out by
     :func:`fcsd.parallel.layout.parallelize` and filled by reading only this process's slices
     (:func:`fcsd.parallel.load.from_pretrained_parallel`); ``teacher_meshes`` lays out the teacher alone that way
-    (an FSDP2 run of accelerate, whose student accelerate shards)."""
+    (an FSDP2 run of accelerate, whose student accelerate shards). ``source``: ``model.name`` already resolved."""
     from fcsd.loading import from_pretrained, load_config
 
     student_load = teacher_load = from_pretrained
@@ -97,7 +100,7 @@ def load_models(
         if meshes is not None:
             student_load = laid_out_loader(config, meshes, "student", device)
 
-    path = resolve_model(config.model.name)
+    path = source or resolve_model(config.model.name)
     cuda = device.type == "cuda"
     common = {"trust_remote_code": config.model.trust_remote_code, "text_only": True}
     if config.model.revision:

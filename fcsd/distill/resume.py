@@ -178,13 +178,11 @@ def _check_length_and_schedule(run: RunFolder, checkpoint: Path, config, saved) 
         )
 
 
-def weights_fingerprint(name: str, revision: str | None = None) -> str | None:
-    """A cheap content fingerprint of the weight files of ``model.name`` (a local folder, ``demo``, or a hub id
+def weights_fingerprint(source: str, revision: str | None = None) -> str | None:
+    """A cheap content fingerprint of the weight files of a resolved model source (a local folder, or a hub id
     already in the hub cache; None otherwise): per file its name, size, safetensors header and 16 evenly spread
     4 KiB samples. Other weights of the same shapes (another fine-tune) change it; it costs milliseconds per file."""
-    from fcsd.sources import resolve_model
-
-    folder = _local_folder(resolve_model(name), revision)
+    folder = _local_folder(source, revision)
     if folder is None:
         return None
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file())
@@ -233,9 +231,10 @@ def tokenizer_fingerprints(tokenizer) -> dict:
     return {"tokenizer": digest([vocab, specials]), "chat_template": digest(getattr(tokenizer, "chat_template", None))}
 
 
-def input_fingerprints(config, tokenizer, data_fingerprint: str) -> dict:
-    """What a checkpoint records of its inputs' content (see the module docstring)."""
-    weights = weights_fingerprint(config.model.name, config.model.revision)
+def input_fingerprints(config, tokenizer, data_fingerprint: str, source: str) -> dict:
+    """What a checkpoint records of its inputs' content (see the module docstring); ``source``: ``model.name``
+    resolved (:mod:`fcsd.distill.preflight`)."""
+    weights = weights_fingerprint(source, config.model.revision)
     return {"model": weights, **tokenizer_fingerprints(tokenizer), "data": data_fingerprint}
 
 

@@ -15,21 +15,21 @@ from fcsd.user_cache import cache_root
 log = logging.getLogger(__name__)
 
 
-def load_run_data(config: FCSDConfig, tokenizer) -> tuple[Packed, Packed, dict]:
+def load_run_data(config: FCSDConfig, tokenizer, sources: tuple | None = None) -> tuple[Packed, Packed, dict]:
     """Training rows, held-out rows and a summary; held-out rows come from ``data.eval_path`` or the end of the
-    shuffled training rows (then removed from training)."""
+    shuffled training rows (then removed from training). ``sources``: ``data.path`` and ``data.eval_path`` already
+    resolved (:mod:`fcsd.distill.preflight`)."""
     data = config.data
+    path, eval_path = sources or (resolve_data(data.path), resolve_data(data.eval_path))
     options = {
         "text_field": data.text_field,
         "messages_field": data.messages_field,
         "seed": config.train.seed,
         "cache_dir": data.cache_dir or cache_root() / "packed",
     }
-    packed, summary = load_packed(
-        resolve_data(data.path), tokenizer, data.seq_len, split=data.split, max_rows=data.max_rows, **options
-    )
-    if data.eval_path:
-        held, _ = load_packed(resolve_data(data.eval_path), tokenizer, data.seq_len, **options)
+    packed, summary = load_packed(path, tokenizer, data.seq_len, split=data.split, max_rows=data.max_rows, **options)
+    if eval_path:
+        held, _ = load_packed(eval_path, tokenizer, data.seq_len, **options)
         held = held.rows(slice(0, data.eval_sequences))
         train = packed
     else:

@@ -74,17 +74,19 @@ def _run_entries(output_dir: Path) -> list[str]:
 
 
 @contextmanager
-def output_dir_claimed(config, is_main: bool = True):
-    """Hold ``output_dir`` for the whole run: check it (:func:`check_output_dir`), take its lock (one run per
-    folder), then, under the lock, remove staging leftovers of a dead run and clear what a restart or
-    ``overwrite=true`` replaces. Only the main process checks and locks."""
+def output_dir_claimed(config, is_main: bool = True, checked: bool = False):
+    """Hold ``output_dir`` for the whole run: check it (unless ``checked``: :func:`fcsd.distill.preflight.preflight`
+    did), take its lock (one run per folder), check it again under the lock (another command may have written there
+    since), then remove staging leftovers of a dead run and clear what a restart or ``overwrite=true`` replaces.
+    Only the main process checks and locks."""
     if not is_main:
         yield
         return
     output_dir = Path(config.output_dir)
-    ownership.check_not_in_use(output_dir, "output_dir")
-    check_output_dir(output_dir, config.train.resume, config.overwrite, config)
-    check_export_dir(config)
+    if not checked:
+        ownership.check_not_in_use(output_dir, "output_dir")
+        check_output_dir(output_dir, config.train.resume, config.overwrite, config)
+        check_export_dir(config)
     with ownership.folder_lock(output_dir, "output_dir"):
         action = check_output_dir(output_dir, config.train.resume, config.overwrite, config)  # now that it is ours
         stale = ownership.remove_stale_staging(output_dir)

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import FCSDConfig, layer_stages, warm_steps
+from fcsd.distill.config import layer_stages, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
@@ -35,10 +35,10 @@ from fcsd.distill.optim import (
     plan_steps,
     reset_optimizer_state,
 )
+from fcsd.distill.preflight import Checked
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
 from fcsd.distill.warm_start import average_gradients, layer_local_loss
-from fcsd.run_folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,11 @@ class RunResult:
     best_dir: Path | None = None  # best/ when early stopping kept one
 
 
-def train(config: FCSDConfig) -> RunResult:
-    """Run FCSD as configured and write ``output_dir/final/`` (loadable with :func:`fcsd.from_pretrained`)."""
-    session = TrainingSession(config)
-    s, plan, train_cfg = session, session.plan, config.train
+def train(checked: Checked) -> RunResult:
+    """Run FCSD on the inputs :func:`fcsd.distill.preflight.preflight` checked and write ``output_dir/final/``
+    (loadable with :func:`fcsd.from_pretrained`)."""
+    session = TrainingSession(checked)
+    s, plan, train_cfg = session, session.plan, checked.config.train
     done = s.start_step
     bar = tqdm(total=plan.total_steps, initial=done, desc="FCSD", unit="step", disable=not s.show_progress)
     for step in range(s.start_step, plan.total_steps):
@@ -98,15 +99,16 @@ class TrainingSession:
     """Everything one run holds: the accelerator, both models, the rows, optimizer, schedule, spike guard, early
     stopping and metrics, restored from the newest checkpoint when the run resumes."""
 
-    def __init__(self, config: FCSDConfig):
+    def __init__(self, checked: Checked):
         from accelerate import Accelerator, PartialState
         from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
         from accelerate.utils.environment import parse_flag_from_env
 
         from fcsd.distill.teacher_cache import TeacherCache, cache_dir, run_meta
 
+        config = checked.config
         self.config, train_cfg = config, config.train
-        self.run = RunFolder(config.output_dir)
+        self.run = checked.run
         cpu_only = not torch.cuda.is_available()  # so that torchrun / accelerate launch on CPUs form a gloo group
         mixed = train_cfg.mixed_precision
         if mixed == "auto":
@@ -142,11 +144,12 @@ class TrainingSession:
                 f"{self.plan.micro_batch_size}"
             )
         set_seed(train_cfg.seed)
-        self.tokenizer = load_tokenizer(config)
+        self.tokenizer = load_tokenizer(config, checked.model, checked.model_config)
         with accelerator.main_process_first():
-            self.train_rows, self.held_rows, self.data_summary = load_run_data(config, self.tokenizer)
+            rows = load_run_data(config, self.tokenizer, (checked.data, checked.eval_data))
+            self.train_rows, self.held_rows, self.data_summary = rows
         self.data_fingerprint = tokens_fingerprint(all_rows(self.train_rows, self.held_rows).input_ids)
-        self.inputs = input_fingerprints(config, self.tokenizer, self.data_fingerprint)
+        self.inputs = input_fingerprints(config, self.tokenizer, self.data_fingerprint, checked.model)
         if train_cfg.resume:  # the content (weights, tokenizer, chat template, data), before anything is written
             check_resume_inputs(self.run, config, self.inputs)
         self.early = None
@@ -166,8 +169,9 @@ class TrainingSession:
             need_teacher=online,
             meshes=meshes,
             teacher_meshes=teacher_meshes(accelerator) if online else None,
+            source=checked.model,
         )
-        self.inputs["model"] = self.inputs["model"] or weights_fingerprint(config.model.name, config.model.revision)
+        self.inputs["model"] = self.inputs["model"] or weights_fingerprint(checked.model, config.model.revision)
         self.cache = None
         if not online:
             rows = all_rows(self.train_rows, self.held_rows)
