@@ -1,8 +1,9 @@
 """How `fcsd convert` walks through fcsd's own modules before it loads the models (its pre-flight).
 
-`fcsd convert` runs on the demo's files (built in a scratch cache, the teacher barely pretrained) with a tiny run, under a profiler hook that
-follows fcsd's own frames from `fcsd.cli.main` to `fcsd.distill.models.load_models` (where it stops the run: all
-before it resolves and checks the sources, the folders, the data and the resume): calls into other packages are transparent, so the "current module" is the module of the innermost fcsd frame.
+`fcsd convert` runs on the demo's files (built in a scratch cache, the teacher barely pretrained) with a tiny run,
+under a profiler hook that follows fcsd's own frames from `fcsd.cli.main` to `fcsd.distill.models.load_models`
+(where it stops the run: all before it resolves and checks the sources, the folders, the data and the resume):
+calls into other packages are transparent, so the "current module" is the module of the innermost fcsd frame.
 Printed:
 
 - modules: how many distinct fcsd modules the walk enters (imports, i.e. module bodies and what they call, are not

@@ -968,7 +968,7 @@ def test_one_command_per_folder(env, capsys):
 def test_the_next_holder_removes_staging_left_by_a_dead_run(env, tmp_path, capsys):
     """Staging folders of a dead run go; the only copy of final/ left between atomic_dir's two renames comes back;
     the user's own dotted files stay."""
-    from fcsd.distill.run_io import output_dir_claimed
+    from fcsd.distill.preflight import output_dir_claimed
 
     run = tmp_path / "run"
     shutil.copytree(env / "runs" / "unfinished", run)

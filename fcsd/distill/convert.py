@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fcsd.distill import run_io
 from fcsd.distill.config import FCSDConfig
-from fcsd.distill.preflight import preflight
+from fcsd.distill.preflight import output_dir_claimed, preflight
 from fcsd.distill.trainer import RunResult, train
 
 
 def convert(config: FCSDConfig) -> RunResult:
     """Check the hub token, check every input once (:func:`~fcsd.distill.preflight.preflight`), claim the output
-    folder (:func:`~fcsd.distill.run_io.output_dir_claimed`), train, export, push; returns the training result."""
+    folder (:func:`~fcsd.distill.preflight.output_dir_claimed`), train, export, push; returns the training result."""
     from accelerate import PartialState
 
     state = PartialState(cpu=not _cuda())
@@ -23,9 +22,7 @@ def convert(config: FCSDConfig) -> RunResult:
         if not get_token():
             raise ValueError(f"push_to_hub={config.push_to_hub} needs a hub token: set HF_TOKEN or `hf auth login`")
     checked = preflight(config, state.is_main_process)
-    with run_io.output_dir_claimed(
-        config, state.is_main_process, checked=True
-    ):  # one run per folder, for the whole run
+    with output_dir_claimed(config, state.is_main_process, checked=True):  # one run per folder, for the whole run
         state.wait_for_everyone()
         result = train(checked)
         if config.export and (config.parallel.ep_size > 1 or config.parallel.fsdp):  # no process loads it whole

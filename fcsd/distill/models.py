@@ -15,7 +15,9 @@ from fcsd.sources import resolve_model
 def load_tokenizer(config: FCSDConfig, source: str | None = None, model_config=None):
     """The checkpoint's tokenizer (an export's without its remote code), checked against the model's vocabulary.
     ``source`` and ``model_config``: the resolved model and its config (:mod:`fcsd.distill.preflight`); without
-    them :func:`check_model_config` runs first (the first moment the model's config is read, before any weights)."""
+    them :func:`fcsd.distill.preflight.check_model_config` runs first (the model's config read before any
+    weights)."""
+    from fcsd.distill.preflight import check_model_config
     from fcsd.loading import check_tokenizer_fits, tokenizer_from_pretrained
 
     name = source or resolve_model(config.model.name)
@@ -23,52 +25,6 @@ def load_tokenizer(config: FCSDConfig, source: str | None = None, model_config=N
     tokenizer = tokenizer_from_pretrained(name, revision=config.model.revision)
     check_tokenizer_fits(tokenizer, model_config, name)
     return tokenizer
-
-
-def check_model_config(config: FCSDConfig, source: str | None = None):
-    """What the model's ``config.json`` decides about the run, checked before any weights load: a supported family
-    of a possible shape (:func:`~fcsd.connectivity.families.family_for_config`), ``farskip.layers`` converting at
-    least one of its layers, ``data.seq_len`` within its ``max_position_embeddings`` (above, it would train
-    positions the model never learned, silently) and ``parallel.placement`` made for it. Returns the config.
-    ``source``: ``model.name`` already resolved."""
-    from fcsd.connectivity.families import family_for_config, text_config
-    from fcsd.connectivity.layer_spec import converted_layers
-    from fcsd.loading import load_config
-
-    name = source or resolve_model(config.model.name)
-    model_config = load_config(name, config.model.revision)
-    family_for_config(model_config)
-    decoder = text_config(model_config)
-    converted_layers(config.farskip.layers, decoder.num_hidden_layers, "farskip.layers")
-    limit = getattr(decoder, "max_position_embeddings", None)
-    if limit and config.data.seq_len > limit:
-        raise ValueError(
-            f"data.seq_len={config.data.seq_len} is above the model's max_position_embeddings ({limit}); set "
-            f"data.seq_len={limit} or less"
-        )
-    check_placement_file(config, model_config)
-    return model_config
-
-
-def check_placement_file(config: FCSDConfig, model_config) -> None:
-    """``parallel.placement`` must fit the model and the run before anything loads: a placement made for another
-    expert count, expert-parallel size or other MoE layers is refused in one line (its routes' model fingerprint is
-    compared once the weights are loaded)."""
-    if not config.parallel.placement:
-        return
-    from fcsd.connectivity.summary import summarize
-    from fcsd.placement.format import load_placement
-
-    placement = load_placement(config.parallel.placement)
-    model = summarize(config.model.name, config=model_config)
-    where = f"parallel.placement={config.parallel.placement}"
-    if placement.num_experts != model.num_experts:
-        raise ValueError(f"{where} is for {placement.num_experts} experts per layer, the model has {model.num_experts}")
-    if placement.ep != config.parallel.ep_size:
-        raise ValueError(f"{where} places experts on {placement.ep} ranks; set parallel.ep_size={placement.ep}")
-    unknown = sorted(set(placement.layers) - set(model.moe_layers))
-    if unknown:
-        raise ValueError(f"{where} names layer(s) {unknown}, not MoE layers of the model ({model.moe_layers})")
 
 
 def load_models(

@@ -4,21 +4,25 @@ written, into one :class:`Checked` value that the trainer consumes.
 In order: the output folder (not in use by another command, not an input, what the run may do with it: new, resume
 after :func:`fcsd.distill.resume.check_resume`, restart, replace), the export target, the model source (``demo``
 built, a missing local folder refused) and its ``config.json`` (family, shape, ``farskip.layers``, ``data.seq_len``,
-``parallel.placement``: :func:`fcsd.distill.models.check_model_config`), the data sources. Later steps take the
+``parallel.placement``: :func:`check_model_config`), the data sources. Later steps take the
 resolved sources from here: nothing downstream resolves a name again. Only the folder checks are the main process's
 (it alone writes); every process resolves the sources it reads. The lock
-(:func:`fcsd.distill.run_io.output_dir_claimed`) is taken after this pass and checks the folder once more under it:
+(:func:`output_dir_claimed`) is taken after this pass and checks the folder once more under it:
 another command may have written there since.
 """
 
 from __future__ import annotations
 
+import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fcsd import ownership
 from fcsd.distill.config import FCSDConfig
 from fcsd.run_folder import RunFolder
+from fcsd.sources import resolve_data, resolve_model
 
 
 @dataclass(frozen=True)
@@ -38,18 +42,172 @@ class Checked:
 
 def preflight(config: FCSDConfig, is_main: bool = True) -> Checked:
     """Resolve and check everything ``config`` will touch (see the module docstring); raises one-line errors."""
-    from fcsd import ownership
-    from fcsd.distill import run_io
-    from fcsd.distill.models import check_model_config
-    from fcsd.sources import resolve_data, resolve_model
-
     run, action = RunFolder(config.output_dir), None
     if is_main:
-        ownership.check_not_in_use(Path(config.output_dir), "output_dir")
-        action = run_io.check_output_dir(run.root, config.train.resume, config.overwrite, config)
-        run_io.check_export_dir(config)
+        ownership.check_not_in_use(run.root, "output_dir")
+        action = check_output_dir(run.root, config.train.resume, config.overwrite, config)
+        check_export_dir(config)
     model = resolve_model(config.model.name)
     model_config = check_model_config(config, model)
     data = resolve_data(config.data.path)
     eval_data = resolve_data(config.data.eval_path) if config.data.eval_path else None
     return Checked(config, run, action, model, model_config, data, eval_data)
+
+
+def run_inputs(config) -> dict:
+    """The local inputs of a run (name -> path) that its output folders must never be, contain or lie inside."""
+    inputs = {
+        "model": config.model.name,
+        "data file": config.data.path,
+        "eval data": config.data.eval_path,
+        "MBPP+ file": config.early_stop.data,
+    }
+    if config.teacher.cache_dir:
+        inputs["teacher cache"] = config.teacher.cache_dir
+    return inputs
+
+
+OUTPUT_FIX = "choose another output_dir"
+
+
+def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, config=None) -> str:
+    """What ``fcsd convert`` may do with ``output_dir``, decided before anything is written (see
+    :mod:`fcsd.ownership` for the ownership rules): ``"new"`` (empty or absent), ``"resume"`` (``--resume``, after
+    :func:`fcsd.distill.resume.check_resume`), ``"restart"`` (a run folder that holds no checkpoint yet: a run that
+    failed after it started) or ``"replace"`` (``overwrite=true`` on a run folder). Anything else is refused in one
+    line: an input (or the current / home folder), a folder of another kind (an export, a teacher cache), files fcsd
+    did not write, or a run folder without ``--resume`` / ``overwrite``."""
+    if config is not None:
+        ownership.check_not_an_input(output_dir, "output_dir", run_inputs(config))
+    run = RunFolder(output_dir)
+    if resume:
+        from fcsd.distill.resume import check_resume
+
+        check_resume(run, config)
+        return "resume"
+    if not _run_entries(output_dir):
+        return "new"
+    ownership.check_replaceable(output_dir, "run", "output_dir", OUTPUT_FIX)
+    if not run.checkpoints() and not run.final.exists() and not run.best.exists():
+        return "restart"  # a failed start: nothing worth keeping
+    if overwrite:
+        return "replace"
+    raise ownership.FolderError(
+        f"output_dir {output_dir} holds a run; pass --resume (train.resume=true) to continue it, overwrite=true to "
+        "replace it, or choose another output_dir"
+    )
+
+
+def _run_entries(output_dir: Path) -> list[str]:
+    """What ``output_dir`` holds besides fcsd's marker and lock, staging leftovers and a kept teacher cache."""
+    if not output_dir.is_dir():
+        return [output_dir.name] if output_dir.exists() else []
+    marker = ownership.read_marker(output_dir)
+    if marker is not None and not marker.is_kind("run"):
+        return [ownership.MARKER]  # another kind of fcsd folder (or a damaged marker): never empty for a run
+    return [
+        p.name
+        for p in output_dir.iterdir()
+        if p.name != ownership.MARKER
+        and not ownership.is_lock_file(p.name)
+        and not ownership.is_staging_leftover(p.name)
+        and not (p.name == RunFolder(output_dir).teacher_cache.name and ownership.is_marked(p))
+    ]
+
+
+@contextmanager
+def output_dir_claimed(config, is_main: bool = True, checked: bool = False):
+    """Hold ``output_dir`` for the whole run: check it (unless ``checked``: :func:`fcsd.distill.preflight.preflight`
+    did), take its lock (one run per folder), check it again under the lock (another command may have written there
+    since), then remove staging leftovers of a dead run and clear what a restart or ``overwrite=true`` replaces.
+    Only the main process checks and locks."""
+    if not is_main:
+        yield
+        return
+    output_dir = Path(config.output_dir)
+    if not checked:
+        ownership.check_not_in_use(output_dir, "output_dir")
+        check_output_dir(output_dir, config.train.resume, config.overwrite, config)
+        check_export_dir(config)
+    with ownership.folder_lock(output_dir, "output_dir"):
+        action = check_output_dir(output_dir, config.train.resume, config.overwrite, config)  # now that it is ours
+        stale = ownership.remove_stale_staging(output_dir)
+        if stale:
+            print(f"removed staging leftovers of an earlier run that died: {', '.join(stale)}")
+        if action in ("restart", "replace"):
+            ownership.clear(output_dir, "run", "output_dir", OUTPUT_FIX)
+        if action == "resume" and config.train.resume_step is not None:
+            set_aside_newer_checkpoints(RunFolder(output_dir), config.train.resume_step)
+        yield
+
+
+def set_aside_newer_checkpoints(run: RunFolder, step: int) -> None:
+    """``--resume train.resume_step=N`` abandons the checkpoints after N: they are renamed
+    ``checkpoints/abandoned-step-M`` (kept, never resumed from or pruned into the new trajectory's)."""
+    newer = [c for c in run.checkpoints() if int(c.name[5:]) > step]
+    for checkpoint in newer:
+        target = checkpoint.with_name(f"abandoned-{checkpoint.name}")
+        if target.exists():
+            shutil.rmtree(target)
+        checkpoint.rename(target)
+    if newer:
+        names = ", ".join(c.name for c in newer)
+        print(f"resuming from step-{step}: set aside the later checkpoints {names} as checkpoints/abandoned-step-*")
+
+
+def check_export_dir(config) -> None:
+    """An explicit ``export_dir`` is checked before training: not an input, not a folder around the run, and
+    empty, or (with ``overwrite=true``) an export fcsd wrote that holds nothing else."""
+    if not (config.export and config.export_dir):
+        return
+    from fcsd.export.save import check_export_target
+
+    export_dir = Path(config.export_dir)
+    ownership.check_not_an_input(export_dir, "export_dir", run_inputs(config))
+    check_export_target(export_dir, config.overwrite, [], "export_dir", run_root=Path(config.output_dir))
+
+
+def check_model_config(config: FCSDConfig, source: str | None = None):
+    """What the model's ``config.json`` decides about the run, checked before any weights load: a supported family
+    of a possible shape (:func:`~fcsd.connectivity.families.family_for_config`), ``farskip.layers`` converting at
+    least one of its layers, ``data.seq_len`` within its ``max_position_embeddings`` (above, it would train
+    positions the model never learned, silently) and ``parallel.placement`` made for it. Returns the config.
+    ``source``: ``model.name`` already resolved."""
+    from fcsd.connectivity.families import family_for_config, text_config
+    from fcsd.connectivity.layer_spec import converted_layers
+    from fcsd.loading import load_config
+
+    name = source or resolve_model(config.model.name)
+    model_config = load_config(name, config.model.revision)
+    family_for_config(model_config)
+    decoder = text_config(model_config)
+    converted_layers(config.farskip.layers, decoder.num_hidden_layers, "farskip.layers")
+    limit = getattr(decoder, "max_position_embeddings", None)
+    if limit and config.data.seq_len > limit:
+        raise ValueError(
+            f"data.seq_len={config.data.seq_len} is above the model's max_position_embeddings ({limit}); set "
+            f"data.seq_len={limit} or less"
+        )
+    check_placement_file(config, model_config)
+    return model_config
+
+
+def check_placement_file(config: FCSDConfig, model_config) -> None:
+    """``parallel.placement`` must fit the model and the run before anything loads: a placement made for another
+    expert count, expert-parallel size or other MoE layers is refused in one line (its routes' model fingerprint is
+    compared once the weights are loaded)."""
+    if not config.parallel.placement:
+        return
+    from fcsd.connectivity.summary import summarize
+    from fcsd.placement.format import load_placement
+
+    placement = load_placement(config.parallel.placement)
+    model = summarize(config.model.name, config=model_config)
+    where = f"parallel.placement={config.parallel.placement}"
+    if placement.num_experts != model.num_experts:
+        raise ValueError(f"{where} is for {placement.num_experts} experts per layer, the model has {model.num_experts}")
+    if placement.ep != config.parallel.ep_size:
+        raise ValueError(f"{where} places experts on {placement.ep} ranks; set parallel.ep_size={placement.ep}")
+    unknown = sorted(set(placement.layers) - set(model.moe_layers))
+    if unknown:
+        raise ValueError(f"{where} names layer(s) {unknown}, not MoE layers of the model ({model.moe_layers})")

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from fcsd import ownership
-from fcsd.distill.run_io import OUTPUT_FIX
+from fcsd.distill.preflight import OUTPUT_FIX
 from fcsd.run_folder import RunFolder
 
 # Keys a resumed run must share with the run it continues (the rest, e.g. progress, may change).

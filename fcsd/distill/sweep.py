@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fcsd import ownership
 from fcsd.distill.config import FCSDConfig, hydra_override
-from fcsd.distill.run_io import run_inputs
+from fcsd.distill.preflight import run_inputs
 from fcsd.run_folder import RunFolder
 from fcsd.stopping import run_child
 

@@ -81,8 +81,8 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     of the shards (:mod:`fcsd.parallel.cache_share`)."""
     from fcsd import ownership
     from fcsd.distill.models import load_models, load_tokenizer
+    from fcsd.distill.preflight import run_inputs
     from fcsd.distill.run_data import all_rows, load_run_data
-    from fcsd.distill.run_io import run_inputs
 
     folder = cache_dir(config)  # checked before anything is loaded
     inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
