@@ -559,6 +559,10 @@ def _quiet_hub_retries() -> None:
         logger.addFilter(DropRetries())
 
 
+# the commands that import torch anyway: imported first, a stop deferred until it is complete (stopping.import_torch)
+TORCH_COMMANDS = {"convert", "cache-teacher", "sweep", "export", "eval", "probe", "plan", "bench", "routes"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``fcsd`` command (``argv``: its arguments; None: this process's own, and then a stop ends the process
     with its status at once, see :func:`_exit_stopped`). Bad input: one line, status 2; Ctrl-C: 130; SIGTERM: 143."""
@@ -581,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.argv = argv
         ownership.set_command(argv)
+        if args.command in TORCH_COMMANDS:
+            stopping.import_torch()
         return args.func(args)
     except SystemExit:
         raise

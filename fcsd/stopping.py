@@ -4,6 +4,8 @@ every process it started ends with it.
 - :func:`install` (the CLI, first thing) makes SIGINT raise ``KeyboardInterrupt`` and SIGTERM :class:`Terminated`,
   and remembers that a stop came: a library that turns the interrupt into another error while it imports or loads
   (transformers' lazy modules report ``Could not import module ...``) is still reported as the stop.
+- :func:`import_torch` (the CLI, for the commands that use torch) imports torch with stops deferred to the end of
+  the import (:func:`deferred`): an interrupted ``torch.distributed`` import cannot be imported again.
 - :func:`run_child` starts a process (a sweep stage, ``torchrun``) in a process group of its own and passes a stop
   on to that whole group, waits for it, and kills what is left after a grace period; the child is also told to
   stop if this process dies without a chance to pass anything on (``PR_SET_PDEATHSIG`` through
@@ -20,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 GRACE_SECONDS = 60  # how long a stopped child may take to end (write nothing more, release its locks) before a kill
 
@@ -29,11 +32,40 @@ class Terminated(KeyboardInterrupt):
 
 
 _RECEIVED: list[int] = []  # the stop signals this process received
+_DEFERRED: list[list[int]] = []  # while not empty: the stops that arrived inside deferred(), raised when it ends
 
 
 def _stop(signum, frame):
     _RECEIVED.append(signum)
+    if _DEFERRED:
+        _DEFERRED[-1].append(signum)
+        return
+    _raise(signum)
+
+
+def _raise(signum: int):
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
+@contextmanager
+def deferred():
+    """A stop that arrives inside the block is raised when the block ends: for imports of C extensions that cannot
+    be interrupted halfway and imported again (``torch.distributed`` registers its types once: importing it again
+    after an interrupted import aborts the process, ``generic_type: cannot initialize type``)."""
+    _DEFERRED.append([])
+    try:
+        yield
+    finally:
+        arrived = _DEFERRED.pop()
+    if arrived:
+        _raise(arrived[0])
+
+
+def import_torch() -> None:
+    """Import torch and ``torch.distributed`` with stops deferred (:func:`deferred`): the commands that train,
+    cache or load call it first, so that Ctrl-C while they start stays one line."""
+    with deferred():
+        import torch.distributed  # noqa: F401
 
 
 def raise_terminated(signum, frame):

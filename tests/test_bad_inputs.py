@@ -1436,6 +1436,24 @@ def test_ctrl_c_at_any_moment_of_startup_is_one_line_and_130(env, tmp_path, dela
     assert not [line for line in lines if "Error" in line], lines
 
 
+def test_a_stop_inside_a_deferred_import_is_raised_once_it_is_complete():
+    """What keeps Ctrl-C while torch imports one line: an interrupted ``torch.distributed`` import cannot be imported
+    again (it aborts the process), so fcsd imports it with stops deferred to the end of the import."""
+    from fcsd import stopping
+
+    previous = stopping.install()
+    reached = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with stopping.deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler has run by now: it must not have raised here
+                reached.append("end of the block")
+        assert reached == ["end of the block"] and stopping.received() == signal.SIGINT
+    finally:
+        stopping.restore(previous)
+
+
 def test_sigterm_to_bench_overlap_ends_every_rank(tmp_path):
     """Case 13: the benchmark's rank processes end with the command (they lived on before, re-parented to init)."""
     import psutil
