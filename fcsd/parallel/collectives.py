@@ -309,6 +309,12 @@ def received(exchange: Exchange) -> torch.Tensor:
     rows can leave the GPU once waited (``train.checkpoint_offload``) while the closure stays for the
     recomputation."""
     rows = exchange.received
+    if rows is None:
+        raise RuntimeError(
+            f"the rows of {exchange.kind} exchange {exchange.serial} were released (waited, or taken by its layer's "
+            "recomputation) before a recomputation read them again: the backward reached the layers in an order the "
+            "checkpointed schedule does not expect; disable train.gradient_checkpointing"
+        )
     return rows if isinstance(rows, torch.Tensor) else rows.back()
 
 
