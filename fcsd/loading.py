@@ -109,7 +109,6 @@ def check_tokenizer_fits(tokenizer, config, name: str) -> None:
 def load_config(name_or_path: str, revision: str | None = None):
     """The transformers config of a checkpoint (an export's as its stock type; a hub repo at ``revision``), with an
     unreadable config.json as a one-line error."""
-    from huggingface_hub.errors import StrictDataclassFieldValidationError
     from transformers import AutoConfig
 
     stock = _stock_config(name_or_path, revision)  # its own errors are one line already (JSON, identity, hub)
@@ -117,8 +116,26 @@ def load_config(name_or_path: str, revision: str | None = None):
         return stock
     try:
         return AutoConfig.from_pretrained(name_or_path, revision=revision)
-    except (ValueError, TypeError, KeyError, StrictDataclassFieldValidationError) as error:  # garbage or mistyped
-        raise ValueError(f"{name_or_path}: config.json cannot be read ({str(error).splitlines()[0][:160]})") from None
+    except CONFIG_ERRORS as error:  # garbage, mistyped or inconsistent values
+        raise ValueError(f"{name_or_path}: config.json cannot be read ({config_error_text(error)})") from None
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate through it
+
+    return (ValueError, TypeError, KeyError, StrictDataclassError)
+
+
+CONFIG_ERRORS = _config_errors()
+
+
+def config_error_text(error: Exception) -> str:
+    """The first line of what a config's validation said: for huggingface_hub's strict-dataclass errors (whose first
+    line only names the validator, e.g. a ``text_config`` whose ``num_hidden_layers`` disagrees with its
+    ``layer_types``), the cause's."""
+    cause = error.__cause__ if error.__cause__ is not None else error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return (lines[0] if lines else type(cause).__name__)[:160]
 
 
 def _stock_config(name_or_path: str, revision: str | None = None):
@@ -152,8 +169,8 @@ def _stock_config(name_or_path: str, revision: str | None = None):
     values["architectures"] = values.get(CONFIG_KEY, {}).get("base_architectures")
     try:
         return AutoConfig.for_model(base_type, **values)
-    except (ValueError, TypeError, KeyError) as error:  # a mistyped value of the stock config's
-        raise ValueError(f"{path} cannot be read ({str(error).splitlines()[0][:160]})") from None
+    except CONFIG_ERRORS as error:  # a mistyped or inconsistent value of the stock config's
+        raise ValueError(f"{path} cannot be read ({config_error_text(error)})") from None
 
 
 def hub_config_file(name: str, revision: str | None = None):

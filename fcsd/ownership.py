@@ -87,6 +87,12 @@ LEGACY_NAMES = {
 # The staging names fcsd itself uses, and only those (a user's `.notes.old` is not one): fcsd.staging.atomic_dir's
 # `.<name>.partial-XXXXXXXX` / `.<name>.old-XXXXXXXX` (mkdtemp's suffix), `atomic_file`'s `.<name>.partial-<pid>`,
 # a checkpoint's `.step-N.partial`, the marker's `.fcsd-output.tmp<pid>`.
+# Where an fcsd folder holds other fcsd folders by design: (its kind, the entry) -> the kinds that may live there,
+# and the kinds that may live anywhere inside it (a sweep's stage runs and their teacher caches).
+NESTED = {("run", "export"): ("export",), ("run", "teacher-cache"): ("teacher-cache",), ("run", "eval"): ("eval",)}
+NESTED_ANYWHERE = {"sweep": ("run", "teacher-cache", "export", "eval")}
+# The entries a folder of a kind will write even when it does not hold them yet: nothing else may claim them.
+RESERVED = {"run": ["checkpoints", "final", "best", "export", "eval", "tensorboard", "teacher-cache"]}
 STAGING = re.compile(r"\.step-\d+\.partial|\..+\.(partial|old)-[A-Za-z0-9_]{8}|\..+\.partial-\d+|\.fcsd-output\.tmp\d+")
 
 
@@ -497,10 +503,12 @@ def check_not_around(
         raise FolderError(f"{what} {target} {relation} the {name} {folder}{inside}; choose another {what}")
 
 
-def check_not_an_input(target: Path, what: str, inputs: dict[str, str | Path | None]) -> None:
-    """Refuse a ``target`` folder (to be written, maybe cleared) that is, contains or lies inside one of ``inputs``
-    (name -> local path; hub ids and None are skipped), the current folder or the home folder."""
+def check_not_an_input(target: Path, what: str, inputs: dict[str, str | Path | None], kind: str | None = None) -> None:
+    """Refuse a ``target`` (to be written, maybe cleared) that is, contains or lies inside one of ``inputs`` (name ->
+    local path; hub ids and None are skipped), the current folder or the home folder, or that lies inside what an
+    fcsd folder manages (:func:`check_not_in_managed`; ``kind``: what ``target`` will be, None for a file)."""
     target = Path(target).expanduser().resolve()
+    check_not_in_managed(target, what, kind)
     named = {name: Path(str(p)).expanduser() for name, p in inputs.items() if p}
     for name, path in named.items():
         if not path.exists():
@@ -515,12 +523,43 @@ def check_not_an_input(target: Path, what: str, inputs: dict[str, str | Path | N
             raise FolderError(f"{what} {target} {relation} the {name}; choose a new folder, e.g. outputs/my-run")
 
 
+def check_not_in_managed(target: Path, what: str, kind: str | None = None) -> None:
+    """Refuse a ``target`` inside an entry that an fcsd folder around it replaces or deletes with itself: anything
+    inside an export or a teacher cache (replaced whole), inside a run's ``checkpoints/``, ``final/``, ... (written,
+    pruned, cleared by ``overwrite=true``; reserved before the run writes them) or inside a folder whose marker is
+    damaged. Only the nestings fcsd makes itself pass (:data:`NESTED`: a run's own ``export/``, ``eval/`` and
+    ``teacher-cache/``; a sweep's stage runs). A new top-level entry beside a run's is not refused: nothing of it is
+    ever removed (the run then refuses ``overwrite=true`` over it)."""
+    target = Path(target).expanduser().resolve()
+    for owner in target.parents:
+        marker = read_marker(owner)
+        if marker is None:
+            continue
+        entry = target.relative_to(owner).parts[0]
+        if kind in NESTED_ANYWHERE.get(marker.kind, ()) or kind in NESTED.get((marker.kind, entry), ()):
+            return
+        managed = (
+            marker.damage is not None
+            or marker.kind in ("export", "teacher-cache")
+            or marker.owns(entry)
+            or entry in RESERVED.get(marker.kind, [])
+        )
+        if managed:
+            relation = "is" if target.parent == owner else "lies inside"
+            where = f"{entry}/ of {marker.description()}" if marker.damage is None else marker.description()
+            raise FolderError(
+                f"{what} {target} {relation} {where} {owner}, which fcsd replaces or deletes with it; choose a "
+                f"folder outside {owner}"
+            )
+        return
+
+
 def check_output_folder(folder: Path, kind: str, what: str, inputs: dict | None = None) -> Path:
     """Check, before any work, that a command may write its report of ``kind`` (``fcsd eval --output``, probe,
     plots, traces) to ``folder``: not an input, the current or the home folder; empty, or a ``kind`` folder of
     fcsd's holding nothing else. The writer then calls :func:`mark` and :func:`record`."""
     folder = Path(folder).expanduser()
-    check_not_an_input(folder, what, inputs or {})
+    check_not_an_input(folder, what, inputs or {}, kind)
     check_replaceable(folder, kind, what, f"choose another {what}")
     return folder
 

@@ -117,6 +117,10 @@ def add_round_three(root: Path) -> None:
         (root / name).mkdir()
         values = json.loads((root / "model" / "config.json").read_text())
         (root / name / "config.json").write_text(json.dumps({**values, **change}))
+    (root / "layer_types").mkdir()  # transformers' class validation, not a field's: one line too
+    values = json.loads((root / "model" / "config.json").read_text())
+    values["layer_types"] = ["full_attention"] * (values["num_hidden_layers"] + 1)
+    (root / "layer_types" / "config.json").write_text(json.dumps(values))
     big = root / "big_tokenizer"
     shutil.copytree(root / "model", big)
     tokenizer = transformers.AutoTokenizer.from_pretrained(big)
@@ -187,6 +191,11 @@ def snapshot(root: Path, skip: Path | None = None) -> dict:
 def run_convert(w: Path, *overrides: str, model: str | None = None) -> list[str]:
     data = f"data.path={w / 'data' / 'train.jsonl'}"
     return ["convert", model or str(w / "model"), data, f"data.cache_dir={w / 'packed'}", *FAST, *overrides]
+
+
+def own_cache(w: Path, *overrides: str) -> list[str]:
+    """``run_convert`` with its own ``data.cache_dir`` among ``overrides``."""
+    return [arg for arg in run_convert(w) if not arg.startswith("data.cache_dir=")] + list(overrides)
 
 
 # (case name, argv builder from the world folder, expected message, the run's own folder relative to world or None)
@@ -756,6 +765,43 @@ CASES += [
         None,
     ),
     ("plan_absurd_tokens", lambda w: ["plan", str(w / "model"), "--tokens", "1e30"], "--tokens 1e+30: give a", None),
+    # leftovers of the second probe: an inconsistent config, folders inside what another fcsd folder manages
+    (
+        "config_layer_types_disagree_with_layers",
+        lambda w: ["inspect", str(w / "layer_types")],
+        "config.json cannot be read (`num_hidden_layers` (4) must be equal to the number of `layer_types` (5))",
+        None,
+    ),
+    (
+        "data_cache_dir_is_another_run",
+        lambda w: own_cache(w, f"output_dir={w / 'runs/new'}", f"data.cache_dir={w / 'runs/x'}"),
+        "runs/x is an fcsd run folder",
+        None,
+    ),
+    (
+        "data_cache_dir_inside_the_output_dir",
+        lambda w: own_cache(w, f"output_dir={w / 'runs/new'}", f"data.cache_dir={w / 'runs/new/packed'}"),
+        "lies inside the run's output_dir",
+        None,
+    ),
+    (
+        "run_inside_another_runs_checkpoints",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/x/checkpoints/mine'}"),
+        "runs/x/checkpoints/mine lies inside checkpoints/ of an fcsd run folder",
+        None,
+    ),
+    (
+        "run_in_an_entry_another_run_will_write",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/y/best'}"),
+        "runs/y/best is best/ of an fcsd run folder",
+        None,
+    ),
+    (
+        "export_inside_another_runs_final",
+        lambda w: ["export", str(w / "runs/x"), str(w / "runs/y/final/e")],
+        "runs/y/final/e lies inside final/ of an fcsd run folder",
+        None,
+    ),
     (
         "push_an_export_without_its_farskip_block",
         lambda w: ["push", str(w / "export_no_block"), "me/x", "--dry-run"],

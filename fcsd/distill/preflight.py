@@ -44,6 +44,7 @@ def preflight(config: FCSDConfig, is_main: bool = True) -> Checked:
         ownership.check_not_in_use(run.root, "output_dir")
         check_output_dir(run.root, config.train.resume, config.overwrite, config)
         check_export_dir(config)
+        check_data_cache_dir(config)
     model = resolve_model(config.model.name)
     model_config = check_model_config(config, model)
     data = resolve_data(config.data.path)
@@ -75,7 +76,7 @@ def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, config=Non
     line: an input (or the current / home folder), a folder of another kind (an export, a teacher cache), files fcsd
     did not write, or a run folder without ``--resume`` / ``overwrite``."""
     if config is not None:
-        ownership.check_not_an_input(output_dir, "output_dir", run_inputs(config))
+        ownership.check_not_an_input(output_dir, "output_dir", run_inputs(config), "run")
     run = RunFolder(output_dir)
     if resume:
         from fcsd.distill.resume import check_resume
@@ -152,6 +153,26 @@ def set_aside_newer_checkpoints(run: RunFolder, step: int) -> None:
         print(f"resuming from step-{step}: set aside the later checkpoints {names} as checkpoints/abandoned-step-*")
 
 
+def check_data_cache_dir(config) -> None:
+    """``data.cache_dir`` (the packed-data cache, shared by runs) must be a folder of its own: not the run's
+    ``output_dir`` nor any folder fcsd owns, nor inside one (the packed files would be entries the folder's command
+    did not write: a run would refuse ``overwrite=true`` over them, a clear could delete another run's cache)."""
+    if not config.data.cache_dir:
+        return
+    cache = Path(config.data.cache_dir).expanduser().resolve()
+    output_dir = Path(config.output_dir).expanduser().resolve()
+    for folder in (cache, *cache.parents):
+        marker = ownership.read_marker(folder)
+        if marker is None and folder != output_dir:
+            continue
+        what = "the run's output_dir" if folder == output_dir else marker.description()
+        relation = "is" if folder == cache else "lies inside"
+        raise ownership.FolderError(
+            f"data.cache_dir {cache} {relation} {what} {folder}; give the packed-data cache a folder of its own "
+            "(unset, it is the user cache's packed/)"
+        )
+
+
 def check_export_dir(config) -> None:
     """An explicit ``export_dir`` is checked before training: not an input, not a folder around the run, and
     empty, or (with ``overwrite=true``) an export fcsd wrote that holds nothing else."""
@@ -160,7 +181,7 @@ def check_export_dir(config) -> None:
     from fcsd.export.save import check_export_target
 
     export_dir = Path(config.export_dir)
-    ownership.check_not_an_input(export_dir, "export_dir", run_inputs(config))
+    ownership.check_not_an_input(export_dir, "export_dir", run_inputs(config), "export")
     check_export_target(export_dir, config.overwrite, [], "export_dir", run_root=Path(config.output_dir))
 
 

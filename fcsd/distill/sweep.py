@@ -122,7 +122,7 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
     overrides = [o for o in overrides if not o.startswith(("output_dir=", "train.resume="))]
     if sweep.launcher != "basic":
         _check_launcher(sweep.launcher)
-    ownership.check_not_an_input(root, "sweep.dir", run_inputs(config))
+    ownership.check_not_an_input(root, "sweep.dir", run_inputs(config), "sweep")
     ownership.check_not_in_use(root, "sweep.dir")
     check_sweep_home(config)
     marker = ownership.read_marker(root)

@@ -86,7 +86,7 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
 
     folder = cache_dir(config)  # checked before anything is loaded
     inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
-    ownership.check_not_an_input(folder, "teacher.cache_dir", inputs)
+    ownership.check_not_an_input(folder, "teacher.cache_dir", inputs, "teacher-cache")
     check_cache_folder(folder)
     from fcsd.parallel.cache_share import cache_meshes, share_cache
     from fcsd.parallel.processes import main_process_first

@@ -142,7 +142,7 @@ def evaluate_and_report(
         return out, None
     inputs = {name: ref for name, ref in (("model", model), ("compared model", compare)) if ref}
     if out.resolve() != default_output(model).resolve():  # a run's own eval/ lies inside the run on purpose
-        ownership.check_not_an_input(out, "--output", inputs)
+        ownership.check_not_an_input(out, "--output", inputs, "eval")
     ownership.check_not_in_use(out.parent, "the folder that holds the report,")  # a run still training there
     ownership.check_replaceable(out, "eval", "--output", "choose another --output")
     results = evaluate_checkpoints(refs, suite, **options)

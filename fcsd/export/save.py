@@ -84,7 +84,7 @@ def check_export_target(
     out_dir = Path(out_dir).expanduser().resolve()
     try:
         for source in [*sources, None]:  # None: the current and home folder checks even without a source
-            ownership.check_not_an_input(out_dir, what, {"source": source})
+            ownership.check_not_an_input(out_dir, what, {"source": source}, "export")
         if run_root is not None:  # the folder around a checkpoint; a run folder also keeps what lies inside it
             marker = ownership.read_marker(run_root)
             inside = marker is not None and marker.is_kind("run")
