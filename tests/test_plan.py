@@ -231,6 +231,34 @@ def test_checkpoint_offload_fits_expert_parallelism_where_the_replay_did_not(mod
     assert kept.peak - offloaded.peak > offloaded.host / 2  # the rows left the GPU (one layer's come back at a time)
 
 
+def test_host_memory_and_link_options_decide_the_offloaded_layout():
+    """``--host-memory`` bounds what a node's GPUs may pin for the replayed rows (half of it): below what the
+    offloaded Qwen3-30B-A3B step pins, the layout is refused naming the option; ``--host-gbps`` prices the copies:
+    a slower host link exposes more of them per step."""
+    from fcsd.plan.candidates import _simulated
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.planner import run_config as plan_config
+    from fcsd.plan.timing import offload_exposure
+
+    source = load_model_config("qwen3_30b_a3b")
+    layout = OFFLOADED_LAYOUTS[0][3]
+    roomy = make_cluster("h100", 8, 1)
+    config, _, _ = plan_config(source, [], 2e9, roomy)
+    fits = _simulated(source.config, config, layout, roomy)
+    assert fits.status == "fits", fits
+    pinned_gib = fits.estimate.host * roomy.gpus_per_node / 2**30
+    tight = make_cluster("h100", 8, 1, host_memory=f"{pinned_gib:.3f}GiB")  # pins at most half: too little
+    refused = _simulated(source.config, config, layout, tight)
+    assert refused.status == "exceeds" and "(--host-memory)" in refused.note, refused
+    assert fits.estimate.peak <= tight.budget  # refused for the host, not for the GPU
+    slow = make_cluster("h100", 8, 1, host_gbps=roomy.gpu.host_gbps / 10)
+    compute = 1.0
+    fast_wait = offload_exposure(fits.estimate.host, compute, roomy)
+    slow_wait = offload_exposure(fits.estimate.host, compute, slow)
+    assert slow_wait > 5 * fast_wait > 0
+    assert slow_wait >= fits.estimate.host / (slow.gpu.host_gbps * 1e9)  # the way back is never hidden
+
+
 def test_plan_cli_json_with_probe(tmp_path, capsys):
     from fcsd.cli import main
 
