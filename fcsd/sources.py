@@ -116,29 +116,41 @@ def explain_error(error: BaseException, repo: str | None = None) -> str | None:
     unreachable = names & {"ConnectError", "ConnectionError", "ConnectTimeout", "ReadTimeout", "TimeoutException"}
     if offline or unreachable or "couldn't connect to" in text or "Failed to resolve" in text:
         repo = repo or _repo_named(chain, text)
+        model = repo is not None and not repo.startswith("dataset ")
+        alternative = f", or {local}" if model else ""  # a local checkpoint replaces a model, not a dataset or upload
         if offline:
+            needed = repo or "what this command needs from the hub"
             return (
-                f"{repo} is not in the local hub cache and hub access is off (HF_HUB_OFFLINE=1): unset HF_HUB_OFFLINE "
-                f"to download it, or {local}"
+                f"{needed} is not in the local hub cache and hub access is off (HF_HUB_OFFLINE=1): unset "
+                f"HF_HUB_OFFLINE to download it{alternative}"
             )
+        if repo is None:
+            return "the Hugging Face hub cannot be reached: check the network or HF_ENDPOINT"
         return (
             f"{repo}: the Hugging Face hub cannot be reached and it is not in the local cache: check the network or "
-            f"HF_ENDPOINT, or {local}"
+            f"HF_ENDPOINT{alternative}"
         )
     if "SafetensorError" in names or "header too large" in text or "incomplete metadata" in text:
         return f"a .safetensors file is truncated or corrupt ({_first_line(error)}): download or copy it again"
     return None
 
 
-def _repo_named(chain: list[BaseException], text: str) -> str:
-    """The hub repository an error is about (its ``repo_id``, or the one in the URL it names), or "the model"."""
+def _repo_named(chain: list[BaseException], text: str) -> str | None:
+    """The hub repository an error is about (its ``repo_id``, or the one in the URL it names; ``dataset NAME`` for a
+    dataset), or None when it names none (an upload, a download of another library)."""
     import re
 
     for error in chain:
         if getattr(error, "repo_id", None):
-            return str(error.repo_id)
-    found = re.search(r"https?://[^/\s]+/(?:api/models/)?([\w.-]+/[\w.-]+)(?:/resolve|/revision|[\s'\"]|$)", text)
-    return found.group(1) if found else "the model"
+            kind = getattr(error, "repo_type", None)
+            return f"dataset {error.repo_id}" if kind == "dataset" else str(error.repo_id)
+    found = re.search(
+        r"https?://[^/\s]+/(api/models/|api/datasets/|datasets/)?([\w.-]+/[\w.-]+)(?:/resolve|/revision|[\s'\"]|$)",
+        text,
+    )
+    if found is None or found.group(2).startswith("api/"):  # another endpoint of the hub's API (an upload)
+        return None
+    return f"dataset {found.group(2)}" if "datasets/" in (found.group(1) or "") else found.group(2)
 
 
 def _offline() -> bool:

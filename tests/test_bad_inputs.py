@@ -802,6 +802,12 @@ CASES += [
         "runs/y/final/e lies inside final/ of an fcsd run folder",
         None,
     ),
+    (  # from the newcomer's run of the docs: a warm start rounded to no step trained plain KL under its name
+        "warm_start_share_rounding_to_no_step",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/new'}", "recovery=warm_start", "train.max_steps=4"),
+        "recovery.warm_share=0.1 of the run's 4 steps rounds to no warm-start step; raise it (recovery.warm_share=0.12",
+        None,
+    ),
     (
         "push_an_export_without_its_farskip_block",
         lambda w: ["push", str(w / "export_no_block"), "me/x", "--dry-run"],
@@ -1719,3 +1725,25 @@ def test_a_config_that_asks_for_weights_the_files_lack_is_refused(env, tmp_path,
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "run").exists()
     assert fcsd.from_pretrained(str(env / "model")) is not None  # the checkpoint as it was loads
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("https://huggingface.co/api/models/org/model/revision/main", "org/model: the Hugging Face hub cannot be"),
+        ("https://huggingface.co/datasets/org/data/resolve/main/x.parquet", "dataset org/data: the Hugging Face hub"),
+        ("https://huggingface.co/api/repos/create", "the Hugging Face hub cannot be reached: check the network"),
+    ],
+    ids=["model", "dataset", "upload"],
+)
+def test_an_unreachable_hub_names_what_was_fetched_and_a_fix_that_fits_it(url, expected):
+    """A model download may be replaced by a local checkpoint; a benchmark's dataset (fcsd eval) or an upload
+    (fcsd push) may not: neither is called "the model", nor answered with a local checkpoint folder."""
+    from fcsd.sources import explain_error
+
+    class ConnectError(Exception):
+        pass
+
+    message = explain_error(ConnectError(f"couldn't connect to {url}"))
+    assert message.startswith(expected), message
+    assert ("local checkpoint folder" in message) == expected.startswith("org/model"), message

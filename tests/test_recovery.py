@@ -236,14 +236,14 @@ def test_recipes_through_fcsd_convert_and_a_run_killed_in_each_stage_resumes_exa
 
 def test_recovery_refusals_are_one_line(assets, tmp_path):
     cases = {
-        ("recovery=warm_start", "teacher.mode=cache"): "teacher.mode=online",
-        ("recovery=warm_start", "parallel.ep_size=2"): "recovery=plain",
+        (*WARM, "teacher.mode=cache"): "teacher.mode=online",
+        (*WARM, "parallel.ep_size=2"): "parallel.ep_size > 1",
         ("recovery.trainable=non_expert", "parallel.fsdp=true"): "recovery=plain",
         ("recovery.trainable=[attention,bogus]",): "choose all, non_expert",
         ("+recovery.lr_mult.experts=0",): "multiplier > 0",
         ("recovery.warm_share=1.0",): "[0, 1)",
         ("recovery.progressive=[last:50%]",): "one share",
-        ("recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]", "recovery=warm_start"): "choose one",
+        ("recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]", *WARM): "choose one",
         ("recovery=warm_start", "recovery.warm_share=0.9", "train.max_steps=2", "train.warmup_steps=1"): "no step",
     }
     for overrides, fix in cases.items():

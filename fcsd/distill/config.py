@@ -397,6 +397,13 @@ def check_recovery(config: FCSDConfig) -> None:
         )
     if warm and config.train.objective == "sft":
         raise ValueError("recovery.warm_share fits the teacher's layers: it needs a teacher, not train.objective=sft")
+    if warm and warm_steps(config) < 1:  # rounded to no step: the recipe would be plain KL under another name
+        smallest = 0.5 / schedule_steps(config.train)
+        raise ValueError(
+            f"recovery.warm_share={recovery.warm_share} of the run's {schedule_steps(config.train)} steps rounds to no "
+            f"warm-start step; raise it (recovery.warm_share={min(smallest + 1e-3, 0.999):.3f} gives one) or train "
+            "longer, or use recovery=plain"
+        )
     if warm and schedule_steps(config.train) - warm_steps(config) < 1:
         raise ValueError(
             f"recovery.warm_share={recovery.warm_share} leaves no step of the run for end-to-end KL: lower it"
