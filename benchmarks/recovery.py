@@ -206,6 +206,9 @@ def report(results: list[dict], marks: tuple[int, int]) -> list[str]:
     lines = []
     for family in dict.fromkeys(r["family"] for r in results):
         runs = {r["recipe"]: r for r in results if r["family"] == family}
+        if "plain" not in runs:  # a run of some recipes alone (--recipes): kept, compared once plain has run
+            lines.append(f"{family}: no plain run yet to compare with (run --recipes plain)")
+            continue
         plain = runs["plain"]["curve"]
         targets = {mark: kl_at(plain, mark) for mark in marks}
         lines.append(
