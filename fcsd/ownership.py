@@ -84,15 +84,15 @@ LEGACY_NAMES = {
     ],  # fmt: skip
     "teacher-cache": ["meta.json", "shard-*.safetensors"],
 }
-# The staging names fcsd itself uses, and only those (a user's `.notes.old` is not one): fcsd.staging.atomic_dir's
-# `.<name>.partial-XXXXXXXX` / `.<name>.old-XXXXXXXX` (mkdtemp's suffix), `atomic_file`'s `.<name>.partial-<pid>`,
-# a checkpoint's `.step-N.partial`, the marker's `.fcsd-output.tmp<pid>`.
 # Where an fcsd folder holds other fcsd folders by design: (its kind, the entry) -> the kinds that may live there,
 # and the kinds that may live anywhere inside it (a sweep's stage runs and their teacher caches).
 NESTED = {("run", "export"): ("export",), ("run", "teacher-cache"): ("teacher-cache",), ("run", "eval"): ("eval",)}
 NESTED_ANYWHERE = {"sweep": ("run", "teacher-cache", "export", "eval")}
 # The entries a folder of a kind will write even when it does not hold them yet: nothing else may claim them.
 RESERVED = {"run": ["checkpoints", "final", "best", "export", "eval", "tensorboard", "teacher-cache"]}
+# The staging names fcsd itself uses, and only those (a user's `.notes.old` is not one): fcsd.staging.atomic_dir's
+# `.<name>.partial-XXXXXXXX` / `.<name>.old-XXXXXXXX` (mkdtemp's suffix), `atomic_file`'s `.<name>.partial-<pid>`,
+# a checkpoint's `.step-N.partial`, the marker's `.fcsd-output.tmp<pid>`.
 STAGING = re.compile(r"\.step-\d+\.partial|\..+\.(partial|old)-[A-Za-z0-9_]{8}|\..+\.partial-\d+|\.fcsd-output\.tmp\d+")
 
 
