@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate through it
+
 from fcsd.connectivity.patch import CONFIG_KEY, apply_farskip
+
+CONFIG_ERRORS = (ValueError, TypeError, KeyError, StrictDataclassError)  # garbage, mistyped or inconsistent values
 
 
 def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, model_class=None, **kwargs):
@@ -118,15 +122,6 @@ def load_config(name_or_path: str, revision: str | None = None):
         return AutoConfig.from_pretrained(name_or_path, revision=revision)
     except CONFIG_ERRORS as error:  # garbage, mistyped or inconsistent values
         raise ValueError(f"{name_or_path}: config.json cannot be read ({config_error_text(error)})") from None
-
-
-def _config_errors() -> tuple[type[Exception], ...]:
-    from huggingface_hub.errors import StrictDataclassError  # transformers' configs validate through it
-
-    return (ValueError, TypeError, KeyError, StrictDataclassError)
-
-
-CONFIG_ERRORS = _config_errors()
 
 
 def config_error_text(error: Exception) -> str:

@@ -531,27 +531,36 @@ def check_not_in_managed(target: Path, what: str, kind: str | None = None) -> No
     ``teacher-cache/``; a sweep's stage runs). A new top-level entry beside a run's is not refused: nothing of it is
     ever removed (the run then refuses ``overwrite=true`` over it)."""
     target = Path(target).expanduser().resolve()
-    for owner in target.parents:
-        marker = read_marker(owner)
-        if marker is None:
-            continue
-        entry = target.relative_to(owner).parts[0]
-        if kind in NESTED_ANYWHERE.get(marker.kind, ()) or kind in NESTED.get((marker.kind, entry), ()):
-            return
-        managed = (
-            marker.damage is not None
-            or marker.kind in ("export", "teacher-cache")
-            or marker.owns(entry)
-            or entry in RESERVED.get(marker.kind, [])
-        )
-        if managed:
-            relation = "is" if target.parent == owner else "lies inside"
-            where = f"{entry}/ of {marker.description()}" if marker.damage is None else marker.description()
-            raise FolderError(
-                f"{what} {target} {relation} {where} {owner}, which fcsd replaces or deletes with it; choose a "
-                f"folder outside {owner}"
-            )
+    found = nearest_marked(target.parent)
+    if found is None:
         return
+    owner, marker = found
+    entry = target.relative_to(owner).parts[0]
+    if kind in NESTED_ANYWHERE.get(marker.kind, ()) or kind in NESTED.get((marker.kind, entry), ()):
+        return
+    managed = (
+        marker.damage is not None
+        or marker.kind in ("export", "teacher-cache")
+        or marker.owns(entry)
+        or entry in RESERVED.get(marker.kind, [])
+    )
+    if managed:
+        relation = "is" if target.parent == owner else "lies inside"
+        where = f"{entry}/ of {marker.description()}" if marker.damage is None else marker.description()
+        raise FolderError(
+            f"{what} {target} {relation} {where} {owner}, which fcsd replaces or deletes with it; choose a folder "
+            f"outside {owner}"
+        )
+
+
+def nearest_marked(folder: Path) -> tuple[Path, Marker] | None:
+    """``folder`` itself or its nearest parent that holds an fcsd marker, with the marker; None when none does."""
+    folder = Path(folder).expanduser().resolve()
+    for candidate in (folder, *folder.parents):
+        marker = read_marker(candidate)
+        if marker is not None:
+            return candidate, marker
+    return None
 
 
 def check_output_folder(folder: Path, kind: str, what: str, inputs: dict | None = None) -> Path:

@@ -779,6 +779,12 @@ CASES += [
         None,
     ),
     (
+        "cache_teacher_data_cache_dir_is_another_run",
+        lambda w: ["cache-teacher", *own_cache(w, f"data.cache_dir={w / 'runs/x'}")[1:]],
+        "runs/x is an fcsd run folder",
+        None,
+    ),
+    (
         "data_cache_dir_inside_the_output_dir",
         lambda w: own_cache(w, f"output_dir={w / 'runs/new'}", f"data.cache_dir={w / 'runs/new/packed'}"),
         "lies inside the run's output_dir",

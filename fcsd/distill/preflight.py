@@ -161,16 +161,17 @@ def check_data_cache_dir(config) -> None:
         return
     cache = Path(config.data.cache_dir).expanduser().resolve()
     output_dir = Path(config.output_dir).expanduser().resolve()
-    for folder in (cache, *cache.parents):
-        marker = ownership.read_marker(folder)
-        if marker is None and folder != output_dir:
-            continue
-        what = "the run's output_dir" if folder == output_dir else marker.description()
-        relation = "is" if folder == cache else "lies inside"
-        raise ownership.FolderError(
-            f"data.cache_dir {cache} {relation} {what} {folder}; give the packed-data cache a folder of its own "
-            "(unset, it is the user cache's packed/)"
-        )
+    in_run = cache == output_dir or output_dir in cache.parents  # the run's folder may not be marked yet
+    found = (output_dir, None) if in_run else ownership.nearest_marked(cache)
+    if found is None:
+        return
+    folder, marker = found
+    what = "the run's output_dir" if marker is None else marker.description()
+    relation = "is" if folder == cache else "lies inside"
+    raise ownership.FolderError(
+        f"data.cache_dir {cache} {relation} {what} {folder}; give the packed-data cache a folder of its own "
+        "(unset, it is the user cache's packed/)"
+    )
 
 
 def check_export_dir(config) -> None:

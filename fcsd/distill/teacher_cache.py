@@ -81,13 +81,14 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     of the shards (:mod:`fcsd.parallel.cache_share`)."""
     from fcsd import ownership
     from fcsd.distill.models import load_models, load_tokenizer
-    from fcsd.distill.preflight import run_inputs
+    from fcsd.distill.preflight import check_data_cache_dir, run_inputs
     from fcsd.distill.run_data import all_rows, load_run_data
 
     folder = cache_dir(config)  # checked before anything is loaded
     inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
     ownership.check_not_an_input(folder, "teacher.cache_dir", inputs, "teacher-cache")
     check_cache_folder(folder)
+    check_data_cache_dir(config)
     from fcsd.parallel.cache_share import cache_meshes, share_cache
     from fcsd.parallel.processes import main_process_first
 
