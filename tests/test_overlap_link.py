@@ -8,10 +8,13 @@ late, oversleeping or the real transfer's speed change nothing; CPU contention o
 launch and its wait, which can only hide more. The link is an explicit bandwidth (no machine-dependent preset) at
 which each transfer (~0.7 ms) is several times shorter than its window (the shortest, attention part b, took 3.5 ms
 and more on the 2-core development machine); the routing, hence each transfer's bytes, is deterministic. A
-serialised schedule leaves no compute between launch and wait whatever the load: FCSD_EP_SYNC=1 hides ~2%.
+serialised schedule leaves no compute between launch and wait: FCSD_EP_SYNC=1 hides ~2% of each transfer, the
+Python between a launch and its wait. Only that control is judged per transfer (its median), not in total: one
+preemption of the process between a launch and its wait (0.6 ms on a busy CI machine) counts as hidden link time.
 """
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -252,13 +255,15 @@ def test_bench_overlap_link_end_to_end_prints_the_figures_and_draws_the_steps(tm
 def test_overlapped_schedule_hides_the_modelled_link_and_a_serialised_one_does_not(tmp_path):
     """`mid`, 2 ranks, 1 GB/s: every transfer (~0.7 ms) fits its window. The overlapped schedule hides >= 80% of the
     link time in forward (all but the last layer's Combine: 7 of 8 transfers) and in backward; each kind is hidden
-    where the schedule places compute; FCSD_EP_SYNC=1 (every collective waited at once) hides almost nothing."""
+    where the schedule places compute; FCSD_EP_SYNC=1 (every collective waited at once) hides almost nothing of its
+    typical transfer."""
     out = tmp_path / "out"
     result = torchrun(2, str(WORKER), str(out), "1GB/s", "2", check=False, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     for rank in range(2):
         figures = json.loads(Path(f"{out}.{rank}.json").read_text())
         overlapped, sync = figures["overlapped"], figures["sync"]
+        per_transfer = {"overlapped": overlapped.pop("transfers"), "sync": sync.pop("transfers")}
         shares = {p: {k: f["hidden_share"] for k, f in kinds.items()} for p, kinds in overlapped.items()}
         assert shares["forward"]["total"] >= 0.8 and shares["backward"]["total"] >= 0.8, shares
         assert shares["forward"]["dispatch"] >= 0.9 and shares["forward"]["combine"] >= 0.6, shares
@@ -266,5 +271,7 @@ def test_overlapped_schedule_hides_the_modelled_link_and_a_serialised_one_does_n
         assert shares["backward"]["combine (backward)"] >= 0.9, shares  # attention part b's backward
         assert overlapped["forward"]["dispatch"]["count"] == overlapped["forward"]["combine"]["count"] == 4
         for phase in ("forward", "backward"):
-            assert sync[phase]["total"]["hidden_share"] < 0.1, sync
+            assert len(per_transfer["sync"][phase]) == 8, per_transfer  # 4 layers x (dispatch, combine)
+            assert statistics.median(per_transfer["sync"][phase]) < 0.1, per_transfer
+            assert statistics.median(per_transfer["overlapped"][phase]) > 0.9, per_transfer
             assert sync[phase]["total"]["link_ms"] == pytest.approx(overlapped[phase]["total"]["link_ms"])

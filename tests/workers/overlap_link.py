@@ -1,6 +1,7 @@
 """Worker for test_overlap_link: the `mid` benchmark model (Qwen3-MoE shapes, 4 MoE layers, 512 tokens per rank),
 mode farskip_overlap, training steps over a modelled link, then the same model with FCSD_EP_SYNC=1 (every
-collective waited at once). Writes ``<out>.<rank>.json``: per phase and collective kind, this rank's figures."""
+collective waited at once). Writes ``<out>.<rank>.json``: per phase and collective kind, this rank's figures, and per
+phase the hidden share of each transfer of the last step (``"transfers"``)."""
 
 import argparse
 import json
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from fcsd.parallel import bench, collectives
 from fcsd.parallel.bench_link import LinkStep, bench_inputs
 from fcsd.parallel.link import ModelledLink, parse_link
-from fcsd.parallel.overlap import summarise
+from fcsd.parallel.overlap import summarise, transfer_figures
 
 out, link_text, iters = sys.argv[1], sys.argv[2], int(sys.argv[3])
 env = bench.setup("gloo", "cpu", "float32")
@@ -29,7 +30,12 @@ def measure(steps: int) -> dict:
     step.run()  # warm-up
     taken = [step.run().transfers for _ in range(steps)]
     table = summarise(taken)
-    return {phase: {kind: f.as_dict(steps) for kind, f in kinds.items()} for phase, kinds in table.items()}
+    figures = {phase: {kind: f.as_dict(steps) for kind, f in kinds.items()} for phase, kinds in table.items()}
+    shares = {}
+    for transfer, f in transfer_figures(taken[-1]):
+        if not transfer.blocking:  # the routing counts block by design
+            shares.setdefault(transfer.phase, []).append(f.hidden / f.link)
+    return {**figures, "transfers": shares}
 
 
 results = {"overlapped": measure(iters)}
