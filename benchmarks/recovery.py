@@ -35,6 +35,8 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "warm_start_lr3": ["recovery=warm_start", "recovery.warm_lr_mult=3"],
     "non_expert": ["recovery=non_expert"],
     "progressive": ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
+    "schedule_free": ["recovery=schedule_free"],  # 4x the LR, 0.5% warm-up, scored and saved as its average
+    "plain_short_warmup": ["recovery=plain", "recovery.warmup_share=0.005"],  # control: schedule_free's warm-up alone
 }
 
 

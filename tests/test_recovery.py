@@ -245,6 +245,10 @@ def test_recovery_refusals_are_one_line(assets, tmp_path):
         ("recovery.progressive=[last:50%]",): "one share",
         ("recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]", *WARM): "choose one",
         ("recovery=warm_start", "recovery.warm_share=0.9", "train.max_steps=2", "train.warmup_steps=1"): "no step",
+        ("recovery=schedule_free", "recovery.warm_share=0.5"): "cannot be combined with recovery.warm_share",
+        ("recovery.optimizer=sgd",): "choose one of adamw, schedule_free",
+        ("recovery.lr_scale=0",): "finite number > 0",
+        ("recovery.warmup_share=1.5",): "[0, 1)",
     }
     for overrides, fix in cases.items():
         with pytest.raises(ValueError, match=None) as error:

@@ -20,6 +20,7 @@ SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
 EP_DISPATCHERS = ("plain", "dedup")
 EARLY_STOP_METRICS = ("plus", "base")
+OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
 # parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
 PARAM_GROUPS = ("embeddings", "attention", "norms", "router", "experts", "shared_experts", "dense_mlp")
 
@@ -157,6 +158,11 @@ class RecoveryConfig:
     progressive: list[str] = field(default_factory=list)  # progressive conversion: layer specs trained first, in
     # order, each within farskip.layers (e.g. [last:50%,last:75%]), then farskip.layers; weights carried over
     progressive_shares: list[float] = field(default_factory=list)  # share of the run's steps for each of them
+    optimizer: str = "adamw"  # adamw: AdamW, warm-up, cosine to train.min_lr_ratio (the paper) | schedule_free:
+    # schedule-free AdamW (Defazio et al. 2024, the `schedulefree` package), constant LR after the warm-up; the
+    # weights scored, saved (final/, best/) and exported are the average its iterates follow, good at every step
+    lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (schedule_free: 4, it averages the noise)
+    warmup_share: float | None = None  # warm-up as a share of the run's steps, replacing train.warmup_steps
 
 
 @dataclass
@@ -409,12 +415,36 @@ def check_recovery(config: FCSDConfig) -> None:
             f"recovery.warm_share={recovery.warm_share} leaves no step of the run for end-to-end KL: lower it"
         )
     _check_progressive(config)
+    _check_optimizer(config)
     custom = recovery.trainable != "all" or bool(recovery.lr_mult) or bool(recovery.progressive)
     if (warm or custom) and (parallel.ep_size > 1 or parallel.fsdp):
         raise ValueError(
             "recovery.warm_share / trainable / lr_mult / progressive are not supported with parallel.ep_size > 1 or "
             "parallel.fsdp yet: use recovery=plain there"
         )
+
+
+def _check_optimizer(config: FCSDConfig) -> None:
+    recovery = config.recovery
+    if recovery.optimizer not in OPTIMIZERS:
+        raise ValueError(f"recovery.optimizer={recovery.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if not (math.isfinite(recovery.lr_scale) and recovery.lr_scale > 0):
+        raise ValueError(f"recovery.lr_scale={recovery.lr_scale}: it must be a finite number > 0")
+    share = recovery.warmup_share
+    if share is not None and not 0 <= share < 1:
+        raise ValueError(f"recovery.warmup_share={share}: it must lie in [0, 1) (null: train.warmup_steps)")
+    if recovery.optimizer == "schedule_free" and recovery.warm_share > 0:
+        raise ValueError(
+            "recovery.optimizer=schedule_free cannot be combined with recovery.warm_share (the warm start's own "
+            "schedule and optimizer reset): use recovery=warm_start or recovery=schedule_free"
+        )
+
+
+def warmup_steps(config: FCSDConfig) -> int:
+    """Linear warm-up steps: ``recovery.warmup_share`` of the schedule's horizon when set, else
+    ``train.warmup_steps``."""
+    share = config.recovery.warmup_share
+    return config.train.warmup_steps if share is None else round(share * schedule_steps(config.train))
 
 
 def _check_progressive(config: FCSDConfig) -> None:

@@ -38,11 +38,20 @@ RESUME_KEYS = (
     "recovery.trainable",
     "recovery.progressive",
     "recovery.progressive_shares",
+    "recovery.optimizer",  # its state (schedule-free's average) means nothing to the other
 )
 PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value
 # would bend the curve where the run continues (the LR of the next step jumps) without a word.
-SCHEDULE_KEYS = ("train.lr", "train.min_lr_ratio", "train.warmup_steps", "recovery.warm_lr_mult", "recovery.lr_mult")
+SCHEDULE_KEYS = (
+    "train.lr",
+    "train.min_lr_ratio",
+    "train.warmup_steps",
+    "recovery.warm_lr_mult",
+    "recovery.lr_mult",
+    "recovery.lr_scale",
+    "recovery.warmup_share",
+)
 
 
 def check_resume(run: RunFolder, config) -> None:
@@ -65,9 +74,9 @@ def check_resume(run: RunFolder, config) -> None:
     if saved is not None:
         current = OmegaConf.structured(config)
         different = [
-            f"{key}: run {OmegaConf.select(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"
+            f"{key}: run {_saved_value(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"
             for key in RESUME_KEYS
-            if not _same_setting(key, OmegaConf.select(saved, key), OmegaConf.select(current, key))
+            if not _same_setting(key, _saved_value(saved, key), OmegaConf.select(current, key))
         ]
         if different:
             raise ownership.FolderError(
@@ -102,6 +111,19 @@ def check_resume(run: RunFolder, config) -> None:
         raise ownership.FolderError(
             f"--resume: {checkpoint.relative_to(root)} is incomplete ({', '.join(problems)}); {way}"
         )
+
+
+def _saved_value(saved, key: str):
+    """``key`` in a run's saved config; a key the run's fcsd did not have yet reads as today's default."""
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.config import FCSDConfig
+
+    value = OmegaConf.select(saved, key, default=_ABSENT)
+    return OmegaConf.select(OmegaConf.structured(FCSDConfig), key) if value is _ABSENT else value
+
+
+_ABSENT = object()
 
 
 def _same_setting(key: str, saved, current) -> bool:
@@ -153,9 +175,9 @@ def _check_length_and_schedule(run: RunFolder, checkpoint: Path, config, saved) 
         return
     horizon, saved_horizon = schedule_steps(config.train), schedule_steps(saved.train)
     changed = [
-        f"{key}={OmegaConf.select(OmegaConf.structured(config), key)} (the run: {OmegaConf.select(saved, key)})"
+        f"{key}={OmegaConf.select(OmegaConf.structured(config), key)} (the run: {_saved_value(saved, key)})"
         for key in SCHEDULE_KEYS
-        if OmegaConf.select(saved, key) != OmegaConf.select(OmegaConf.structured(config), key)
+        if _saved_value(saved, key) != OmegaConf.select(OmegaConf.structured(config), key)
     ]
     if horizon != saved_horizon:
         keys = [k for k in ("max_steps", "max_tokens") if getattr(config.train, k) != saved.train.get(k)]

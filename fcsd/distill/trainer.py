@@ -31,6 +31,7 @@ from fcsd.distill.optim import (
     SpikeGuard,
     apply_update,
     build_optimizer,
+    evaluation_weights,
     fuse_on_gpu,
     plan_steps,
     reset_optimizer_state,
@@ -131,6 +132,12 @@ class TrainingSession:
             raise ValueError(
                 f"recovery.warm_share runs in one process or under DDP, not under {accelerator.distributed_type.value}"
                 " (its sharded parameters are gathered only by the model's forward): use recovery=plain"
+            )
+        if deepspeed and config.recovery.optimizer == "schedule_free":
+            raise ValueError(
+                "recovery.optimizer=schedule_free does not run under DeepSpeed (its engine owns the optimizer and "
+                "would save the training iterate, not the average): use FSDP2 (recipes/accelerate/fsdp2_8gpu.yaml) or "
+                "recovery=plain"
             )
         if deepspeed and train_cfg.spike_factor:
             raise ValueError(
@@ -308,7 +315,7 @@ class TrainingSession:
     def evaluate(self, step: int) -> dict:
         """Held-out KL and NLL at ``step``, logged."""
         held_offset = len(self.train_rows)  # held-out rows follow the training rows in a teacher cache
-        with self.accelerator.autocast():
+        with evaluation_weights(self.optimizer), self.accelerator.autocast():
             result = heldout_metrics(
                 self.unwrapped, self.held_rows, self.config, self.teacher, self.cache, held_offset, self.head_in_forward
             )
@@ -317,6 +324,10 @@ class TrainingSession:
 
     def early_stop_check(self, step: int) -> bool:
         """MBPP+ at ``step``; saves ``best/`` on a new best; True when patience is exhausted."""
+        with evaluation_weights(self.optimizer):  # the weights scored are the ones best/ keeps
+            return self._early_stop_check(step)
+
+    def _early_stop_check(self, step: int) -> bool:
         accelerator, early = self.accelerator, self.early
         with accelerator.autocast():  # bf16 generation on GPU
             synced = self.head_in_forward or self.parallel  # sharded weights or collectives: ranks step together
@@ -354,6 +365,10 @@ class TrainingSession:
 
     def finish(self, done: int) -> RunResult:
         """The last MBPP+ score, the final held-out figures, ``run_summary.json``, ``curves.png`` and ``final/``."""
+        with evaluation_weights(self.optimizer):  # a schedule-free run scores and saves its average
+            return self._finish(done)
+
+    def _finish(self, done: int) -> RunResult:
         accelerator, run = self.accelerator, self.run
         if self.early is not None and not self.early.evaluated(done):
             self.early_stop_check(done)  # the final score (it may be the best)

@@ -144,7 +144,7 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
             f"| steps | {steps if steps is not None else 'unknown'} |",
             f"| tokens | {tokens:,} |" if tokens else "| tokens | unknown |",
             f"| batch size | {train['batch_tokens']:,} tokens |",
-            f"| learning rate | {train['lr']:g} (AdamW, cosine, {train['warmup_steps']} warm-up steps) |",
+            f"| learning rate | {learning_rate(train, config.get('recovery') or {})} |",
             f"| data | `{display_name((config.get('data') or {}).get('path'))}` |",
         ]
         before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
@@ -207,3 +207,13 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
         "",
     ]
     return ModelCard("\n".join(lines)).content
+
+
+def learning_rate(train: dict, recovery: dict) -> str:
+    """The run's optimizer and LR in words (the recovery recipe may scale the LR and replace AdamW's schedule)."""
+    peak = train["lr"] * recovery.get("lr_scale", 1.0)
+    share = recovery.get("warmup_share")
+    warmup = f"{share:.1%} of the steps" if share is not None else f"{train['warmup_steps']} steps"
+    if recovery.get("optimizer") == "schedule_free":
+        return f"{peak:g} (schedule-free AdamW, constant after a warm-up of {warmup}; the average is saved)"
+    return f"{peak:g} (AdamW, cosine, warm-up {warmup})"

@@ -1,0 +1,119 @@
+"""The schedule-free recovery recipe (issue 27; ``recovery=schedule_free``): the optimizer and its warm-up, the
+average it scores and saves (checked against the relation between its iterates, y = (1 - b1) z + b1 x), an exact
+resume, and the same training in one process, under DDP and under expert parallelism (2 gloo processes)."""
+
+import pytest
+import torch
+from test_recovery import FAST, _batch, config_for, one_thread, records  # noqa: F401 (one_thread: autouse)
+from test_trainer import assert_same_training, pretrained_assets
+from tiny_models import build
+
+from fcsd.cli import main
+from fcsd.connectivity import apply_farskip
+from fcsd.distill import trainer
+from fcsd.distill.objectives import micro_batch_loss
+from fcsd.distill.optim import build_optimizer, evaluation_weights, plan_steps
+
+SF = ["recovery=schedule_free"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """test_recovery's briefly pretrained tiny Qwen3-MoE teacher and its data."""
+    return pretrained_assets(tmp_path_factory.mktemp("assets"), rows=120, steps=40, batch_size=4)
+
+
+def _convert_args(assets, *extra):
+    args = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", f"data.cache_dir={assets / 'c'}"]
+    return [*args, *FAST, *SF, *extra]
+
+
+def test_optimizer_warms_up_then_holds_the_lr_and_scores_the_average(assets, tmp_path):
+    config = config_for(assets, tmp_path / "r", "train.max_steps=400", *SF)  # warm-up: 0.5% of 400 = 2 steps
+    student = apply_farskip(build("qwen3_moe"), "all")
+    teacher = build("qwen3_moe")
+    optimizer, scheduler = build_optimizer(student, config, plan_steps(config, 1))
+    assert type(optimizer).__name__ == "AdamWScheduleFree"
+    lrs = []
+    for step in range(4):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        micro_batch_loss(student, student, _batch(97, seed=step), config, teacher).total.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    peak = 4 * config.train.lr
+    assert lrs == pytest.approx([peak / 3, 2 * peak / 3, peak, peak])
+    beta1 = config.train.adam_betas[0]
+    params = [p for p in student.parameters() if p in optimizer.state]
+    trained = [p.detach().clone() for p in params]  # the training iterate y
+    z = [optimizer.state[p]["z"] for p in params]
+    with evaluation_weights(optimizer):
+        with evaluation_weights(optimizer):  # nested (finish() scores, then saves): still the average inside
+            pass
+        for p, y, zz in zip(params, trained, z, strict=True):
+            torch.testing.assert_close(p, (y - (1 - beta1) * zz) / beta1, rtol=1e-4, atol=1e-6)
+        assert any(not torch.equal(p, y) for p, y in zip(params, trained, strict=True))
+    for p, y in zip(params, trained, strict=True):
+        torch.testing.assert_close(p, y)  # back to the training iterate
+
+
+def test_a_run_scores_and_saves_the_average_and_resumes_exactly(assets, tmp_path, monkeypatch):
+    """Through `fcsd convert`: held-out KL falls; final/ holds the average, not the training iterate; a run killed
+    after its step-4 checkpoint (held-out evaluations switched the weights before it) resumes exactly."""
+    import fcsd
+
+    args = _convert_args(assets, "train.max_steps=8", "train.save_every=2", "train.eval_every=2")
+    seen = {}
+    original_finish = trainer.TrainingSession.finish
+
+    def finish(self, done):  # the training iterate and the optimizer's z at the end of the run
+        params = dict(self.unwrapped.named_parameters())
+        seen["y"] = {n: p.detach().clone() for n, p in params.items()}
+        seen["z"] = {n: self.optimizer.optimizer.state[p]["z"].clone() for n, p in params.items()}
+        return original_finish(self, done)
+
+    monkeypatch.setattr(trainer.TrainingSession, "finish", finish)
+    assert main([*args, f"output_dir={tmp_path / 'u'}"]) in (0, None)
+    monkeypatch.setattr(trainer.TrainingSession, "finish", original_finish)
+    kl = [r["eval/kl"] for r in records(tmp_path / "u") if "eval/kl" in r]
+    assert len(kl) == 5 and kl[-1] < 0.8 * kl[0]
+    saved = dict(fcsd.from_pretrained(str(tmp_path / "u" / "final")).named_parameters())
+    for name, y in seen["y"].items():
+        torch.testing.assert_close(saved[name], (y - 0.1 * seen["z"][name]) / 0.9, rtol=1e-4, atol=1e-6)
+    assert any(not torch.equal(saved[n], y) for n, y in seen["y"].items())
+
+    class Killed(Exception):
+        pass
+
+    original = trainer.TrainingSession.log_step
+
+    def dying(self, done, *rest, **keywords):
+        original(self, done, *rest, **keywords)
+        if done == 5:
+            raise Killed
+
+    monkeypatch.setattr(trainer.TrainingSession, "log_step", dying)
+    with pytest.raises(Killed):
+        main([*args, f"output_dir={tmp_path / 'k'}"])
+    monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
+    assert main([*args, f"output_dir={tmp_path / 'k'}", "--resume"]) in (0, None)
+    whole, resumed = records(tmp_path / "u"), records(tmp_path / "k")
+    for key in ("train/loss", "train/grad_norm", "train/lr", "eval/kl"):
+        assert [r[key] for r in resumed if key in r] == [r[key] for r in whole if key in r], key
+    assert_same_training(tmp_path / "k", tmp_path / "u")
+    # the run's optimizer is part of what it is: resuming it as plain AdamW is refused in one line
+    assert main([*args, "recovery=plain", f"output_dir={tmp_path / 'k'}", "--resume"]) == 2
+
+
+@pytest.mark.parametrize("layout", ["ddp", "parallel.ep_size=2"])
+def test_two_gloo_processes_train_as_one(assets, tmp_path, layout):
+    """DDP, and expert parallelism (its own gradient reduction; the optimizer's per-mesh groups hold DTensors):
+    the same losses, gradient norms and saved average as one process."""
+    from launch import torchrun
+
+    args = _convert_args(assets, "train.max_steps=3", "train.micro_batch_size=4", "train.save_every=0")
+    args += ["train.grad_clip=0.05"]  # clipping takes part
+    assert main([*args, f"output_dir={tmp_path / 'one'}"]) in (0, None)
+    extra = [] if layout == "ddp" else [layout]
+    torchrun(2, "-m", "fcsd.cli", *args, *extra, f"output_dir={tmp_path / 'two'}", timeout=600)
+    assert_same_training(tmp_path / "two", tmp_path / "one")
