@@ -35,8 +35,10 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "warm_start_lr3": ["recovery=warm_start", "recovery.warm_lr_mult=3"],
     "non_expert": ["recovery=non_expert"],
     "progressive": ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
-    "schedule_free": ["recovery=schedule_free"],  # 4x the LR, 0.5% warm-up, scored and saved as its average
+    "schedule_free": ["recovery=schedule_free"],  # the default: 2x the LR, 0.5% warm-up, its average scored and saved
+    "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],
     "plain_short_warmup": ["recovery=plain", "recovery.warmup_share=0.005"],  # control: schedule_free's warm-up alone
+    "plain_anneal": ["recovery=plain", "train.min_lr_ratio=0.1"],  # control: the cosine to a tenth (the demo's)
 }
 
 
@@ -224,7 +226,7 @@ def report(results: list[dict], marks: tuple[int, int]) -> list[str]:
                 ratios.append("not reached" if tokens is None else f"{tokens / (mark * STEP_TOKENS):.2f}x")
             final = result["curve"][-1]
             lines.append(
-                f"  {recipe:14s} tokens to plain's KL@{marks[0]}: {ratios[0]:>11s}  @{marks[1]}: {ratios[1]:>11s}  "
+                f"  {recipe:18s} tokens to plain's KL@{marks[0]}: {ratios[0]:>11s}  @{marks[1]}: {ratios[1]:>11s}  "
                 f"final KL {final[1]:.4f} NLL {final[2]:.4f}  warm steps {result['warm_steps']}  "
                 f"wall {result['wall_s']:.0f}s"
             )

@@ -41,7 +41,7 @@ def test_optimizer_warms_up_then_holds_the_lr_and_scores_the_average(assets, tmp
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    peak = 4 * config.train.lr
+    peak = config.recovery.lr_scale * config.train.lr  # the preset: 2x
     assert lrs == pytest.approx([peak / 3, 2 * peak / 3, peak, peak])
     beta1 = config.train.adam_betas[0]
     params = [p for p in student.parameters() if p in optimizer.state]
@@ -117,3 +117,14 @@ def test_two_gloo_processes_train_as_one(assets, tmp_path, layout):
     extra = [] if layout == "ddp" else [layout]
     torchrun(2, "-m", "fcsd.cli", *args, *extra, f"output_dir={tmp_path / 'two'}", timeout=600)
     assert_same_training(tmp_path / "two", tmp_path / "one")
+
+
+def test_the_model_card_names_the_optimizer_and_the_scaled_lr():
+    from fcsd.export.model_card import learning_rate
+
+    train = {"lr": 2e-5, "warmup_steps": 1000}
+    recovery = {"optimizer": "schedule_free", "lr_scale": 2.0, "warmup_share": 0.005}
+    assert learning_rate(train, recovery) == (
+        "4e-05 (schedule-free AdamW, constant after a warm-up of 0.5% of the steps; the average is saved)"
+    )
+    assert learning_rate(train, {}) == "2e-05 (AdamW, cosine, warm-up 1000 steps)"  # a run written before recipes

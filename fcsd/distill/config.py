@@ -161,7 +161,7 @@ class RecoveryConfig:
     optimizer: str = "adamw"  # adamw: AdamW, warm-up, cosine to train.min_lr_ratio (the paper) | schedule_free:
     # schedule-free AdamW (Defazio et al. 2024, the `schedulefree` package), constant LR after the warm-up; the
     # weights scored, saved (final/, best/) and exported are the average its iterates follow, good at every step
-    lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (schedule_free: 4, it averages the noise)
+    lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (the schedule_free preset: 2)
     warmup_share: float | None = None  # warm-up as a share of the run's steps, replacing train.warmup_steps
 
 
@@ -512,7 +512,7 @@ def to_config(cfg) -> FCSDConfig:
         (train.temperature > 0, f"train.temperature={train.temperature}: it must be > 0"),
         (0 < train.jsd_beta < 1, f"train.jsd_beta={train.jsd_beta}: it must lie strictly between 0 and 1"),
         (
-            train.warmup_steps <= schedule_steps(train),
+            config.recovery.warmup_share is not None or train.warmup_steps <= schedule_steps(train),
             f"train.warmup_steps={train.warmup_steps} is longer than the run ({schedule_steps(train)} steps): the LR "
             f"would never reach train.lr; set train.warmup_steps below {schedule_steps(train)}",
         ),

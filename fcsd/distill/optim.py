@@ -111,7 +111,7 @@ def schedule_free(params, lr: float, warmup: int, train):
     after a linear warm-up of ``warmup`` steps (applied by the returned LambdaLR, which the optimizer reads as its
     scheduled LR), then constant: no horizon to anneal towards. Its training iterate runs ahead of an average of the
     steps; :func:`evaluation_weights` puts that average into the model, and it is what a run scores and saves. In the
-    recovery benchmark it reached the plain recipe's KL in 2.4-3x fewer tokens (BENCHMARKS.md): the distillation is
+    recovery benchmark it reached the plain recipe's KL in about half the tokens (BENCHMARKS.md): the distillation is
     limited by gradient noise, which the average removes without lowering the LR."""
     import schedulefree
 
