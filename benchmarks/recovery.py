@@ -37,7 +37,6 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "progressive": ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
     "schedule_free": ["recovery=schedule_free"],  # the default: 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],
-    "plain_short_warmup": ["recovery=plain", "recovery.warmup_share=0.005"],  # control: schedule_free's warm-up alone
     "plain_anneal": ["recovery=plain", "train.min_lr_ratio=0.1"],  # control: the cosine to a tenth (the demo's)
 }
 

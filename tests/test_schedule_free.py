@@ -128,3 +128,44 @@ def test_the_model_card_names_the_optimizer_and_the_scaled_lr():
         "4e-05 (schedule-free AdamW, constant after a warm-up of 0.5% of the steps; the average is saved)"
     )
     assert learning_rate(train, {}) == "2e-05 (AdamW, cosine, warm-up 1000 steps)"  # a run written before recipes
+
+
+def test_a_run_written_before_the_optimizer_keys_resumes_as_plain(assets, tmp_path, monkeypatch):
+    """A run config without recovery.optimizer / lr_scale / warmup_share (an older fcsd wrote it) reads them as the
+    schema's defaults, the paper's AdamW: it resumes with recovery=plain and is refused with the schedule-free
+    default, in one line."""
+    from omegaconf import OmegaConf
+
+    args = _convert_args(assets, "train.max_steps=4", "train.save_every=2", "recovery=plain")
+
+    class Killed(Exception):
+        pass
+
+    original = trainer.TrainingSession.log_step
+
+    def dying(self, done, *rest, **keywords):
+        original(self, done, *rest, **keywords)
+        if done == 3:
+            raise Killed
+
+    monkeypatch.setattr(trainer.TrainingSession, "log_step", dying)
+    run = tmp_path / "old"
+    with pytest.raises(Killed):
+        main([*args, f"output_dir={run}"])
+    monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
+    saved = OmegaConf.load(run / "fcsd_config.yaml")
+    for key in ("optimizer", "lr_scale", "warmup_share"):
+        del saved.recovery[key]
+    OmegaConf.save(saved, run / "fcsd_config.yaml")
+    assert main([*args[:-1], f"output_dir={run}", "--resume"]) == 2  # now the default: schedule_free
+    assert main([*args, f"output_dir={run}", "--resume"]) in (0, None)
+    assert [r["step"] for r in records(run) if "train/loss" in r] == [1, 2, 3, 4]
+
+
+def test_the_warm_up_check_applies_to_the_warm_up_the_run_has(assets, tmp_path):
+    """train.warmup_steps longer than the run is refused for the recipe that uses it, not for the default recipe,
+    which warms up for recovery.warmup_share of the steps."""
+    config = config_for(assets, tmp_path / "r", "train.max_steps=300", "train.warmup_steps=1000", *SF)
+    assert config.recovery.warmup_share == 0.005
+    with pytest.raises(ValueError, match="train.warmup_steps=1000 is longer than the run"):
+        config_for(assets, tmp_path / "r", "train.max_steps=300", "train.warmup_steps=1000", "recovery=plain")

@@ -512,7 +512,7 @@ def to_config(cfg) -> FCSDConfig:
         (train.temperature > 0, f"train.temperature={train.temperature}: it must be > 0"),
         (0 < train.jsd_beta < 1, f"train.jsd_beta={train.jsd_beta}: it must lie strictly between 0 and 1"),
         (
-            config.recovery.warmup_share is not None or train.warmup_steps <= schedule_steps(train),
+            warmup_steps(config) <= schedule_steps(train),  # a share of the run always fits it
             f"train.warmup_steps={train.warmup_steps} is longer than the run ({schedule_steps(train)} steps): the LR "
             f"would never reach train.lr; set train.warmup_steps below {schedule_steps(train)}",
         ),

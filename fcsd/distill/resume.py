@@ -9,6 +9,7 @@ inputs by fingerprints recorded in every checkpoint's trainer state (:func:`inpu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -117,13 +118,20 @@ def _saved_value(saved, key: str):
     """``key`` in a run's saved config; a key the run's fcsd did not have yet reads as today's default."""
     from omegaconf import OmegaConf
 
-    from fcsd.distill.config import FCSDConfig
-
     value = OmegaConf.select(saved, key, default=_ABSENT)
-    return OmegaConf.select(OmegaConf.structured(FCSDConfig), key) if value is _ABSENT else value
+    return OmegaConf.select(_schema_defaults(), key) if value is _ABSENT else value
 
 
 _ABSENT = object()
+
+
+@functools.cache
+def _schema_defaults():
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.config import FCSDConfig
+
+    return OmegaConf.structured(FCSDConfig)
 
 
 def _same_setting(key: str, saved, current) -> bool:
