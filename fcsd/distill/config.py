@@ -416,6 +416,12 @@ def check_recovery(config: FCSDConfig) -> None:
         )
     _check_progressive(config)
     _check_optimizer(config)
+    horizon = schedule_steps(config.train)
+    if warmup_steps(config) > horizon:  # only train.warmup_steps can be: a valid share of the run always fits it
+        raise ValueError(
+            f"train.warmup_steps={config.train.warmup_steps} is longer than the run ({horizon} steps): the LR would "
+            f"never reach train.lr; set train.warmup_steps below {horizon}"
+        )
     custom = recovery.trainable != "all" or bool(recovery.lr_mult) or bool(recovery.progressive)
     if (warm or custom) and (parallel.ep_size > 1 or parallel.fsdp):
         raise ValueError(
@@ -511,11 +517,6 @@ def to_config(cfg) -> FCSDConfig:
         (train.max_steps is None or train.max_steps > 0, f"train.max_steps={train.max_steps}: it must be > 0"),
         (train.temperature > 0, f"train.temperature={train.temperature}: it must be > 0"),
         (0 < train.jsd_beta < 1, f"train.jsd_beta={train.jsd_beta}: it must lie strictly between 0 and 1"),
-        (
-            warmup_steps(config) <= schedule_steps(train),  # a share of the run always fits it
-            f"train.warmup_steps={train.warmup_steps} is longer than the run ({schedule_steps(train)} steps): the LR "
-            f"would never reach train.lr; set train.warmup_steps below {schedule_steps(train)}",
-        ),
         (config.sweep.schedule in SWEEP_SCHEDULES, f"sweep.schedule: choose {SWEEP_SCHEDULES}"),
         (config.parallel.ep_size >= 1, f"parallel.ep_size={config.parallel.ep_size}: it must be at least 1"),
         (
