@@ -35,7 +35,8 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "warm_start_lr3": ["recovery=warm_start", "recovery.warm_lr_mult=3"],
     "non_expert": ["recovery=non_expert"],
     "progressive": ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
-    "schedule_free": ["recovery=schedule_free"],  # the default: 2x the LR, 0.5% warm-up, its average scored and saved
+    "guided": ["recovery=guided"],  # the default: schedule-free at 4x plus the relative hidden-state guide
+    "schedule_free": ["recovery=schedule_free"],  # 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],
     "plain_anneal": ["recovery=plain", "train.min_lr_ratio=0.1"],  # control: the cosine to a tenth (the demo's)
 }

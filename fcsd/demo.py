@@ -31,7 +31,11 @@ def run_demo(config) -> dict:
     runs = {}
     for objective in ("kl", "sft"):
         train = dataclasses.replace(config.train, objective=objective)
-        run_config = dataclasses.replace(config, train=train, output_dir=str(out / f"fcsd-{objective}"))
+        guide = config.recovery.hidden_l2 if objective == "kl" else 0.0  # the guided recipe's term is KL's
+        recovery = dataclasses.replace(config.recovery, hidden_l2=guide)
+        run_config = dataclasses.replace(
+            config, train=train, recovery=recovery, output_dir=str(out / f"fcsd-{objective}")
+        )
         say(f"demo: training the converted model with train.objective={objective}")
         runs[objective] = convert(run_config)
     if not is_main:

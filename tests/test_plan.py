@@ -378,6 +378,8 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     """The printed commands of an EP x FSDP2 layout on 2 nodes: the training launch (a plain multi-process launch on
     every node, parallel.ep_size and parallel.fsdp=true) and, with the cached teacher, `fcsd cache-teacher` on the
     same processes laid out the same way (the teacher need not fit one GPU); both accepted by fcsd's parsers."""
+    from dataclasses import replace
+
     from fcsd.plan.commands import plan_commands
     from fcsd.plan.models import load_model_config
     from fcsd.plan.planner import run_config as plan_config
@@ -398,6 +400,14 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     assert "--num_machines 2" in commands["cache_teacher"]
     assert cache.config.parallel.ep_size == 4 and cache.config.parallel.fsdp
     assert cache.config.teacher.cache_dir == train.teacher.cache_dir
+    # the default recipe is guided; the cache holds no hidden states, so the cached layout's command turns its guide
+    # off (convert would refuse it otherwise), and an online layout's command keeps it
+    assert (
+        config.recovery.hidden_l2 > 0 and train.recovery.hidden_l2 == 0 and "recovery.hidden_l2=0" in commands["train"]
+    )
+    online = replace(layout, teacher="online")
+    commands, _ = plan_commands(str(tmp_path / "model"), online, "all", config, defaults, cluster, extra, ("x", 1))
+    assert accepted_by_convert(commands["train"]).recovery.hidden_l2 == config.recovery.hidden_l2
 
 
 def test_a_layout_whose_step_raises_is_an_invalid_candidate(monkeypatch):

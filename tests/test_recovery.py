@@ -183,7 +183,8 @@ def test_frozen_groups_get_no_gradient_and_no_optimizer_state(assets, tmp_path):
 
 
 WARM = ["recovery=warm_start", "recovery.warm_share=0.5"]
-PROGRESSIVE = ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]"]
+# on the schedule-free recipe (no guide), so that the partial stage's KL says what converting the rest costs
+PROGRESSIVE = ["recovery=schedule_free", "recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]"]
 
 
 @pytest.mark.parametrize(
@@ -249,6 +250,11 @@ def test_recovery_refusals_are_one_line(assets, tmp_path):
         ("recovery.optimizer=sgd",): "choose one of adamw, schedule_free",
         ("recovery.lr_scale=0",): "finite number > 0",
         ("recovery.warmup_share=1.5",): "[0, 1)",
+        ("recovery=guided", "teacher.mode=cache"): "recovery=schedule_free with the cache",
+        ("recovery=guided", "train.objective=sft"): "use train.objective=kl",
+        ("recovery=guided", "train.objective=kl_l2"): "use train.objective=kl",
+        ("recovery.hidden_l2=-1",): "finite number >= 0",
+        ("recovery=guided", "recovery.hidden_l2_share=0"): "(0, 1]",
     }
     for overrides, fix in cases.items():
         with pytest.raises(ValueError, match=None) as error:

@@ -119,8 +119,8 @@ def test_two_gloo_processes_train_as_one(assets, tmp_path, layout):
     assert_same_training(tmp_path / "two", tmp_path / "one")
 
 
-def test_the_model_card_names_the_optimizer_and_the_scaled_lr():
-    from fcsd.export.model_card import learning_rate
+def test_the_model_card_names_the_optimizer_the_scaled_lr_and_the_guide():
+    from fcsd.export.model_card import learning_rate, objective
 
     train = {"lr": 2e-5, "warmup_steps": 1000}
     recovery = {"optimizer": "schedule_free", "lr_scale": 2.0, "warmup_share": 0.005}
@@ -128,12 +128,17 @@ def test_the_model_card_names_the_optimizer_and_the_scaled_lr():
         "4e-05 (schedule-free AdamW, constant after a warm-up of 0.5% of the steps; the average is saved)"
     )
     assert learning_rate(train, {}) == "2e-05 (AdamW, cosine, warm-up 1000 steps)"  # a run written before recipes
+    train = {"objective": "kl", "divergence": "forward_kl"}
+    assert objective(train, {"hidden_l2": 4.0}) == (
+        "`kl` (forward_kl) + 4 x relative hidden-state error (the teacher's states)"
+    )
+    assert objective(train, {}) == "`kl` (forward_kl)"
 
 
 def test_a_run_written_before_the_optimizer_keys_resumes_as_plain(assets, tmp_path, monkeypatch):
-    """A run config without recovery.optimizer / lr_scale / warmup_share (an older fcsd wrote it) reads them as the
-    schema's defaults, the paper's AdamW: it resumes with recovery=plain and is refused with the schedule-free
-    default, in one line."""
+    """A run config without recovery.optimizer / lr_scale / warmup_share / hidden_l2 (an older fcsd wrote it) reads
+    them as the schema's defaults, the paper's AdamW without a guide: it resumes with recovery=plain and is refused
+    with the default recipe, in one line."""
     from omegaconf import OmegaConf
 
     args = _convert_args(assets, "train.max_steps=4", "train.save_every=2", "recovery=plain")
@@ -154,10 +159,10 @@ def test_a_run_written_before_the_optimizer_keys_resumes_as_plain(assets, tmp_pa
         main([*args, f"output_dir={run}"])
     monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
     saved = OmegaConf.load(run / "fcsd_config.yaml")
-    for key in ("optimizer", "lr_scale", "warmup_share"):
+    for key in ("optimizer", "lr_scale", "warmup_share", "hidden_l2"):
         del saved.recovery[key]
     OmegaConf.save(saved, run / "fcsd_config.yaml")
-    assert main([*args[:-1], f"output_dir={run}", "--resume"]) == 2  # now the default: schedule_free
+    assert main([*args[:-1], f"output_dir={run}", "--resume"]) == 2  # now the default: guided
     assert main([*args, f"output_dir={run}", "--resume"]) in (0, None)
     assert [r["step"] for r in records(run) if "train/loss" in r] == [1, 2, 3, 4]
 

@@ -163,6 +163,12 @@ class RecoveryConfig:
     # weights scored, saved (final/, best/) and exported are the average its iterates follow, good at every step
     lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (the schedule_free preset: 2)
     warmup_share: float | None = None  # warm-up as a share of the run's steps, replacing train.warmup_steps
+    hidden_l2: float = 0.0  # weight of the teacher's hidden states as a guide, added to the KL: per token, the mean
+    # over layers of ||o_i - t_i||^2 / ||t_i||^2, the student fed its own inputs (paper Eq. 5 made scale-free; the
+    # guided preset: 4); needs the online teacher (0: off)
+    hidden_l2_share: float = 1.0  # the guide's weight falls linearly from hidden_l2 to 0 over this share of the run's
+    # steps, then the run is KL alone (the guided preset: 0.5; early the guide speeds recovery, late it holds the
+    # student to states the KL would leave)
 
 
 @dataclass
@@ -349,9 +355,15 @@ def compose(overrides: list[str], recipe: str = "fcsd"):
         return hydra_compose(config_name=recipe, overrides=list(overrides))
 
 
-def cache_refusal(train: TrainConfig) -> str | None:
-    """Why the teacher cache (top-k log-probabilities of the forward KL) cannot serve ``train``'s loss, or None
+def cache_refusal(config: FCSDConfig) -> str | None:
+    """Why the teacher cache (top-k log-probabilities of the forward KL) cannot serve the run's loss, or None
     (design §3); ``fcsd convert`` refuses such a run and ``fcsd plan`` does not offer it."""
+    train = config.train
+    if config.recovery.hidden_l2 > 0:
+        return (
+            "teacher.mode=cache holds logits only, and recovery.hidden_l2 (the guided recipe, fcsd's default) needs "
+            "the teacher's hidden states: use teacher.mode=online, or recovery=schedule_free with the cache"
+        )
     if train.objective != "kl":
         return (
             f"teacher.mode=cache holds logits only: it works with train.objective=kl, not "
@@ -416,6 +428,7 @@ def check_recovery(config: FCSDConfig) -> None:
         )
     _check_progressive(config)
     _check_optimizer(config)
+    _check_guide(config)
     horizon = schedule_steps(config.train)
     if warmup_steps(config) > horizon:  # only train.warmup_steps can be: a valid share of the run always fits it
         raise ValueError(
@@ -444,6 +457,27 @@ def _check_optimizer(config: FCSDConfig) -> None:
             "recovery.optimizer=schedule_free cannot be combined with recovery.warm_share (the warm start's own "
             "schedule and optimizer reset): use recovery=warm_start or recovery=schedule_free"
         )
+
+
+def _check_guide(config: FCSDConfig) -> None:
+    weight, objective = config.recovery.hidden_l2, config.train.objective
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ValueError(f"recovery.hidden_l2={weight}: it must be a finite number >= 0 (0: off)")
+    share = config.recovery.hidden_l2_share
+    if not 0 < share <= 1:
+        raise ValueError(f"recovery.hidden_l2_share={share}: it must lie in (0, 1] (1: the guide fades over the run)")
+    if weight > 0 and objective != "kl":
+        raise ValueError(
+            f"recovery.hidden_l2 adds the teacher's hidden states to the KL, not to train.objective={objective}: "
+            "use train.objective=kl, or recovery.hidden_l2=0 (recovery=schedule_free)"
+        )
+
+
+def guide_weight(config: FCSDConfig, step: int) -> float:
+    """The guided recipe's hidden-state weight at optimizer step ``step`` (0-based): ``recovery.hidden_l2`` falling
+    linearly to 0 at ``recovery.hidden_l2_share`` of the run's steps, 0 after."""
+    fade = config.recovery.hidden_l2_share * schedule_steps(config.train)
+    return config.recovery.hidden_l2 * max(0.0, 1.0 - step / fade)
 
 
 def warmup_steps(config: FCSDConfig) -> int:
@@ -504,7 +538,7 @@ def to_config(cfg) -> FCSDConfig:
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
         (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
-        (config.teacher.mode == "online" or cache_refusal(train) is None, cache_refusal(train)),
+        (config.teacher.mode == "online" or cache_refusal(config) is None, cache_refusal(config)),
         (train.lr > 0, f"train.lr={train.lr}: it must be > 0 (e.g. train.lr=2e-5)"),
         (0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio={train.min_lr_ratio}: it must lie in [0, 1]"),
         (train.batch_tokens > 0, f"train.batch_tokens={train.batch_tokens}: it must be > 0"),

@@ -219,6 +219,23 @@ def hidden_l2(
     return total
 
 
+def relative_hidden_l2(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor]) -> torch.Tensor:
+    """Sum over tokens of the mean over matched layers of ``||o_i - t_i||^2 / ||t_i||^2``: paper Eq. 5 made
+    scale-free, each token's error relative to the teacher's own state (the ``guided`` recovery recipe, issue 27).
+
+    Per token, so a micro-batch's value does not depend on the others in its step (data and expert parallelism sum
+    the same terms as one process), and a layer with large activations does not drown the others.
+    """
+    if len(student_hidden) != len(teacher_hidden) or not student_hidden:
+        raise ValueError(f"hidden-state loss needs matching layers: {len(student_hidden)} vs {len(teacher_hidden)}")
+    total = student_hidden[0].new_zeros((), dtype=torch.float32)
+    for o, t in zip(student_hidden, teacher_hidden, strict=True):
+        t = t.float()
+        energy = (t**2).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+        total = total + (((o.float() - t) ** 2).sum(-1) / energy).sum()
+    return total / len(student_hidden)
+
+
 def forward_kl(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,

@@ -99,16 +99,21 @@ def micro_batch_loss(
     teacher=None,
     cached: tuple[torch.Tensor, torch.Tensor] | None = None,
     head_in_forward: bool = False,
+    hidden_weight: float | None = None,
 ) -> LossParts:
     """The loss sum of ``config.train.objective`` on one micro-batch.
 
     ``teacher`` is the online teacher model; ``cached`` the teacher's cached ``(top-k log-probs, ids)`` rows for
     ``teacher.mode=cache``. Every position is scored for the divergences (Eq. 4 sums over all t); SFT scores the
-    next token inside each packed document. ``head_in_forward``: see :func:`head_inputs`.
+    next token inside each packed document. ``hidden_weight`` (default ``config.recovery.hidden_l2``; the trainer
+    passes :func:`fcsd.distill.config.guide_weight` of the step) > 0 adds that multiple of
+    :func:`fcsd.distill.losses.relative_hidden_l2` (the guided recipe). ``head_in_forward``: see :func:`head_inputs`.
     """
     train = config.train
     want_l2 = train.objective == "kl_l2"
-    options = {"output_hidden_states": want_l2, "output_router_logits": train.router_aux_coef > 0}
+    guide = config.recovery.hidden_l2 if hidden_weight is None else hidden_weight
+    want_states = want_l2 or guide > 0
+    options = {"output_hidden_states": want_states, "output_router_logits": train.router_aux_coef > 0}
     hidden, head, output = head_inputs(student, unwrapped_student, batch, head_in_forward, **options)
     tokens = hidden.shape[0]
     if train.objective == "sft":
@@ -122,7 +127,7 @@ def micro_batch_loss(
         total = losses.chunked_head_loss(hidden, head, token_loss, (logp, ids), train.loss_chunk_size)
         parts = LossParts(total, tokens, {"kl": total.detach()})
     else:
-        teacher_x, teacher_head, teacher_states = teacher_targets(teacher, batch, want_l2, head_in_forward)
+        teacher_x, teacher_head, teacher_states = teacher_targets(teacher, batch, want_states, head_in_forward)
         divergence = losses.divergence(train.divergence, train.temperature, train.jsd_beta)
         token_loss = teacher_token_loss(divergence, teacher_head)
         total = losses.chunked_head_loss(hidden, head, token_loss, (teacher_x,), train.loss_chunk_size)
@@ -132,6 +137,10 @@ def micro_batch_loss(
             l2 = losses.hidden_l2(list(output.hidden_states[1:]), list(teacher_states[1:]), everywhere)
             parts.total = parts.total + train.l2_coef * l2
             parts.terms["l2"] = l2.detach()
+        if guide > 0:
+            relative = losses.relative_hidden_l2(list(output.hidden_states[1:]), list(teacher_states[1:]))
+            parts.total = parts.total + guide * relative
+            parts.terms["hidden"] = relative.detach()
     if train.router_aux_coef > 0 and getattr(output, "aux_loss", None) is not None:
         aux = train.router_aux_coef * output.aux_loss * tokens  # a per-token mean, weighted like the token sums
         parts.total = parts.total + aux

@@ -40,6 +40,8 @@ RESUME_KEYS = (
     "recovery.progressive",
     "recovery.progressive_shares",
     "recovery.optimizer",  # its state (schedule-free's average) means nothing to the other
+    "recovery.hidden_l2",  # part of the loss, with the share of the run it fades over
+    "recovery.hidden_l2_share",
 )
 PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value

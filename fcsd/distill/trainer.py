@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import layer_stages, warm_steps
+from fcsd.distill.config import guide_weight, layer_stages, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
@@ -273,8 +273,9 @@ class TrainingSession:
                 if step < self.warm_steps:
                     parts = layer_local_loss(self.unwrapped, self.teacher, batch)[0]
                 else:
+                    guide = guide_weight(config, step)
                     parts = micro_batch_loss(
-                        self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward
+                        self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward, guide
                     )
                 accelerator.backward(parts.total * scale)
             sums["loss"] += parts.total.detach()

@@ -139,7 +139,7 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
             "",
             "| setting | value |",
             "|---|---|",
-            f"| objective | `{train['objective']}` ({train.get('divergence', '')}) |",
+            f"| objective | {objective(train, config.get('recovery') or {})} |",
             f"| converted layers | `{farskip['spec']}` |",
             f"| steps | {steps if steps is not None else 'unknown'} |",
             f"| tokens | {tokens:,} |" if tokens else "| tokens | unknown |",
@@ -207,6 +207,13 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
         "",
     ]
     return ModelCard("\n".join(lines)).content
+
+
+def objective(train: dict, recovery: dict) -> str:
+    """The run's loss in words: the objective and divergence, plus the guided recipe's hidden-state term."""
+    words = f"`{train['objective']}` ({train.get('divergence', '')})"
+    weight = recovery.get("hidden_l2") or 0
+    return words + (f" + {weight:g} x relative hidden-state error (the teacher's states)" if weight else "")
 
 
 def learning_rate(train: dict, recovery: dict) -> str:
