@@ -19,6 +19,7 @@ def run_demo(config) -> dict:
 
     from fcsd.connectivity.patch import apply_farskip
     from fcsd.demo_assets import prepare_demo
+    from fcsd.distill.config import resolve_guide
     from fcsd.distill.convert import convert
     from fcsd.evaluate.exact_match import exact_match_of, greedy_answers
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
@@ -31,11 +32,11 @@ def run_demo(config) -> dict:
     runs = {}
     for objective in ("kl", "sft"):
         train = dataclasses.replace(config.train, objective=objective)
-        guide = config.recovery.hidden_l2 if objective == "kl" else 0.0  # the guided recipe's term is KL's
-        recovery = dataclasses.replace(config.recovery, hidden_l2=guide)
+        recovery = dataclasses.replace(config.recovery)
         run_config = dataclasses.replace(
             config, train=train, recovery=recovery, output_dir=str(out / f"fcsd-{objective}")
         )
+        resolve_guide(run_config)  # SFT: the guided recipe without its guide, which belongs to the KL
         say(f"demo: training the converted model with train.objective={objective}")
         runs[objective] = convert(run_config)
     if not is_main:

@@ -127,6 +127,25 @@ def test_a_guided_run_fades_its_guide_and_resumes_exactly_only_with_its_weight(a
     assert_same_training(tmp_path / "k", tmp_path / "u")
 
 
+def test_the_guide_is_turned_off_where_it_cannot_apply_and_a_note_says_so(assets, tmp_path, capsys):
+    """The teacher cache holds no hidden states, and the guide belongs to the KL: there the guided recipe runs without
+    it (its config says recovery.hidden_l2=0, so a resume reads the same) and stderr says why; elsewhere it stays."""
+    from test_recovery import config_for
+
+    for overrides, why in (
+        (["teacher.mode=cache"], "teacher.mode=cache holds no hidden states"),
+        (["train.objective=sft"], "not to train.objective=sft"),
+        (["train.objective=kl_l2"], "not to train.objective=kl_l2"),
+    ):
+        config = config_for(assets, tmp_path / "x", *GUIDED, *overrides)
+        assert config.recovery.hidden_l2 == 0 and config.recovery.lr_scale == 4
+        note = capsys.readouterr().err
+        assert "note: recovery.hidden_l2 set to 0 (the guided recipe without its hidden-state guide)" in note
+        assert why in note and note.count("\n") == 1
+    assert config_for(assets, tmp_path / "x", *GUIDED).recovery.hidden_l2 == 4
+    assert "hidden_l2" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("layout", ["ddp", "parallel.ep_size=2"])
 def test_two_gloo_processes_train_as_one(assets, tmp_path, layout):
     """DDP, and expert parallelism (its layers hand the next one a pending full stream, which the recorded hidden

@@ -400,11 +400,9 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     assert "--num_machines 2" in commands["cache_teacher"]
     assert cache.config.parallel.ep_size == 4 and cache.config.parallel.fsdp
     assert cache.config.teacher.cache_dir == train.teacher.cache_dir
-    # the default recipe is guided; the cache holds no hidden states, so the cached layout's command turns its guide
-    # off (convert would refuse it otherwise), and an online layout's command keeps it
-    assert (
-        config.recovery.hidden_l2 > 0 and train.recovery.hidden_l2 == 0 and "recovery.hidden_l2=0" in commands["train"]
-    )
+    # the default recipe is guided; the cache holds no hidden states, so convert runs the cached layout's command
+    # without the guide (as the plan simulated it), and an online layout's command keeps it
+    assert config.recovery.hidden_l2 > 0 and train.recovery.hidden_l2 == 0
     online = replace(layout, teacher="online")
     commands, _ = plan_commands(str(tmp_path / "model"), online, "all", config, defaults, cluster, extra, ("x", 1))
     assert accepted_by_convert(commands["train"]).recovery.hidden_l2 == config.recovery.hidden_l2

@@ -250,9 +250,6 @@ def test_recovery_refusals_are_one_line(assets, tmp_path):
         ("recovery.optimizer=sgd",): "choose one of adamw, schedule_free",
         ("recovery.lr_scale=0",): "finite number > 0",
         ("recovery.warmup_share=1.5",): "[0, 1)",
-        ("recovery=guided", "teacher.mode=cache"): "recovery=schedule_free with the cache",
-        ("recovery=guided", "train.objective=sft"): "use train.objective=kl",
-        ("recovery=guided", "train.objective=kl_l2"): "use train.objective=kl",
         ("recovery.hidden_l2=-1",): "finite number >= 0",
         ("recovery=guided", "recovery.hidden_l2_share=0"): "(0, 1]",
     }

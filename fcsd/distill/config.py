@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -355,15 +356,9 @@ def compose(overrides: list[str], recipe: str = "fcsd"):
         return hydra_compose(config_name=recipe, overrides=list(overrides))
 
 
-def cache_refusal(config: FCSDConfig) -> str | None:
-    """Why the teacher cache (top-k log-probabilities of the forward KL) cannot serve the run's loss, or None
+def cache_refusal(train: TrainConfig) -> str | None:
+    """Why the teacher cache (top-k log-probabilities of the forward KL) cannot serve ``train``'s loss, or None
     (design §3); ``fcsd convert`` refuses such a run and ``fcsd plan`` does not offer it."""
-    train = config.train
-    if config.recovery.hidden_l2 > 0:
-        return (
-            "teacher.mode=cache holds logits only, and recovery.hidden_l2 (the guided recipe, fcsd's default) needs "
-            "the teacher's hidden states: use teacher.mode=online, or recovery=schedule_free with the cache"
-        )
     if train.objective != "kl":
         return (
             f"teacher.mode=cache holds logits only: it works with train.objective=kl, not "
@@ -460,17 +455,28 @@ def _check_optimizer(config: FCSDConfig) -> None:
 
 
 def _check_guide(config: FCSDConfig) -> None:
-    weight, objective = config.recovery.hidden_l2, config.train.objective
+    weight = config.recovery.hidden_l2
     if not (math.isfinite(weight) and weight >= 0):
         raise ValueError(f"recovery.hidden_l2={weight}: it must be a finite number >= 0 (0: off)")
     share = config.recovery.hidden_l2_share
     if not 0 < share <= 1:
         raise ValueError(f"recovery.hidden_l2_share={share}: it must lie in (0, 1] (1: the guide fades over the run)")
-    if weight > 0 and objective != "kl":
-        raise ValueError(
-            f"recovery.hidden_l2 adds the teacher's hidden states to the KL, not to train.objective={objective}: "
-            "use train.objective=kl, or recovery.hidden_l2=0 (recovery=schedule_free)"
-        )
+
+
+def resolve_guide(config: FCSDConfig) -> str | None:
+    """Turn the guided recipe's hidden-state term off where it cannot apply, and say why (None: it applies or is
+    off already): the teacher cache holds no hidden states, and the guide belongs to the KL objective. The run then
+    trains its recipe's optimizer without the guide, and its config records ``recovery.hidden_l2=0``."""
+    if config.recovery.hidden_l2 <= 0:
+        return None
+    if config.teacher.mode == "cache":
+        why = "teacher.mode=cache holds no hidden states"
+    elif config.train.objective != "kl":
+        why = f"the guide adds to the KL objective, not to train.objective={config.train.objective}"
+    else:
+        return None
+    config.recovery.hidden_l2 = 0.0
+    return f"recovery.hidden_l2 set to 0 (the {config.recovery.name} recipe without its hidden-state guide): {why}"
 
 
 def guide_weight(config: FCSDConfig, step: int) -> float:
@@ -538,7 +544,7 @@ def to_config(cfg) -> FCSDConfig:
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
         (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
-        (config.teacher.mode == "online" or cache_refusal(config) is None, cache_refusal(config)),
+        (config.teacher.mode == "online" or cache_refusal(train) is None, cache_refusal(train)),
         (train.lr > 0, f"train.lr={train.lr}: it must be > 0 (e.g. train.lr=2e-5)"),
         (0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio={train.min_lr_ratio}: it must lie in [0, 1]"),
         (train.batch_tokens > 0, f"train.batch_tokens={train.batch_tokens}: it must be > 0"),
@@ -592,6 +598,9 @@ def to_config(cfg) -> FCSDConfig:
         if not ok:
             raise ValueError(message)
     check_recovery(config)
+    note = resolve_guide(config)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     if train.eval_every is not None and train.eval_every < 0:
         raise ValueError(f"train.eval_every={train.eval_every}: it must be >= 0 (0: held-out KL at step 0 and the end)")
     train.eval_every = auto_eval_every(train)

@@ -18,8 +18,6 @@ PLAIN = ("recipes/accelerate/ep8_1node.yaml", "recipes/accelerate/ep8_1node.yaml
 ACCELERATE_CONFIGS = {"ep": PLAIN, "ep_fsdp": PLAIN, "fsdp2": PLAIN}  # strategy -> (one node, several nodes)
 CONFIG_PROCESSES = 8  # the shipped one-node configs launch 8 processes
 CACHE_DIR = "teacher-cache"
-# added to a cached-teacher layout's command when the recipe is guided: the cache holds no hidden states
-GUIDE_OFF = "recovery.hidden_l2=0"
 
 
 def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir: str, defaults) -> list[str]:
@@ -50,8 +48,6 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
     args += [f"{key}={value}" for key, value in settings.items() if current[key] != value]
     if layout.teacher == "cache":
         args += ["teacher.mode=cache", f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
-        if config.recovery.hidden_l2 > 0:
-            args.append(GUIDE_OFF)
     elif defaults.teacher.mode == "cache":
         args.append("teacher.mode=online")
     return args + [f"output_dir={output_dir}"]

@@ -129,13 +129,6 @@ def make_plan(
             source.name, chosen.layout, choice.spec, config, defaults, target, extra, (text.model_type, size)
         )
         plan.notes += replaced
-        if chosen.layout.teacher == "cache" and config.recovery.hidden_l2 > 0:
-            from fcsd.plan.commands import GUIDE_OFF
-
-            plan.notes.append(
-                f"the teacher cache holds no hidden states: the train command adds {GUIDE_OFF} (the guided recipe "
-                "without its hidden-state term); with the online teacher the guide stays on"
-            )
     return plan
 
 
@@ -171,17 +164,11 @@ def _names_data(override: str) -> bool:
 
 def _cache_ok(config) -> bool | str:
     """Whether the teacher cache can serve this run's objective: it holds the top-k of the forward KL (another
-    objective or divergence: the reason, as ``fcsd convert`` would refuse it). The guided recipe's hidden-state term
-    is not a reason: a cached layout's command turns it off (``fcsd.plan.commands.GUIDE_OFF``). Whether the teacher
-    fits where ``fcsd cache-teacher`` runs is decided per candidate
-    (:func:`fcsd.plan.candidates.cache_teacher_bytes`)."""
-    import copy
-
+    objective or divergence: the reason, as ``fcsd convert`` would refuse it). Whether the teacher fits where
+    ``fcsd cache-teacher`` runs is decided per candidate (:func:`fcsd.plan.candidates.cache_teacher_bytes`)."""
     from fcsd.distill.config import cache_refusal
 
-    unguided = copy.deepcopy(config)
-    unguided.recovery.hidden_l2 = 0.0
-    return cache_refusal(unguided) or True
+    return cache_refusal(config.train) or True
 
 
 def layout_reason(result: Search) -> str:

@@ -83,14 +83,15 @@ class Layout:
 
 def step_config(fcsd_config, layout: Layout, processes: int):
     """The run's config for ``layout``: micro-batch, checkpointing, teacher mode and EP size set as the candidate
-    says, and a cached teacher's guide off (what the printed ``fcsd convert`` command sets)."""
+    says (what the printed ``fcsd convert`` command sets), the guide resolved as ``fcsd convert`` resolves it."""
+    from fcsd.distill.config import resolve_guide
+
     config = copy.deepcopy(fcsd_config)
     config.train.micro_batch_size = layout.micro_batch
     config.train.gradient_checkpointing = layout.gradient_checkpointing
     config.train.checkpoint_offload = layout.offload
     config.teacher.mode = layout.teacher
-    if layout.teacher == "cache":  # the cache holds no hidden states: the command turns the guide off (GUIDE_OFF)
-        config.recovery.hidden_l2 = 0.0
+    resolve_guide(config)  # a cached teacher: no hidden-state guide, as fcsd convert resolves it
     config.parallel.ep_size = layout.ep_size if layout.strategy in ("ep", "ep_fsdp") else 1
     config.parallel.fsdp = layout.fsdp
     return config
