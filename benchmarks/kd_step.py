@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import transformers
 
 import fcsd
-from fcsd.distill.config import TrainConfig
+from fcsd.distill.config import RecoveryConfig, TrainConfig
 from fcsd.distill.data import Packed
 from fcsd.distill.objectives import micro_batch_loss
 
@@ -83,7 +83,8 @@ def trl_kl(student_logits, teacher_logits):
 
 
 def make_step(name: str, student, teacher, batch: Packed, optimizer, autocast, loss_chunk_size: int):
-    config = SimpleNamespace(train=TrainConfig(loss_chunk_size=loss_chunk_size))  # forward KL, fused chunked head
+    # forward KL, fused chunked head (no hidden-state guide: the step compared is the KL's)
+    config = SimpleNamespace(train=TrainConfig(loss_chunk_size=loss_chunk_size), recovery=RecoveryConfig())
     tokens = batch.input_ids.numel()
 
     def step():

@@ -34,7 +34,7 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "warm_start": ["recovery=warm_start"],  # 10% of the steps at 10x the LR
     "warm_start_lr3": ["recovery=warm_start", "recovery.warm_lr_mult=3"],
     "non_expert": ["recovery=non_expert"],
-    "progressive": ["recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
+    "progressive": ["recovery=plain", "recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
     "guided": ["recovery=guided"],  # the default: schedule-free at 4x plus the relative hidden-state guide
     "schedule_free": ["recovery=schedule_free"],  # 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_recovery import FAST, _batch, _models, one_thread, records  # noqa: F401 (one_thread: autouse)
+from test_recovery import _batch, _models, convert_args, killed_at, one_thread, records  # noqa: F401 (autouse)
 from test_trainer import assert_same_training, pretrained_assets
 
 from fcsd.cli import main
-from fcsd.distill import losses, trainer
+from fcsd.distill import losses
 from fcsd.distill.objectives import micro_batch_loss
 
 GUIDED = ["recovery=guided"]
@@ -24,8 +24,7 @@ def assets(tmp_path_factory):
 
 
 def _convert_args(assets, *extra):
-    args = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", f"data.cache_dir={assets / 'c'}"]
-    return [*args, *FAST, *GUIDED, *extra]
+    return convert_args(assets, *GUIDED, *extra)
 
 
 def _by_hand(student_states, teacher_states) -> float:
@@ -103,20 +102,7 @@ def test_a_guided_run_fades_its_guide_and_resumes_exactly_only_with_its_weight(a
         assert record["train/loss"] == pytest.approx(expected, rel=1e-5)
     assert steps[1]["train/hidden"] < steps[0]["train/hidden"]
 
-    class Killed(Exception):
-        pass
-
-    original = trainer.TrainingSession.log_step
-
-    def dying(self, done, *rest, **keywords):
-        original(self, done, *rest, **keywords)
-        if done == 5:
-            raise Killed
-
-    monkeypatch.setattr(trainer.TrainingSession, "log_step", dying)
-    with pytest.raises(Killed):
-        main([*args, f"output_dir={tmp_path / 'k'}"])
-    monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
+    killed_at(monkeypatch, [*args, f"output_dir={tmp_path / 'k'}"], 5)
     capsys.readouterr()
     assert main([*args, "recovery.hidden_l2=1", f"output_dir={tmp_path / 'k'}", "--resume"]) == 2
     assert "recovery.hidden_l2" in capsys.readouterr().err

@@ -158,3 +158,20 @@ def test_sweep_through_the_submitit_launcher(small_demo, tmp_path):
     for run in ("stage1/bt1024-lr0.001", "stage2/bt1024-lr0.002"):
         assert (root / run / "run_summary.json").exists()
         assert list((root / run.split("/")[0] / ".submitit").iterdir())  # the job went through submitit
+
+
+def test_sweep_selects_on_the_divergence_not_the_guided_total(tmp_path):
+    """Under the guided recipe a run logs train/loss = KL + weight x guide, the weight fading at each run's own pace
+    (its length depends on its batch size): the sweep compares runs on the KL (train/kl), and on train/loss where that
+    is all a step logs (the guide faded, or another recipe)."""
+    from fcsd.distill.sweep import read_run
+
+    rows = [
+        {"step": 1, "train/loss": 9.0, "train/kl": 1.0, "train/hidden": 2.0},
+        {"step": 2, "train/loss": 2.0},
+        {"step": 3, "train/loss": 5.0, "train/skipped": True},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "run_summary.json").write_text("{}")
+    run = read_run(tmp_path, select_last=2)
+    assert run["status"] == "finished" and run["curve"] == [(1, 1.0), (2, 2.0)] and run["loss"] == 1.5

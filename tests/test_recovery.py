@@ -41,6 +41,12 @@ def assets(tmp_path_factory):
     return pretrained_assets(tmp_path_factory.mktemp("assets"), rows=120, steps=40, batch_size=4)
 
 
+def convert_args(assets, *extra) -> list[str]:
+    """`fcsd convert` of the assets' teacher on their data, with the fast settings (no export), then ``extra``."""
+    args = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", f"data.cache_dir={assets / 'c'}"]
+    return [*args, *FAST, *extra]
+
+
 def config_for(assets, out, *overrides):
     return trainer_config_for(assets, out, *overrides, fast=FAST)
 
@@ -52,6 +58,27 @@ def records(out) -> list[dict]:
 def _batch(vocab: int, seed: int = 0) -> Packed:
     ids = torch.randint(3, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
     return Packed(ids, torch.arange(16).repeat(2, 1))
+
+
+class Killed(Exception):
+    """Raised by :func:`killed_at` after a logged step: the run stops there as a kill would, its checkpoints kept."""
+
+
+def killed_at(monkeypatch, argv: list[str], step: int) -> None:
+    """Run ``fcsd argv`` and stop it right after step ``step`` is logged."""
+    original = trainer.TrainingSession.log_step
+
+    def dying(self, done, *rest, **keywords):
+        original(self, done, *rest, **keywords)
+        if done == step:
+            raise Killed
+
+    monkeypatch.setattr(trainer.TrainingSession, "log_step", dying)
+    try:
+        with pytest.raises(Killed):
+            main(argv)
+    finally:
+        monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
 
 
 def _models(name: str):
@@ -198,8 +225,8 @@ PROGRESSIVE = ["recovery=schedule_free", "recovery.progressive=[last:50%]", "rec
 def test_recipes_through_fcsd_convert_and_a_run_killed_in_each_stage_resumes_exactly(
     assets, tmp_path, monkeypatch, recipe, stages, kill_steps
 ):
-    args = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", f"data.cache_dir={assets / 'c'}"]
-    args += [*FAST, "train.max_steps=8", *recipe, "train.save_every=2", "farskip.layers=all", "train.spike_window=2"]
+    args = convert_args(assets, "train.max_steps=8", *recipe, "train.save_every=2", "farskip.layers=all")
+    args += ["train.spike_window=2"]
     assert main([*args, f"output_dir={tmp_path / 'u'}"]) in (0, None)
     whole = records(tmp_path / "u")
     # the spike guard starts afresh with each stage: the loss jump at the boundary (step 5) is no spike
@@ -213,22 +240,9 @@ def test_recipes_through_fcsd_convert_and_a_run_killed_in_each_stage_resumes_exa
         assert kl[5] > 10 * kl[4] and kl[-1] < kl[5]
     assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "u" / "final"))) == [0, 1, 2, 3]
 
-    class Killed(Exception):
-        pass
-
-    original = trainer.TrainingSession.log_step
     for kill_at in kill_steps:
-
-        def dying(self, done, *rest, _at=kill_at, **keywords):
-            original(self, done, *rest, **keywords)
-            if done == _at:
-                raise Killed
-
-        monkeypatch.setattr(trainer.TrainingSession, "log_step", dying)
         run = tmp_path / f"k{kill_at}"
-        with pytest.raises(Killed):
-            main([*args, f"output_dir={run}"])
-        monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
+        killed_at(monkeypatch, [*args, f"output_dir={run}"], kill_at)
         assert main([*args, f"output_dir={run}", "--resume"]) in (0, None)
         resumed = records(run)
         for key in ("train/loss", "train/grad_norm", "train/lr"):
@@ -252,6 +266,7 @@ def test_recovery_refusals_are_one_line(assets, tmp_path):
         ("recovery.warmup_share=1.5",): "[0, 1)",
         ("recovery.hidden_l2=-1",): "finite number >= 0",
         ("recovery=guided", "recovery.hidden_l2_share=0"): "(0, 1]",
+        ("recovery=warm_start", "recovery.warm_share=0.5", "recovery.hidden_l2=4"): "cannot be combined with",
     }
     for overrides, fix in cases.items():
         with pytest.raises(ValueError, match=None) as error:

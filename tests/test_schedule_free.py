@@ -4,7 +4,7 @@ resume, and the same training in one process, under DDP and under expert paralle
 
 import pytest
 import torch
-from test_recovery import FAST, _batch, config_for, one_thread, records  # noqa: F401 (one_thread: autouse)
+from test_recovery import _batch, config_for, convert_args, killed_at, one_thread, records  # noqa: F401 (autouse)
 from test_trainer import assert_same_training, pretrained_assets
 from tiny_models import build
 
@@ -24,8 +24,7 @@ def assets(tmp_path_factory):
 
 
 def _convert_args(assets, *extra):
-    args = ["convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}", f"data.cache_dir={assets / 'c'}"]
-    return [*args, *FAST, *SF, *extra]
+    return convert_args(assets, *SF, *extra)
 
 
 def test_optimizer_warms_up_then_holds_the_lr_and_scores_the_average(assets, tmp_path):
@@ -82,20 +81,7 @@ def test_a_run_scores_and_saves_the_average_and_resumes_exactly(assets, tmp_path
         torch.testing.assert_close(saved[name], (y - 0.1 * seen["z"][name]) / 0.9, rtol=1e-4, atol=1e-6)
     assert any(not torch.equal(saved[n], y) for n, y in seen["y"].items())
 
-    class Killed(Exception):
-        pass
-
-    original = trainer.TrainingSession.log_step
-
-    def dying(self, done, *rest, **keywords):
-        original(self, done, *rest, **keywords)
-        if done == 5:
-            raise Killed
-
-    monkeypatch.setattr(trainer.TrainingSession, "log_step", dying)
-    with pytest.raises(Killed):
-        main([*args, f"output_dir={tmp_path / 'k'}"])
-    monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
+    killed_at(monkeypatch, [*args, f"output_dir={tmp_path / 'k'}"], 5)
     assert main([*args, f"output_dir={tmp_path / 'k'}", "--resume"]) in (0, None)
     whole, resumed = records(tmp_path / "u"), records(tmp_path / "k")
     for key in ("train/loss", "train/grad_norm", "train/lr", "eval/kl"):
@@ -129,8 +115,8 @@ def test_the_model_card_names_the_optimizer_the_scaled_lr_and_the_guide():
     )
     assert learning_rate(train, {}) == "2e-05 (AdamW, cosine, warm-up 1000 steps)"  # a run written before recipes
     train = {"objective": "kl", "divergence": "forward_kl"}
-    assert objective(train, {"hidden_l2": 4.0}) == (
-        "`kl` (forward_kl) + 4 x relative hidden-state error (the teacher's states)"
+    assert objective(train, {"hidden_l2": 4.0, "hidden_l2_share": 0.5}) == (
+        "`kl` (forward_kl) + 4 x relative hidden-state error (the teacher's states), fading to 0 over 50% of the steps"
     )
     assert objective(train, {}) == "`kl` (forward_kl)"
 
@@ -143,21 +129,8 @@ def test_a_run_written_before_the_optimizer_keys_resumes_as_plain(assets, tmp_pa
 
     args = _convert_args(assets, "train.max_steps=4", "train.save_every=2", "recovery=plain")
 
-    class Killed(Exception):
-        pass
-
-    original = trainer.TrainingSession.log_step
-
-    def dying(self, done, *rest, **keywords):
-        original(self, done, *rest, **keywords)
-        if done == 3:
-            raise Killed
-
-    monkeypatch.setattr(trainer.TrainingSession, "log_step", dying)
     run = tmp_path / "old"
-    with pytest.raises(Killed):
-        main([*args, f"output_dir={run}"])
-    monkeypatch.setattr(trainer.TrainingSession, "log_step", original)
+    killed_at(monkeypatch, [*args, f"output_dir={run}"], 3)
     saved = OmegaConf.load(run / "fcsd_config.yaml")
     for key in ("optimizer", "lr_scale", "warmup_share", "hidden_l2"):
         del saved.recovery[key]

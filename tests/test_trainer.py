@@ -522,6 +522,7 @@ def test_head_inside_or_outside_the_forward_gives_the_same_loss_and_gradients(ob
     for inside in (False, True):
         student.zero_grad()
         parts = micro_batch_loss(student, student, batch, config, teacher, head_in_forward=inside)
+        assert ("hidden" in parts.terms) == (guide > 0)
         parts.total.backward()
         results.append((parts.total.detach(), [p.grad.clone() for p in student.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0])

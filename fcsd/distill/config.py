@@ -162,11 +162,11 @@ class RecoveryConfig:
     optimizer: str = "adamw"  # adamw: AdamW, warm-up, cosine to train.min_lr_ratio (the paper) | schedule_free:
     # schedule-free AdamW (Defazio et al. 2024, the `schedulefree` package), constant LR after the warm-up; the
     # weights scored, saved (final/, best/) and exported are the average its iterates follow, good at every step
-    lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (the schedule_free preset: 2)
+    lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (the schedule_free preset: 2; guided: 4)
     warmup_share: float | None = None  # warm-up as a share of the run's steps, replacing train.warmup_steps
     hidden_l2: float = 0.0  # weight of the teacher's hidden states as a guide, added to the KL: per token, the mean
     # over layers of ||o_i - t_i||^2 / ||t_i||^2, the student fed its own inputs (paper Eq. 5 made scale-free; the
-    # guided preset: 4); needs the online teacher (0: off)
+    # guided preset: 4; 0: off). Turned off, with a note, under teacher.mode=cache and train.objective=sft / kl_l2
     hidden_l2_share: float = 1.0  # the guide's weight falls linearly from hidden_l2 to 0 over this share of the run's
     # steps, then the run is KL alone (the guided preset: 0.5; early the guide speeds recovery, late it holds the
     # student to states the KL would leave)
@@ -461,6 +461,11 @@ def _check_guide(config: FCSDConfig) -> None:
     share = config.recovery.hidden_l2_share
     if not 0 < share <= 1:
         raise ValueError(f"recovery.hidden_l2_share={share}: it must lie in (0, 1] (1: the guide fades over the run)")
+    if weight > 0 and config.recovery.warm_share > 0:
+        raise ValueError(
+            "recovery.hidden_l2 cannot be combined with recovery.warm_share yet (the guide would fade during the warm "
+            "start, which has its own loss): use recovery=warm_start with recovery.hidden_l2=0, or recovery=guided"
+        )
 
 
 def resolve_guide(config: FCSDConfig) -> str | None:
@@ -599,7 +604,7 @@ def to_config(cfg) -> FCSDConfig:
             raise ValueError(message)
     check_recovery(config)
     note = resolve_guide(config)
-    if note:
+    if note and os.environ.get("RANK", "0") == "0":  # once per launch, not once per process
         print(f"note: {note}", file=sys.stderr)
     if train.eval_every is not None and train.eval_every < 0:
         raise ValueError(f"train.eval_every={train.eval_every}: it must be >= 0 (0: held-out KL at step 0 and the end)")

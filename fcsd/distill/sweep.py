@@ -86,9 +86,12 @@ def launch_stage(overrides: list[str], stage_dir: Path, batch_tokens: list[int],
 
 
 def read_run(run_dir: Path, select_last: int) -> dict:
-    """Status, loss curve and selection loss of one run folder."""
+    """Status, loss curve and selection loss of one run folder. The loss is the divergence (``train/kl`` where the
+    guided recipe logs it beside its hidden-state guide, whose weight fades at each run's own pace), so runs of
+    other batch sizes compare on the same quantity."""
     run = RunFolder(run_dir)
-    curve = [(r["step"], r["train/loss"]) for r in run.records() if "train/loss" in r and not r.get("train/skipped")]
+    records = [r for r in run.records() if "train/loss" in r and not r.get("train/skipped")]
+    curve = [(r["step"], r.get("train/kl", r["train/loss"])) for r in records]
     status = "finished" if run.summary.exists() else "crashed" if run.sweep_status.exists() else "missing"
     tail = [loss for _, loss in curve[-select_last:]]
     loss = sum(tail) / len(tail) if status == "finished" and tail else None

@@ -213,7 +213,10 @@ def objective(train: dict, recovery: dict) -> str:
     """The run's loss in words: the objective and divergence, plus the guided recipe's hidden-state term."""
     words = f"`{train['objective']}` ({train.get('divergence', '')})"
     weight = recovery.get("hidden_l2") or 0
-    return words + (f" + {weight:g} x relative hidden-state error (the teacher's states)" if weight else "")
+    if not weight:
+        return words
+    fade = f"fading to 0 over {recovery.get('hidden_l2_share', 1.0):.0%} of the steps"
+    return words + f" + {weight:g} x relative hidden-state error (the teacher's states), {fade}"
 
 
 def learning_rate(train: dict, recovery: dict) -> str:

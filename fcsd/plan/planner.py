@@ -129,6 +129,12 @@ def make_plan(
             source.name, chosen.layout, choice.spec, config, defaults, target, extra, (text.model_type, size)
         )
         plan.notes += replaced
+        if chosen.layout.teacher == "cache" and config.recovery.hidden_l2 > 0:
+            plan.notes.append(
+                "the chosen layout caches the teacher, which holds no hidden states: the guided recipe runs there "
+                "without its hidden-state guide (more tokens to the same KL, docs/recovery.md); an online-teacher "
+                "layout keeps it"
+            )
     return plan
 
 
