@@ -138,8 +138,9 @@ def _local(tensor):
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def tracked_step(session, step: int, forward_backward) -> tuple:
-    """Run ``forward_backward`` of ``step`` under the plan's tracker; returns its result and the bytes by kind."""
+def tracked_step(session, step: int, micro_batches, forward_backward) -> tuple:
+    """Run ``forward_backward`` of ``step`` (its ``micro_batches``) under the plan's tracker; returns its result and the
+    bytes by kind."""
     from types import SimpleNamespace
 
     from fcsd.plan.simulate import _phases
@@ -155,7 +156,7 @@ def tracked_step(session, step: int, forward_backward) -> tuple:
             tracker.track(tensor, kind)
     run = SimpleNamespace(teacher=session.teacher, head_in_forward=session.head_in_forward, unwrapped=model)
     with _phases(run, tracker), tracker:
-        result = forward_backward(session, step)
+        result = forward_backward(session, step, micro_batches)
     grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     kinds = {
         "weights": tracker.bytes_of(weights),
@@ -182,10 +183,10 @@ def worker(args) -> None:
         with measured["loading"].sampling():
             session_init(self, *a, **k)
 
-    def forward_backward_tracked(self, step):
-        if step != 1:
-            return forward_backward(self, step)
-        result, measured["step"] = tracked_step(self, step, forward_backward)
+    def forward_backward_tracked(self, step, micro_batches):
+        if step != 1 or "step" in measured:  # step 1, its first update if a batch ramp splits it
+            return forward_backward(self, step, micro_batches)
+        result, measured["step"] = tracked_step(self, step, micro_batches, forward_backward)
         return result
 
     def save_measured(*a, **k):

@@ -2,7 +2,8 @@
 recovery recipe of ``fcsd convert``, on two tiny teachers this script pretrains itself on real text.
 
 * Text: the Python standard library's own source files (real code, on every machine, no network); files are
-  documents, the trainer holds some out for the held-out KL.
+  documents. The held-out KL scores ``--eval-sequences`` rows of windows cut out of 64 files chosen at random; the
+  runs train on the rest (the teachers saw it all).
 * Teachers: a tiny Qwen3-MoE and a tiny DeepSeek-V2 (MLA, a shared expert, a dense first layer), pretrained here as
   plain language models on that text; every layer is converted to FarSkip.
 * Runs: each recipe through :func:`fcsd.distill.convert.convert` (the product's own trainer), the same data order,
@@ -35,7 +36,8 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "warm_start_lr3": ["recovery=warm_start", "recovery.warm_lr_mult=3"],
     "non_expert": ["recovery=non_expert"],
     "progressive": ["recovery=plain", "recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
-    "guided": ["recovery=guided"],  # the default: schedule-free at 4x plus the relative hidden-state guide
+    "guided": ["recovery=guided"],  # the default: schedule-free at 4x, the hidden-state guide, the batch ramp
+    "guided_no_ramp": ["recovery=guided", "recovery.batch_ramp=[]", "recovery.batch_ramp_shares=[]"],
     "schedule_free": ["recovery=schedule_free"],  # 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],
     "plain_anneal": ["recovery=plain", "train.min_lr_ratio=0.1"],  # control: the cosine to a tenth (the demo's)
@@ -138,7 +140,7 @@ def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0) -> Pa
     return folder
 
 
-def run(out: Path, family: str, model: Path, data: Path, recipe: str, steps: int, args) -> dict:
+def run(out: Path, family: str, model: Path, texts: tuple[Path, Path | None], recipe: str, steps: int, args) -> dict:
     """One recipe through ``fcsd convert``; its held-out curve, tokens, teacher forwards and wall time."""
     from fcsd.distill.config import compose, layer_stages, to_config
     from fcsd.distill.convert import convert
@@ -147,7 +149,8 @@ def run(out: Path, family: str, model: Path, data: Path, recipe: str, steps: int
     result_file = folder / "bench.json"
     overrides = [
         f"model.name={model}",
-        f"data.path={data}",
+        f"data.path={texts[0]}",
+        *([f"data.eval_path={texts[1]}"] if texts[1] else []),
         f"data.cache_dir={out / 'packed'}",
         f"output_dir={folder}",
         f"data.seq_len={SEQ_LEN}",
@@ -251,6 +254,34 @@ def plot(results: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+HELD_FILES, HELD_CHARS = 64, 1200
+
+
+def split(out: Path, data: Path) -> tuple[Path, Path]:
+    """``heldout.jsonl``: a window of ``HELD_CHARS`` characters at a seeded place in each of ``HELD_FILES`` documents
+    chosen with a fixed seed, and ``train.jsonl``: the documents without those windows (the text on either side of a
+    window is two documents). A held-out set spread over many files, so that its KL does not follow one file's
+    content (the last rows of the packed training data, the trainer's own held-out set, are one or two files)."""
+    import random
+
+    train, held = out / "train.jsonl", out / "heldout.jsonl"
+    if train.exists() and held.exists():
+        return train, held
+    documents = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    chosen = set(random.Random(0).sample(range(len(documents)), HELD_FILES))
+    rest, windows = [], []
+    for index, text in enumerate(documents):
+        if index not in chosen:
+            rest.append(text)
+            continue
+        start = random.Random(index).randrange(max(1, len(text) - HELD_CHARS))
+        windows.append(text[start : start + HELD_CHARS])
+        rest += [part for part in (text[:start], text[start + HELD_CHARS :]) if part]
+    train.write_text("".join(json.dumps({"text": text}) + "\n" for text in rest))
+    held.write_text("".join(json.dumps({"text": text}) + "\n" for text in windows))
+    return train, held
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 steps per run (marks at 200 and 600)")
@@ -259,7 +290,14 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-every", type=int, default=None, help="held-out KL every N steps (default: marks/10)")
-    parser.add_argument("--eval-sequences", type=int, default=16)
+    parser.add_argument("--eval-sequences", type=int, default=64, help="held-out rows of 256 tokens")
+    parser.add_argument(
+        "--heldout",
+        choices=("files", "tail"),
+        default="files",
+        help="files: windows of 64 files, cut out of the training text; tail: the trainer's own held-out rows, the "
+        "last of the packed data (one or two files: the earlier figures of BENCHMARKS.md, with --eval-sequences 16)",
+    )
     parser.add_argument("--teacher-steps", type=int, default=None, help="pretraining steps (default 1500, quick 600)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest for these sizes)")
     args = parser.parse_args()
@@ -268,12 +306,13 @@ def main() -> None:
     args.eval_every = args.eval_every or marks[0] // 10
     teacher_steps = args.teacher_steps or (600 if args.quick else 1500)
     data = corpus(args.out, 3_000_000)
+    texts = split(args.out, data) if args.heldout == "files" else (data, None)
     results = []
     for family in args.families.split(","):
         model = teacher(args.out, family, data, teacher_steps)
         for recipe in args.recipes.split(","):
             print(f"{family} / {recipe}: {marks[1]} steps", flush=True)
-            results.append(run(args.out, family, model, data, recipe, marks[1], args))
+            results.append(run(args.out, family, model, texts, recipe, marks[1], args))
     (args.out / "recovery.json").write_text(json.dumps({"marks": marks, "runs": results}, indent=1))
     plot(results, args.out / "recovery.png")
     print("\n".join(report(results, marks)))

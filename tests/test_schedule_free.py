@@ -105,7 +105,7 @@ def test_two_gloo_processes_train_as_one(assets, tmp_path, layout):
     assert_same_training(tmp_path / "two", tmp_path / "one")
 
 
-def test_the_model_card_names_the_optimizer_the_scaled_lr_and_the_guide():
+def test_the_model_card_names_the_optimizer_the_scaled_lr_the_ramp_and_the_guide():
     from fcsd.export.model_card import learning_rate, objective
 
     train = {"lr": 2e-5, "warmup_steps": 1000}
@@ -114,6 +114,11 @@ def test_the_model_card_names_the_optimizer_the_scaled_lr_and_the_guide():
         "4e-05 (schedule-free AdamW, constant after a warm-up of 0.5% of the steps; the average is saved)"
     )
     assert learning_rate(train, {}) == "2e-05 (AdamW, cosine, warm-up 1000 steps)"  # a run written before recipes
+    ramp = {**recovery, "batch_ramp": [4, 2], "batch_ramp_shares": [0.033, 0.05]}
+    assert learning_rate(train, ramp).endswith(
+        "; batch ramp: the first 3.3% of the steps in 4, the next 5.0% of the steps in 2 updates each, at the LR / "
+        "sqrt(updates)"
+    )
     train = {"objective": "kl", "divergence": "forward_kl"}
     assert objective(train, {"hidden_l2": 4.0, "hidden_l2_share": 0.5}) == (
         "`kl` (forward_kl) + 4 x relative hidden-state error (the teacher's states), fading to 0 over 50% of the steps"

@@ -121,14 +121,15 @@ def records_of(out, key: str) -> list[float]:
     return [r[key] for r in map(json.loads, (Path(out) / "metrics.jsonl").read_text().splitlines()) if key in r]
 
 
-def assert_same_training(a, b):
+def assert_same_training(a, b, **tolerance):
     """Same losses, same gradient norms (a constant gradient-scale error changes them, even where AdamW and
-    clipping hide it in the losses) and the same parameters after the steps."""
+    clipping hide it in the losses) and the same parameters after the steps (``tolerance``: ``rtol`` and ``atol`` of
+    the parameters, where many small updates carry another summation order further)."""
     for key in ("train/loss", "train/grad_norm"):
         torch.testing.assert_close(torch.tensor(records_of(a, key)), torch.tensor(records_of(b, key)))
     first, second = fcsd.from_pretrained(str(Path(a) / "final")), fcsd.from_pretrained(str(Path(b) / "final"))
     for (name, x), (_, y) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
-        torch.testing.assert_close(x, y, msg=name)
+        torch.testing.assert_close(x, y, msg=name, **tolerance)
 
 
 def test_loss_does_not_depend_on_micro_batching(assets, tmp_path):
@@ -214,7 +215,8 @@ def _killed_at_checkpoint(command: list[str], run: Path, env: dict) -> None:
 
 @pytest.fixture(scope="module")
 def parallel_runs(assets, tmp_path_factory):
-    """The same 3-step run (gradient clipping active) in one process, in 2 DDP processes, and EP 2 x FSDP 2 on 4
+    """The same 3-step run (gradient clipping active, its first step split into 2 optimizer updates by a batch ramp:
+    each update reduces its own gradients in every layout) in one process, in 2 DDP processes, and EP 2 x FSDP 2 on 4
     processes with activation checkpointing (``ep-fsdp``), killed after its first step checkpoint and resumed on 2
     expert-parallel processes (``ep``: experts sharded 2 ways, the rest replicated, with its export; DCP reshards),
     which is also the expert-parallel run the later tests use. (A resume into the same layout is
@@ -224,7 +226,12 @@ def parallel_runs(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel")
     args = ["-m", "fcsd.cli", "convert", str(assets / "model"), f"data.path={assets / 'train.jsonl'}"]
     args += [f"data.cache_dir={assets / 'cache'}", *FAST, "train.max_steps=3", "train.micro_batch_size=4"]
-    args += ["train.save_every=2", "train.grad_clip=0.05"]
+    args += [
+        "train.save_every=2",
+        "train.grad_clip=0.05",
+        "recovery.batch_ramp=[2]",
+        "recovery.batch_ramp_shares=[0.3]",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     one = [sys.executable, *args, "export=false", f"output_dir={root / 'one'}"]
     subprocess.run(one, env=env, check=True, capture_output=True)

@@ -170,6 +170,11 @@ class RecoveryConfig:
     hidden_l2_share: float = 1.0  # the guide's weight falls linearly from hidden_l2 to 0 over this share of the run's
     # steps, then the run is KL alone (the guided preset: 0.5; early the guide speeds recovery, late it holds the
     # student to states the KL would leave)
+    batch_ramp: list[int] = field(default_factory=list)  # batch-size ramp: in the run's first steps, each step's
+    # train.batch_tokens are split into this many optimizer updates, stage by stage (the guided preset: [4, 2]), each
+    # at the step's LR x 1/sqrt(split) (Adam's square-root rule); a split is lowered to one the step's rows per
+    # process divide, with a note
+    batch_ramp_shares: list[float] = field(default_factory=list)  # share of the run's steps for each ramp stage
 
 
 @dataclass
@@ -424,6 +429,7 @@ def check_recovery(config: FCSDConfig) -> None:
     _check_progressive(config)
     _check_optimizer(config)
     _check_guide(config)
+    _check_batch_ramp(config)
     horizon = schedule_steps(config.train)
     if warmup_steps(config) > horizon:  # only train.warmup_steps can be: a valid share of the run always fits it
         raise ValueError(
@@ -466,6 +472,37 @@ def _check_guide(config: FCSDConfig) -> None:
             "recovery.hidden_l2 cannot be combined with recovery.warm_share yet (the guide would fade during the warm "
             "start, which has its own loss): use recovery=warm_start with recovery.hidden_l2=0, or recovery=guided"
         )
+
+
+def _check_batch_ramp(config: FCSDConfig) -> None:
+    recovery = config.recovery
+    splits, shares = list(recovery.batch_ramp), list(recovery.batch_ramp_shares)
+    if not splits and not shares:
+        return
+    if (
+        len(splits) != len(shares)
+        or not all(isinstance(k, int) and k >= 2 for k in splits)
+        or not all(0 < s < 1 for s in shares)
+        or sum(shares) >= 1
+    ):
+        raise ValueError(
+            f"recovery.batch_ramp={splits} needs whole splits >= 2, each with a share in (0, 1) in "
+            f"recovery.batch_ramp_shares (now {shares}) summing below 1 (the rest of the run takes whole steps)"
+        )
+    if recovery.warm_share > 0:
+        raise ValueError("recovery.batch_ramp cannot be combined with recovery.warm_share yet: choose one")
+
+
+def update_split(config: FCSDConfig, step: int) -> int:
+    """How many optimizer updates share step ``step`` (0-based) under ``recovery.batch_ramp``: the split of the
+    ramp stage the step falls in, 1 after the ramp (the guided recipe; small batches first, as GPT-3's and
+    DeepSeek-V3's batch-size ramps, because early in recovery more updates buy more than larger batches)."""
+    horizon, end = schedule_steps(config.train), 0
+    for split, share in zip(config.recovery.batch_ramp, config.recovery.batch_ramp_shares, strict=True):
+        end += round(share * horizon)
+        if step < end:
+            return split
+    return 1
 
 
 def resolve_guide(config: FCSDConfig) -> str | None:

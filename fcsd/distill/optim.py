@@ -37,9 +37,26 @@ class StepPlan:
             out.extend(order[offset : offset + self.sequences - len(out)])
         return out
 
-    def micro_rows(self, rows: list[int], micro: int, rank: int) -> list[int]:
-        start = (micro * self.world_size + rank) * self.micro_batch_size
-        return rows[start : start + self.micro_batch_size]
+    def fit_split(self, split: int) -> int:
+        """The largest number of optimizer updates, at most ``split``, that one step's rows share evenly, every
+        process holding the same number of rows in each (``recovery.batch_ramp``)."""
+        per_process = self.sequences // self.world_size
+        return max(k for k in range(1, split + 1) if per_process % k == 0)
+
+    def update_rows(self, rows: list[int], split: int, rank: int) -> list[list[list[int]]]:
+        """This process's micro-batches for each of ``split`` optimizer updates sharing one step's ``rows`` (a
+        split that :meth:`fit_split` allows): update ``u`` takes the ``u``-th consecutive slice of the step and
+        spreads it over the processes as a whole step is spread (split 1: the step itself), so every process count
+        trains on the same rows in each update."""
+        size = len(rows) // split
+        per_process = size // self.world_size
+        micro = max(m for m in range(1, self.micro_batch_size + 1) if per_process % m == 0)
+        updates = []
+        for update in range(split):
+            share = rows[update * size : (update + 1) * size]
+            starts = [(i * self.world_size + rank) * micro for i in range(per_process // micro)]
+            updates.append([share[start : start + micro] for start in starts])
+        return updates
 
 
 def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
@@ -234,6 +251,20 @@ class SpikeGuard:
 
     def state(self) -> dict:
         return {"history": self.history, "bad_streak": self.bad_streak}
+
+
+@contextmanager
+def scaled_lr(optimizer, factor: float):
+    """Every parameter group's LR times ``factor`` inside the block (one update of a split step under
+    ``recovery.batch_ramp``), restored after: the scheduler keeps its own values."""
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
 
 
 def apply_update(optimizer, scaler, guard: SpikeGuard, loss: float, grad_norm: float) -> tuple[bool, str | None]:

@@ -42,6 +42,8 @@ RESUME_KEYS = (
     "recovery.optimizer",  # its state (schedule-free's average) means nothing to the other
     "recovery.hidden_l2",  # part of the loss, with the share of the run it fades over
     "recovery.hidden_l2_share",
+    "recovery.batch_ramp",  # how many updates the ramp's steps make
+    "recovery.batch_ramp_shares",
 )
 PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import guide_weight, layer_stages, warm_steps
+from fcsd.distill.config import guide_weight, layer_stages, update_split, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
@@ -35,6 +35,7 @@ from fcsd.distill.optim import (
     fuse_on_gpu,
     plan_steps,
     reset_optimizer_state,
+    scaled_lr,
 )
 from fcsd.distill.preflight import Checked
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
@@ -69,12 +70,7 @@ def train(checked: Checked) -> RunResult:
             s.guard.history = []  # the warm start's losses are on another scale than the KL's
         if s.convert_for(step):
             s.guard.history = []  # more converted layers: a higher loss is expected, not a spike
-        loss, grad_norm, terms = s.forward_backward(step)
-        applied, reason = apply_update(s.optimizer, s.accelerator.scaler, s.guard, loss, grad_norm)
-        if reason:
-            log.warning("step %d not applied: %s", step + 1, reason)
-            s.accelerator.print(f"step {step + 1} not applied: {reason}")
-        s.optimizer.zero_grad(set_to_none=True)
+        loss, grad_norm, terms, applied = s.optimizer_steps(step)
         lr = s.scheduler.get_last_lr()[0]
         s.scheduler.step()
         done = step + 1
@@ -143,6 +139,18 @@ class TrainingSession:
             raise ValueError(
                 "train.spike_factor cannot skip steps under DeepSpeed (its optimizer steps inside backward, before "
                 "the loss is known): set train.spike_factor=0 (non-finite steps then stop the run), or use FSDP2"
+            )
+        if deepspeed and config.recovery.batch_ramp:
+            raise ValueError(
+                "recovery.batch_ramp does not run under DeepSpeed (its engine fixes the micro-batches of an update): "
+                "set recovery.batch_ramp=[] recovery.batch_ramp_shares=[], or use FSDP2"
+            )
+        lowered = {k: self.plan.fit_split(k) for k in config.recovery.batch_ramp if self.plan.fit_split(k) != k}
+        if lowered:
+            accelerator.print(
+                f"note: recovery.batch_ramp splits {sorted(lowered)} lowered to {[lowered[k] for k in sorted(lowered)]}"
+                f": this process holds {self.plan.sequences // self.plan.world_size} sequences of a step, which each "
+                "update shares evenly (raise train.batch_tokens for the whole ramp)"
             )
         if self.plan.micro_batch_size != train_cfg.micro_batch_size:
             accelerator.print(
@@ -249,15 +257,37 @@ class TrainingSession:
             return True
         return False
 
-    def forward_backward(self, step: int) -> tuple[float, float, dict]:
-        """Forward/backward of one optimizer step's micro-batches on this process, the loss normalised by the
-        step's token count over all processes, then gradient clipping. Returns (loss per token, gradient norm,
-        loss terms)."""
+    def optimizer_steps(self, step: int) -> tuple[float, float, dict, bool]:
+        """Train on step ``step``'s rows: one optimizer update, or several sharing the rows in a batch ramp
+        (``recovery.batch_ramp``, each at the step's LR / sqrt(split)), each kept or skipped by the spike guard.
+        Returns the step's loss per token, mean gradient norm, loss terms, and whether every update was applied."""
+        plan, accelerator = self.plan, self.accelerator
+        split = plan.fit_split(update_split(self.config, step))
+        step_rows = plan.rows(step, len(self.train_rows), self.config.train.seed)
+        totals, tokens, norms, applied_all = {}, 0, [], True
+        for update, micro_batches in enumerate(plan.update_rows(step_rows, split, accelerator.process_index)):
+            loss, grad_norm, terms, count = self.forward_backward(step, micro_batches)
+            with scaled_lr(self.optimizer, split**-0.5):
+                applied, reason = apply_update(self.optimizer, accelerator.scaler, self.guard, loss, grad_norm)
+            if reason:
+                where = f"step {step + 1}" + (f" (update {update + 1} of {split})" if split > 1 else "")
+                log.warning("%s not applied: %s", where, reason)
+                accelerator.print(f"{where} not applied: {reason}")
+            self.optimizer.zero_grad(set_to_none=True)
+            for name, value in {"loss": loss, **terms}.items():
+                totals[name] = totals.get(name, 0.0) + value * count
+            tokens, applied_all = tokens + count, applied_all and applied
+            norms.append(grad_norm)
+        means = {name: value / tokens for name, value in totals.items()}
+        return means.pop("loss"), sum(norms) / len(norms), means, applied_all
+
+    def forward_backward(self, step: int, micro_batches: list[list[int]]) -> tuple[float, float, dict, int]:
+        """Forward/backward of one optimizer update's micro-batches (row indices) on this process, the loss
+        normalised by the update's token count over all processes, then gradient clipping. Returns (loss per token,
+        gradient norm, loss terms, that token count)."""
         accelerator, config, rows = self.accelerator, self.config, self.train_rows
-        step_rows = self.plan.rows(step, len(rows), config.train.seed)
-        micro_batches = [
-            self.plan.micro_rows(step_rows, i, accelerator.process_index) for i in range(self.plan.accumulation)
-        ]
+        # accelerate syncs gradients (DDP) on the update's last micro-batch and divides the loss by their count
+        accelerator.gradient_accumulation_steps, accelerator.step = len(micro_batches), 0
         device = accelerator.device
         local_tokens = sum(_loss_tokens(rows.rows(micro), config.train.objective) for micro in micro_batches)
         global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=device), "sum"))
@@ -286,7 +316,7 @@ class TrainingSession:
         reduced = {name: float(accelerator.reduce(value, "sum")) / global_tokens for name, value in sums.items()}
         grad_norm = self.clip_gradients(config.train.grad_clip or math.inf)
         loss = reduced.pop("loss")
-        return loss, grad_norm, reduced if len(reduced) > 1 else {}  # a single term is the loss itself
+        return loss, grad_norm, reduced if len(reduced) > 1 else {}, global_tokens  # one term: the loss itself
 
     def clip_gradients(self, max_norm: float) -> float:
         """Global gradient norm before clipping; under expert parallelism the gradients are first reduced over the

@@ -225,5 +225,14 @@ def learning_rate(train: dict, recovery: dict) -> str:
     share = recovery.get("warmup_share")
     warmup = f"{share:.1%} of the steps" if share is not None else f"{train['warmup_steps']} steps"
     if recovery.get("optimizer") == "schedule_free":
-        return f"{peak:g} (schedule-free AdamW, constant after a warm-up of {warmup}; the average is saved)"
-    return f"{peak:g} (AdamW, cosine, warm-up {warmup})"
+        words = f"{peak:g} (schedule-free AdamW, constant after a warm-up of {warmup}; the average is saved)"
+    else:
+        words = f"{peak:g} (AdamW, cosine, warm-up {warmup})"
+    stages = [
+        f"the next {share:.1%} of the steps in {split}"
+        for split, share in zip(recovery.get("batch_ramp") or [], recovery.get("batch_ramp_shares") or [])
+    ]
+    if stages:
+        stages[0] = stages[0].replace("the next", "the first", 1)
+        words += f"; batch ramp: {', '.join(stages)} updates each, at the LR / sqrt(updates)"
+    return words
