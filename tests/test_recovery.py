@@ -289,3 +289,28 @@ def test_warm_start_under_ddp_matches_one_process(assets, tmp_path):
             torch.tensor([r[key] for r in ddp if key in r]), torch.tensor([r[key] for r in one if key in r]), msg=key
         )
     assert [r["train/stage"] for r in ddp if "train/loss" in r] == ["warm_start"] * 2 + ["kl"] * 2
+
+
+def test_the_recovery_benchmark_scores_windows_it_does_not_train_on(tmp_path, monkeypatch):
+    """benchmarks/recovery.py's held-out set: a window of each chosen document, cut out of the training text (the
+    text on either side stays), nothing lost and nothing in both."""
+    import importlib.util
+    import random
+
+    script = Path(__file__).parents[1] / "benchmarks" / "recovery.py"
+    spec = importlib.util.spec_from_file_location("recovery_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "HELD_FILES", 3)
+    monkeypatch.setattr(bench, "HELD_CHARS", 12)
+    letters = random.Random(1)
+    documents = ["".join(letters.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(40)) for _ in range(6)]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    train, held = bench.split(tmp_path, corpus)
+    windows = [json.loads(line)["text"] for line in held.read_text().splitlines()]
+    rest = [json.loads(line)["text"] for line in train.read_text().splitlines()]
+    assert len(windows) == 3 and all(len(w) == 12 and any(w in d for d in documents) for w in windows)
+    assert not any(w in text for w in windows for text in rest)
+    assert sum(map(len, rest)) + sum(map(len, windows)) == sum(map(len, documents))
+    assert len(rest) > len(documents)  # a cut document trains as the text before and after its window
