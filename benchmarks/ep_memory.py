@@ -96,6 +96,8 @@ def overrides(folder: Path, out: Path, seq_len: int, extra: list[str]) -> list[s
         "train.max_steps=2",
         "train.warmup_steps=1",
         "train.eval_every=0",
+        "recovery.batch_ramp=[]",  # whole steps: the step measured is the step the plan prices
+        "recovery.batch_ramp_shares=[]",
         "export=false",
         "progress=false",
         "early_stop.enabled=false",

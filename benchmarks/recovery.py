@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sysconfig
 import time
 from pathlib import Path
@@ -60,8 +61,15 @@ def corpus(out: Path, max_chars: int) -> Path:
         if total >= max_chars:
             break
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(rows) + "\n")
+    _write(path, "\n".join(rows) + "\n")
     return path
+
+
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` whole or not at all: the two families' runs may start at once and read what the other writes."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def tiny_config(family: str, vocab: int):
@@ -145,7 +153,7 @@ def run(out: Path, family: str, model: Path, texts: tuple[Path, Path | None], re
     from fcsd.distill.config import compose, layer_stages, to_config
     from fcsd.distill.convert import convert
 
-    folder = out / "runs" / family / recipe
+    folder = out / "runs" / f"{args.heldout}-{args.eval_sequences}" / family / recipe  # a held-out set's own runs
     result_file = folder / "bench.json"
     overrides = [
         f"model.name={model}",
@@ -277,8 +285,8 @@ def split(out: Path, data: Path) -> tuple[Path, Path]:
         start = random.Random(index).randrange(max(1, len(text) - HELD_CHARS))
         windows.append(text[start : start + HELD_CHARS])
         rest += [part for part in (text[:start], text[start + HELD_CHARS :]) if part]
-    train.write_text("".join(json.dumps({"text": text}) + "\n" for text in rest))
-    held.write_text("".join(json.dumps({"text": text}) + "\n" for text in windows))
+    _write(train, "".join(json.dumps({"text": text}) + "\n" for text in rest))
+    _write(held, "".join(json.dumps({"text": text}) + "\n" for text in windows))
     return train, held
 
 

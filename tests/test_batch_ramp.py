@@ -9,7 +9,7 @@ from test_trainer import assert_same_training, pretrained_assets
 
 import fcsd
 from fcsd.cli import main
-from fcsd.distill.config import update_split
+from fcsd.distill.config import ramp_stages, update_split
 from fcsd.distill.optim import StepPlan
 
 # 8 sequences of 32 tokens a step (test_trainer's FAST), guide off and no warm-up: the LR is constant from step 0
@@ -25,7 +25,15 @@ def test_the_ramp_splits_its_share_of_the_steps_and_refuses_a_malformed_one(asse
     config = config_for(assets, tmp_path / "a", "recovery.batch_ramp=[4,2]", "recovery.batch_ramp_shares=[0.1,0.2]")
     config.train.max_steps = 20
     assert [update_split(config, step) for step in range(20)] == [4, 4] + [2] * 4 + [1] * 14
-    assert config_for(assets, tmp_path / "b", "recovery=guided").recovery.batch_ramp == [4, 2]  # the default's
+    assert ramp_stages(config) == [(0, 2, 4), (2, 6, 2)]
+    guided = config_for(assets, tmp_path / "b", "recovery=guided")
+    assert guided.recovery.batch_ramp == [4, 2]  # the default's
+    guided.train.max_steps = 1800
+    assert ramp_stages(guided) == [(0, 59, 4), (59, 149, 2)]
+    guided.train.max_steps = 6  # 3.3% and 5% of 6 steps round to none: no step is split
+    assert ramp_stages(guided) == [] and update_split(guided, 0) == 1
+    with pytest.raises(ValueError, match="to turn the ramp off set both"):
+        config_for(assets, tmp_path / "e", "recovery=guided", "recovery.batch_ramp=[]")
     for overrides in (
         ["recovery.batch_ramp=[4,2]", "recovery.batch_ramp_shares=[0.1]"],
         ["recovery.batch_ramp=[1]", "recovery.batch_ramp_shares=[0.1]"],
@@ -97,12 +105,13 @@ def test_two_gloo_processes_ramp_as_one(assets, tmp_path, layout):
     assert_same_training(tmp_path / "two", tmp_path / "one", **tolerance)
 
 
-def test_a_step_too_small_for_a_split_lowers_it_with_a_note(assets, tmp_path, capsys):
+def test_the_run_says_which_steps_the_ramp_splits_and_lowers_a_split_a_step_cannot_share(assets, tmp_path, capsys):
     args = convert_args(assets, "recovery=guided", *RAMP, "train.max_steps=4", "train.save_every=0")
     assert main([*args, f"output_dir={tmp_path / 'eight'}"]) in (0, None)
-    assert "lowered" not in capsys.readouterr().out
+    assert "batch ramp: steps 1-1 in 4 updates, steps 2-2 in 2 updates, each at" in capsys.readouterr().out
     assert main([*args, "train.batch_tokens=64", f"output_dir={tmp_path / 'two'}"]) in (0, None)  # 2 sequences
-    assert "recovery.batch_ramp splits [4] lowered to [2]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "steps 1-1 in 2 updates (not 4: this process holds 2 sequences of a step), steps 2-2 in 2 updates" in out
 
 
 def test_a_run_killed_inside_the_ramp_resumes_exactly(assets, tmp_path, monkeypatch, capsys):

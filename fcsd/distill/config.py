@@ -82,10 +82,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # max global gradient norm (0: off)
-    batch_tokens: int = 65536  # tokens per optimizer step, all processes together (paper: 2^16 .. 2^18)
+    batch_tokens: int = 65536  # tokens per step, all processes together (paper: 2^16 .. 2^18); one optimizer
+    # update each, several in the batch ramp of the guided recipe (recovery.batch_ramp)
     micro_batch_size: int = 1  # at most this many sequences per forward pass and process (the largest size up to
     # it that divides the process's share of the step is used); the rest is gradient accumulation
-    max_steps: int | None = None  # stop after this many optimizer steps (None: from max_tokens)
+    max_steps: int | None = None  # stop after this many steps of batch_tokens (None: from max_tokens)
     stop_after: int | None = None  # stop early after N steps, keeping the LR schedule of the whole run (sweep runs)
     max_tokens: int = 10_000_000_000  # token budget (paper: up to 10B); the smaller of the two limits wins
     seed: int = 0  # data order, initialisation of anything random
@@ -103,9 +104,10 @@ class TrainConfig:
     # the run for runs of at most SHORT_RUN_STEPS steps (so curves.png has points along them), else 0
     eval_every: int | None = None
     log_every: int = 1  # metrics every N steps
-    spike_factor: float = 4.0  # skip a step whose loss exceeds this multiple of the recent median
-    spike_window: int = 20  # steps in that median (spike detection starts once it is full)
-    max_bad_steps: int = 5  # consecutive skipped steps before the run stops with an error
+    spike_factor: float = 4.0  # skip an update whose loss exceeds this multiple of the recent median
+    spike_window: int = 20  # updates in that median (spike detection starts once it is full); a step is one
+    # update, or several in a batch ramp (recovery.batch_ramp)
+    max_bad_steps: int = 5  # consecutive skipped updates before the run stops with an error
 
 
 @dataclass
@@ -479,30 +481,42 @@ def _check_batch_ramp(config: FCSDConfig) -> None:
     splits, shares = list(recovery.batch_ramp), list(recovery.batch_ramp_shares)
     if not splits and not shares:
         return
-    if (
-        len(splits) != len(shares)
-        or not all(isinstance(k, int) and k >= 2 for k in splits)
-        or not all(0 < s < 1 for s in shares)
-        or sum(shares) >= 1
-    ):
+    if not _shares_fit(shares, len(splits)) or not all(isinstance(k, int) and k >= 2 for k in splits):
         raise ValueError(
             f"recovery.batch_ramp={splits} needs whole splits >= 2, each with a share in (0, 1) in "
-            f"recovery.batch_ramp_shares (now {shares}) summing below 1 (the rest of the run takes whole steps)"
+            f"recovery.batch_ramp_shares (now {shares}) summing below 1; to turn the ramp off set both: "
+            "recovery.batch_ramp=[] recovery.batch_ramp_shares=[]"
         )
     if recovery.warm_share > 0:
         raise ValueError("recovery.batch_ramp cannot be combined with recovery.warm_share yet: choose one")
 
 
-def update_split(config: FCSDConfig, step: int) -> int:
-    """How many optimizer updates share step ``step`` (0-based) under ``recovery.batch_ramp``: the split of the
-    ramp stage the step falls in, 1 after the ramp (the guided recipe; small batches first, as GPT-3's and
-    DeepSeek-V3's batch-size ramps, because early in recovery more updates buy more than larger batches)."""
-    horizon, end = schedule_steps(config.train), 0
-    for split, share in zip(config.recovery.batch_ramp, config.recovery.batch_ramp_shares, strict=True):
+def _shares_fit(shares: list[float], count: int) -> bool:
+    """One share of the run per stage, each in (0, 1), leaving steps for the rest of the run."""
+    return len(shares) == count and all(0 < s < 1 for s in shares) and sum(shares) < 1
+
+
+def stage_ends(shares, horizon: int) -> list[int]:
+    """The step each of a run's first stages ends before, for their ``shares`` of its ``horizon`` steps in order."""
+    ends, end = [], 0
+    for share in shares:
         end += round(share * horizon)
-        if step < end:
-            return split
-    return 1
+        ends.append(end)
+    return ends
+
+
+def ramp_stages(config: FCSDConfig) -> list[tuple[int, int, int]]:
+    """``(first step, end step, split)`` of each ``recovery.batch_ramp`` stage that holds a step (the guided
+    recipe: small batches first, as the batch-size ramps of GPT-3 and DeepSeek-V3, because early in recovery more
+    updates buy more than larger batches)."""
+    ends = stage_ends(config.recovery.batch_ramp_shares, schedule_steps(config.train))
+    stages = zip([0, *ends], ends, config.recovery.batch_ramp, strict=False)
+    return [(start, end, split) for start, end, split in stages if end > start]
+
+
+def update_split(config: FCSDConfig, step: int) -> int:
+    """How many optimizer updates share step ``step`` (0-based): the split of the ramp stage it falls in, else 1."""
+    return next((split for start, end, split in ramp_stages(config) if start <= step < end), 1)
 
 
 def resolve_guide(config: FCSDConfig) -> str | None:
@@ -540,7 +554,7 @@ def _check_progressive(config: FCSDConfig) -> None:
     specs, shares = list(recovery.progressive), list(recovery.progressive_shares)
     if not specs and not shares:
         return
-    if len(specs) != len(shares) or not all(0 < s < 1 for s in shares) or sum(shares) >= 1:
+    if not _shares_fit(shares, len(specs)):
         raise ValueError(
             f"recovery.progressive={specs} needs one share in (0, 1) per spec in recovery.progressive_shares "
             f"(now {shares}), summing below 1 (the rest trains farskip.layers)"
@@ -553,11 +567,9 @@ def _check_progressive(config: FCSDConfig) -> None:
 
 def layer_stages(config: FCSDConfig) -> list[tuple[int, str]]:
     """``(first step, layer spec)`` of each progressive-conversion stage, the last being ``farskip.layers``."""
-    horizon, start, stages = schedule_steps(config.train), 0, []
-    for spec, share in zip(config.recovery.progressive, config.recovery.progressive_shares, strict=True):
-        stages.append((start, str(spec)))
-        start += round(share * horizon)
-    return [*stages, (start, str(config.farskip.layers))]
+    starts = [0, *stage_ends(config.recovery.progressive_shares, schedule_steps(config.train))]
+    specs = [*map(str, config.recovery.progressive), str(config.farskip.layers)]
+    return list(zip(starts, specs, strict=True))
 
 
 def warm_steps(config: FCSDConfig) -> int:

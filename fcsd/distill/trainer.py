@@ -2,9 +2,10 @@
 checkpoint rewired with FarSkip connectivity.
 
 Scale-out rides on accelerate: the same code runs as one CPU process or under ``accelerate launch`` with DDP,
-FSDP2 or DeepSpeed ZeRO-3 (configs in ``recipes/accelerate/``). One optimizer step consumes ``train.batch_tokens``
-tokens across all processes; its loss is the sum over those tokens divided by their global count, so it does not
-change with the micro-batch size, the accumulation steps or the number of processes. Loading, data, held-out
+FSDP2 or DeepSpeed ZeRO-3 (configs in ``recipes/accelerate/``). One step consumes ``train.batch_tokens`` tokens
+across all processes in one optimizer update (several in a batch ramp, ``recovery.batch_ramp``); an update's loss is
+the sum over its tokens divided by their global count, so it does not change with the micro-batch size, the
+accumulation steps or the number of processes. Loading, data, held-out
 metrics, optimisation and checkpoints live in their own modules; :func:`fcsd.distill.convert.convert` runs this
 loop and then exports and pushes.
 """
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import guide_weight, layer_stages, update_split, warm_steps
+from fcsd.distill.config import guide_weight, layer_stages, ramp_stages, update_split, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
@@ -145,13 +146,7 @@ class TrainingSession:
                 "recovery.batch_ramp does not run under DeepSpeed (its engine fixes the micro-batches of an update): "
                 "set recovery.batch_ramp=[] recovery.batch_ramp_shares=[], or use FSDP2"
             )
-        lowered = {k: self.plan.fit_split(k) for k in config.recovery.batch_ramp if self.plan.fit_split(k) != k}
-        if lowered:
-            accelerator.print(
-                f"note: recovery.batch_ramp splits {sorted(lowered)} lowered to {[lowered[k] for k in sorted(lowered)]}"
-                f": this process holds {self.plan.sequences // self.plan.world_size} sequences of a step, which each "
-                "update shares evenly (raise train.batch_tokens for the whole ramp)"
-            )
+        self.announce_ramp()
         if self.plan.micro_batch_size != train_cfg.micro_batch_size:
             accelerator.print(
                 f"train.micro_batch_size={train_cfg.micro_batch_size} does not divide this process's "
@@ -256,6 +251,17 @@ class TrainingSession:
             self.accelerator.print(f"step {step}: FarSkip on layers {spec}")
             return True
         return False
+
+    def announce_ramp(self) -> None:
+        """One line saying which steps the batch ramp splits, and any split lowered to fit this process's rows."""
+        stages, per_process = ramp_stages(self.config), self.plan.sequences // self.plan.world_size
+        parts = []
+        for start, end, split in stages:
+            fitted = self.plan.fit_split(split)
+            lowered = f" (not {split}: this process holds {per_process} sequences of a step)" if fitted != split else ""
+            parts.append(f"steps {start + 1}-{end} in {fitted} updates{lowered}")
+        if parts:
+            self.accelerator.print(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")
 
     def optimizer_steps(self, step: int) -> tuple[float, float, dict, bool]:
         """Train on step ``step``'s rows: one optimizer update, or several sharing the rows in a batch ramp
