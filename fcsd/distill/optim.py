@@ -37,11 +37,15 @@ class StepPlan:
             out.extend(order[offset : offset + self.sequences - len(out)])
         return out
 
+    @property
+    def per_process(self) -> int:
+        """Sequences of a step on each process."""
+        return self.sequences // self.world_size
+
     def fit_split(self, split: int) -> int:
         """The largest number of optimizer updates, at most ``split``, that one step's rows share evenly, every
         process holding the same number of rows in each (``recovery.batch_ramp``)."""
-        per_process = self.sequences // self.world_size
-        return max(k for k in range(1, split + 1) if per_process % k == 0)
+        return largest_divisor(self.per_process, split)
 
     def update_rows(self, rows: list[int], split: int, rank: int) -> list[list[list[int]]]:
         """This process's micro-batches for each of ``split`` optimizer updates sharing one step's ``rows`` (a
@@ -50,13 +54,18 @@ class StepPlan:
         trains on the same rows in each update."""
         size = len(rows) // split
         per_process = size // self.world_size
-        micro = max(m for m in range(1, self.micro_batch_size + 1) if per_process % m == 0)
+        micro = largest_divisor(per_process, self.micro_batch_size)
         updates = []
         for update in range(split):
             share = rows[update * size : (update + 1) * size]
             starts = [(i * self.world_size + rank) * micro for i in range(per_process // micro)]
             updates.append([share[start : start + micro] for start in starts])
         return updates
+
+
+def largest_divisor(count: int, cap: int) -> int:
+    """The largest divisor of ``count`` that is at most ``cap`` (a micro-batch size, a number of updates)."""
+    return max(size for size in range(1, min(cap, count) + 1) if count % size == 0)
 
 
 def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
@@ -78,7 +87,7 @@ def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
             f"{seq_len * world_size}) or a process count dividing {sequences}"
         )
     per_process = sequences // world_size
-    micro = max(size for size in range(1, min(train.micro_batch_size, per_process) + 1) if per_process % size == 0)
+    micro = largest_divisor(per_process, train.micro_batch_size)
     horizon = schedule_steps(train)
     total = min(horizon, train.stop_after) if train.stop_after is not None else horizon
     return StepPlan(sequences, micro, per_process // micro, world_size, total, horizon)

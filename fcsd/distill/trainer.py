@@ -5,9 +5,8 @@ Scale-out rides on accelerate: the same code runs as one CPU process or under ``
 FSDP2 or DeepSpeed ZeRO-3 (configs in ``recipes/accelerate/``). One step consumes ``train.batch_tokens`` tokens
 across all processes in one optimizer update (several in a batch ramp, ``recovery.batch_ramp``); an update's loss is
 the sum over its tokens divided by their global count, so it does not change with the micro-batch size, the
-accumulation steps or the number of processes. Loading, data, held-out
-metrics, optimisation and checkpoints live in their own modules; :func:`fcsd.distill.convert.convert` runs this
-loop and then exports and pushes.
+accumulation steps or the number of processes. Loading, data, held-out metrics, optimisation and checkpoints live in
+their own modules; :func:`fcsd.distill.convert.convert` runs this loop and then exports and pushes.
 """
 
 from __future__ import annotations
@@ -150,7 +149,7 @@ class TrainingSession:
         if self.plan.micro_batch_size != train_cfg.micro_batch_size:
             accelerator.print(
                 f"train.micro_batch_size={train_cfg.micro_batch_size} does not divide this process's "
-                f"{self.plan.sequences // self.plan.world_size} sequences of a step: micro-batches of "
+                f"{self.plan.per_process} sequences of a step: micro-batches of "
                 f"{self.plan.micro_batch_size}"
             )
         set_seed(train_cfg.seed)
@@ -254,11 +253,10 @@ class TrainingSession:
 
     def announce_ramp(self) -> None:
         """One line saying which steps the batch ramp splits, and any split lowered to fit this process's rows."""
-        stages, per_process = ramp_stages(self.config), self.plan.sequences // self.plan.world_size
         parts = []
-        for start, end, split in stages:
-            fitted = self.plan.fit_split(split)
-            lowered = f" (not {split}: this process holds {per_process} sequences of a step)" if fitted != split else ""
+        for start, end, split in ramp_stages(self.config):
+            fitted, held = self.plan.fit_split(split), self.plan.per_process
+            lowered = f" (not {split}: this process holds {held} sequences of a step)" if fitted != split else ""
             parts.append(f"steps {start + 1}-{end} in {fitted} updates{lowered}")
         if parts:
             self.accelerator.print(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")

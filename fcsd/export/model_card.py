@@ -228,11 +228,10 @@ def learning_rate(train: dict, recovery: dict) -> str:
         words = f"{peak:g} (schedule-free AdamW, constant after a warm-up of {warmup}; the average is saved)"
     else:
         words = f"{peak:g} (AdamW, cosine, warm-up {warmup})"
+    ramp = zip(recovery.get("batch_ramp") or [], recovery.get("batch_ramp_shares") or [], strict=False)
     stages = [
-        f"the next {share:.1%} of the steps in {split}"
-        for split, share in zip(recovery.get("batch_ramp") or [], recovery.get("batch_ramp_shares") or [])
+        f"the {'next' if i else 'first'} {share:.1%} of the steps in {split}" for i, (split, share) in enumerate(ramp)
     ]
     if stages:
-        stages[0] = stages[0].replace("the next", "the first", 1)
         words += f"; batch ramp: {', '.join(stages)} updates each, at the LR / sqrt(updates)"
     return words
