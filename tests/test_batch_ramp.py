@@ -129,3 +129,27 @@ def test_a_run_killed_inside_the_ramp_resumes_exactly(assets, tmp_path, monkeypa
             r[key] for r in records(tmp_path / "u") if key in r
         ]
     assert_same_training(tmp_path / "k", tmp_path / "u")
+
+
+def test_an_update_the_guard_refuses_is_skipped_alone_and_its_step_logged_as_skipped(
+    assets, tmp_path, monkeypatch, capsys
+):
+    """The spike guard judges each update of a split step: a refused one is named, the step's other update is
+    applied, and the step is logged as skipped."""
+    from fcsd.distill import trainer
+
+    calls, original = [], trainer.apply_update
+
+    def refuse_second(optimizer, scaler, guard, loss, grad_norm):
+        calls.append(loss)
+        if len(calls) == 2:
+            return False, "planted refusal"
+        return original(optimizer, scaler, guard, loss, grad_norm)
+
+    monkeypatch.setattr(trainer, "apply_update", refuse_second)
+    ramp = ["recovery.batch_ramp=[2]", "recovery.batch_ramp_shares=[0.5]", "train.log_every=1"]
+    args = convert_args(assets, *PLAIN_SF, *ramp, "train.max_steps=2", f"output_dir={tmp_path / 'r'}")
+    assert main(args) in (0, None)
+    assert "step 1 (update 2 of 2) not applied: planted refusal" in capsys.readouterr().out
+    assert len(calls) == 3  # step 1 split in two, step 2 whole
+    assert [r["train/skipped"] for r in records(tmp_path / "r") if "train/loss" in r] == [True, False]
