@@ -133,6 +133,34 @@ def test_dedup_dispatcher_equals_plain_and_counts_like_the_offline_definition(tw
         assert combine == sum(r["direct_dispatch"][blocking]["rows"][0] for r in results)
 
 
+def test_hierarchical_dispatcher_matches_the_single_process_model(two, four):
+    """Two "nodes" (of 1 rank on 2 processes, of 2 on 4): the node-aware dispatcher in the model equals one process
+    (logits, gradients, the hand-written FarSkip reference), and sends fewer rows across nodes than plain."""
+    for results in (two, four):
+        assert results[0]["hierarchical"]
+        for name in results[0]["hierarchical"]:
+            for rank_result in results:
+                _assert_matches(rank_result["hierarchical"][name], "regular" not in name)
+            if name in results[0]["cases"]:  # all ranks together: a forwarder sends back what it forwarded
+                crossed = [sum(r[kind][name]["inter_rows_sent"] for r in results) for kind in ("hierarchical", "cases")]
+                assert 0 < crossed[0] <= crossed[1]
+
+
+@pytest.mark.parametrize("blocking", ["True", "False"])
+def test_hierarchical_dispatcher_equals_plain_and_counts_rows_crossing_nodes_by_hand(two, four, blocking):
+    for results in (two, four):
+        for rank_result in results:
+            result = rank_result["direct_dispatch"][blocking]
+            assert max(result["hier"]) < TOL  # output, token gradients, routing-weight gradients
+            for key in ("inter_plain", "inter_hier", "inter_hier_bytes"):  # counted == hand count on the routes
+                assert result[key][0] == result[key][1], key
+            assert result["inter_hier"][0] < result["inter_plain"][0]  # one row per (token, node), not per expert
+            assert result["hier_received"] == result["dedup_received"]  # inside the node: one row per (token, rank)
+        # every row that crossed a node boundary comes back once, as one partial sum per (token, node)
+        combine = sum(r["direct_dispatch"][blocking]["inter_combine"][0] for r in results)
+        assert combine == sum(r["direct_dispatch"][blocking]["inter_combine"][1] for r in results)
+
+
 def test_placement_in_expert_parallel_keeps_outputs_and_gradients(two):
     for rank_result in two:
         assert len(rank_result["placement"]) == 2

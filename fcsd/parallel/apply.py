@@ -12,6 +12,7 @@ that layout (each rank keeps its own experts), so checkpoints are unchanged.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,15 @@ from fcsd.parallel.dispatchers import (
     LocalDispatcher,
 )
 from fcsd.parallel.generate import install as install_generate
+from fcsd.parallel.hierarchical import HierarchicalDispatcher, node_and_rail_groups
 from fcsd.parallel.schedule import FarSkipEPSchedule, _refuse_checkpointing, ep_moe_forward
 from fcsd.parallel.shards import GatherMode, install_state_dict_hooks, permute_sharded_experts, shard_experts
 
 MODES = ("regular", "farskip_reference", "farskip_overlap")
 LAYOUTS = ("all_to_all", "all_reduce")
-#: dispatchers of the all-to-all layout: one row per (token, expert), or one per (token, destination rank)
-DISPATCHERS = {"plain": AllToAllDispatcher, "dedup": DedupAllToAllDispatcher}
+#: dispatchers of the all-to-all layout: one row per (token, expert), one per (token, destination rank), or one per
+#: (token, destination node) across nodes fanned out inside the node (:mod:`fcsd.parallel.hierarchical`)
+DISPATCHERS = {"plain": AllToAllDispatcher, "dedup": DedupAllToAllDispatcher, "hierarchical": HierarchicalDispatcher}
 
 
 @dataclass
@@ -61,6 +64,7 @@ def expert_parallel(
     placement=None,
     dispatcher: str = "plain",
     replica_group=None,
+    node_size: int | None = None,
 ):
     """Shard ``model``'s routed experts over ``group`` (default: the whole job) and run it expert-parallel, in place.
 
@@ -83,7 +87,12 @@ def expert_parallel(
       A callable ``placement(model)`` is also accepted and run as is.
     - ``dispatcher`` (layout ``all_to_all``): ``"plain"``, one row per (token, expert); ``"dedup"``, one row per
       (token, destination rank) carrying that rank's expert ids and weights (second paper, Sec. V-A), the same
-      outputs with fewer rows when a token's experts share ranks (most with a correlated ``placement``).
+      outputs with fewer rows when a token's experts share ranks (most with a correlated ``placement``);
+      ``"hierarchical"``, node-aware: one row per (token, destination node) across nodes, fanned out inside the node
+      (:mod:`fcsd.parallel.hierarchical`), the same outputs with fewer rows crossing nodes.
+    - ``node_size``: ranks per node (``parallel.node_size``; default the launcher's ``LOCAL_WORLD_SIZE``), for the
+      hierarchical dispatcher and every dispatcher's count of rows crossing nodes (``inter_rows_sent``). A group
+      larger than a node must hold whole nodes (consecutive ranks).
 
     - ``replica_group``: the ranks holding the same experts as this one, when the caller has it (a device mesh's
       group, :mod:`fcsd.parallel.layout`); else it is found with an object collective.
@@ -131,13 +140,17 @@ def expert_parallel(
                 f"that divides {count}"
             )
     local = (num_experts.pop() if num_experts else size) // size
-    blocking = mode != "farskip_overlap"
+    per_node = resolve_node_size(size, node_size)
+    options = {"group": group, "num_local_experts": local, "blocking": mode != "farskip_overlap", "node_size": per_node}
     if size == 1:
         dispatcher = LocalDispatcher()
     elif layout == "all_reduce":
-        dispatcher = AllReduceDispatcher(group=group, num_local_experts=local, blocking=blocking)
+        dispatcher = AllReduceDispatcher(**options)
+    elif dispatcher == "hierarchical":
+        node_group, rail_group = node_and_rail_groups(group, per_node)
+        dispatcher = HierarchicalDispatcher(**options, node_group=node_group, rail_group=rail_group)
     else:
-        dispatcher = DISPATCHERS[dispatcher](group=group, num_local_experts=local, blocking=blocking)
+        dispatcher = DISPATCHERS[dispatcher](**options)
 
     expert_params, gather = [], GatherMode()
     for moe in moe_blocks:
@@ -156,6 +169,22 @@ def expert_parallel(
     )
     install_generate(model)
     return model
+
+
+def resolve_node_size(size: int, node_size: int | None = None) -> int:
+    """Ranks per node inside an expert-parallel group of ``size`` consecutive ranks: ``node_size``, else the
+    launcher's ``LOCAL_WORLD_SIZE``, at most the group (a group inside one node). A group spanning nodes must hold
+    whole ones."""
+    node = node_size or int(os.environ.get("LOCAL_WORLD_SIZE") or size)
+    if node < 1:
+        raise ValueError(f"parallel.node_size={node}: it must be at least 1 (processes per node)")
+    node = min(node, size)
+    if size % node:
+        raise ValueError(
+            f"an expert-parallel group of {size} processes cannot hold whole nodes of {node}: make parallel.ep_size a "
+            f"multiple of the processes per node ({node}) or at most that (parallel.node_size sets it)"
+        )
+    return node
 
 
 def _global_count(experts: nn.Module) -> int:

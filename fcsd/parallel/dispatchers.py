@@ -117,6 +117,59 @@ def slot_sum(values_ND: torch.Tensor, segment_N: torch.Tensor, num_segments: int
     return dense.sum(dim=1)
 
 
+def rows_by_destination(dest_A: torch.Tensor, item_A: torch.Tensor, num_items: int):
+    """(item, destination) pairs sorted by destination, then item (stable: then slot), and a mark on the first pair
+    of each (item, destination) row. Returns ``(order, dest_sorted, item_sorted, first)``. No host sync."""
+    order = torch.argsort(dest_A * num_items + item_A, stable=True)
+    dest_sorted, item_sorted = dest_A[order], item_A[order]
+    first = torch.ones_like(order, dtype=torch.bool)
+    first[1:] = (dest_sorted[1:] != dest_sorted[:-1]) | (item_sorted[1:] != item_sorted[:-1])
+    return order, dest_sorted, item_sorted, first
+
+
+def item_of_row(first: torch.Tensor, item_sorted: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The item each of the ``num_rows`` rows marked by ``first`` stands for (``num_rows`` known on the host: no
+    masked indexing); later pairs of a row write a spare slot."""
+    row_slot = torch.where(first, torch.cumsum(first, 0) - 1, num_rows)
+    return item_sorted.new_empty(num_rows + 1).index_put((row_slot,), item_sorted)[:num_rows]
+
+
+def marked_pairs(weights_A: torch.Tensor, local_ids_A: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The ``(A, 2)`` fp32 pairs that travel beside deduplicated rows: routing weight (autograd flows through it) and
+    the receiver's expert id, negative (``-id - 1``) on the first pair of each row."""
+    ids = local_ids_A.float()
+    return torch.stack([weights_A.float(), torch.where(first, -ids - 1, ids)], 1)
+
+
+def expand_rows(rows_RD: torch.Tensor, pairs_A2: torch.Tensor, scale_inputs: bool) -> tuple[DispatchedRows, dict]:
+    """A receiver's deduplicated rows expanded into the expert-major rows the plain dispatcher delivers (same expert
+    inputs, so the same outputs), Llama-4's input scaling applied here; returns them and what :func:`row_partials`
+    needs to sum each row's experts on the way back."""
+    ids = pairs_A2[:, 1].detach()
+    starts = ids < 0
+    local_A = torch.where(starts, -ids - 1, ids).long()
+    row_of = torch.cumsum(starts, 0) - 1
+    expert_major = torch.argsort(local_A, stable=True)  # grouped by expert
+    weights_A = pairs_A2[:, 0]
+    inputs = rows_RD[row_of[expert_major]]
+    if scale_inputs:
+        inputs = (inputs.float() * weights_A[expert_major].unsqueeze(1)).to(rows_RD.dtype)
+    got = {"rows": rows_RD.shape[0], "row_of": row_of, "order": expert_major, "weights": None}
+    if not scale_inputs:
+        got["weights"] = weights_A
+    ids_R1 = local_A[expert_major].unsqueeze(1)
+    return DispatchedRows(inputs, ids_R1, torch.ones_like(ids_R1, dtype=inputs.dtype)), got
+
+
+def row_partials(y_RD: torch.Tensor, got: dict, width: int) -> torch.Tensor:
+    """Each received row's weighted sum of its experts' outputs (fp32 sums in fixed slots, ``width`` experts at most
+    per row), rounded once to the wire dtype: what goes back, one row per received row."""
+    pairs_AD = y_RD.new_empty(y_RD.shape).index_put((got["order"],), y_RD).float()  # back to receive order
+    if got["weights"] is not None:
+        pairs_AD = pairs_AD * got["weights"].unsqueeze(1)
+    return slot_sum(pairs_AD, got["row_of"], got["rows"], width, ordered=True).to(wire_dtype(y_RD))
+
+
 @dataclass
 class Dispatcher:
     """Base class: traffic counters shared by every implementation."""
@@ -126,18 +179,32 @@ class Dispatcher:
     rows_received: int = field(default=0, init=False)
     dispatch_rows_sent: int = field(default=0, init=False)
     dispatch_bytes_sent: int = field(default=0, init=False)
+    #: of the above, what crossed to another node (``rows_sent - inter_rows_sent`` stayed inside the node)
+    inter_rows_sent: int = field(default=0, init=False)
+    inter_bytes_sent: int = field(default=0, init=False)
+    dispatch_inter_rows_sent: int = field(default=0, init=False)
+    dispatch_inter_bytes_sent: int = field(default=0, init=False)
     #: True where routing needs no exchange before the experts (the all-reduce layout): the schedule may then wait the
     #: previous layer's Combine after the whole attention instead of between its parts.
     routes_locally = False
 
-    def _count(self, rows: int, row_bytes: int, dispatch: bool = False, extra_bytes: int = 0) -> None:
+    def _count(
+        self, rows: int, row_bytes: int, dispatch: bool = False, extra_bytes: int = 0, inter: tuple = (0, 0)
+    ) -> None:
+        """Count ``rows`` of ``row_bytes`` (plus ``extra_bytes``) sent to other ranks, ``inter`` = (rows, bytes) of
+        them to other nodes."""
         if recompute.replaying():  # a checkpointed layer's recomputation sends nothing
             return
+        sent = rows * row_bytes + extra_bytes
         self.rows_sent += rows
-        self.bytes_sent += rows * row_bytes + extra_bytes
+        self.bytes_sent += sent
+        self.inter_rows_sent += inter[0]
+        self.inter_bytes_sent += inter[1]
         if dispatch:
             self.dispatch_rows_sent += rows
-            self.dispatch_bytes_sent += rows * row_bytes + extra_bytes
+            self.dispatch_bytes_sent += sent
+            self.dispatch_inter_rows_sent += inter[0]
+            self.dispatch_inter_bytes_sent += inter[1]
 
     def _received(self, rows: int) -> None:
         if not recompute.replaying():
@@ -146,6 +213,9 @@ class Dispatcher:
     def reset_counters(self) -> None:
         self.rows_sent = self.bytes_sent = self.rows_received = 0
         self.dispatch_rows_sent = self.dispatch_bytes_sent = 0
+        self.inter_rows_sent = self.inter_bytes_sent = self.dispatch_inter_rows_sent = (
+            self.dispatch_inter_bytes_sent
+        ) = 0
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
         raise NotImplementedError
@@ -157,11 +227,13 @@ class Dispatcher:
 @dataclass
 class CollectiveDispatcher(Dispatcher):
     """A dispatcher over a process group (``None``: the whole job) holding ``num_local_experts`` experts per rank;
-    ``blocking`` (or ``FCSD_EP_SYNC=1``) waits every collective as soon as it is launched."""
+    ``blocking`` (or ``FCSD_EP_SYNC=1``) waits every collective as soon as it is launched. ``node_size``: ranks of
+    the group per node (consecutive ranks; 0: the whole group is one node), for the counters of rows crossing nodes."""
 
     group: Any = None
     num_local_experts: int = 1
     blocking: bool = False
+    node_size: int = 0
     serial: int = field(default=0, init=False)  # exchanges issued so far: the same on every rank
     chain: OrderChain = field(default_factory=OrderChain, init=False)
 
@@ -174,6 +246,28 @@ class CollectiveDispatcher(Dispatcher):
 
     def _exchange(self, send_sizes, recv_sizes, kind: str) -> Exchange:
         return Exchange(send_sizes, recv_sizes, self.group, sync=self._sync(), kind=kind, serial=self._next())
+
+    def _count_sizes(
+        self, sizes, row_bytes, dispatch=False, pair_sizes=None, pair_bytes=0, group=None, node_of=None
+    ) -> None:
+        """Count one exchange over ``group`` (default: the dispatcher's): ``sizes[r]`` rows of ``row_bytes`` (and
+        ``pair_sizes[r]`` routing pairs of ``pair_bytes``) to rank ``r``; ``node_of(r)`` the node of rank ``r``
+        (default: consecutive ``node_size`` ranks a node)."""
+        group = self.group if group is None else group
+        rank = dist.get_rank(group)
+        if node_of is None:
+            per_node = self.node_size or dist.get_world_size(group)
+            node_of = lambda r: r // per_node  # noqa: E731
+        pair_sizes = pair_sizes or [0] * len(sizes)
+        rows = inter_rows = sent = inter_bytes = 0
+        for r, (count, pairs) in enumerate(zip(sizes, pair_sizes)):
+            if r == rank:
+                continue
+            size = count * row_bytes + pairs * pair_bytes
+            rows, sent = rows + count, sent + size
+            if node_of(r) != node_of(rank):
+                inter_rows, inter_bytes = inter_rows + count, inter_bytes + size
+        self._count(rows, row_bytes, dispatch, sent - rows * row_bytes, (inter_rows, inter_bytes))
 
     def _chain(self, needs_backward) -> OrderChain | None:
         return self.chain if (torch.is_grad_enabled() if needs_backward is None else needs_backward) else None
@@ -197,10 +291,6 @@ def _split_sizes(send_counts: torch.Tensor, recv_counts: torch.Tensor, num_ranks
     return send_sizes, recv_sizes
 
 
-def _remote(sizes: list[int], rank: int) -> int:
-    return sum(size for r, size in enumerate(sizes) if r != rank)
-
-
 class _AllToAllState(NamedTuple):
     order: torch.Tensor  # (T*K,) the (token, slot) pair each sent row came from, in send order
     shape: tuple[int, int]  # (T, K)
@@ -220,7 +310,7 @@ class AllToAllDispatcher(CollectiveDispatcher):
     """
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
-        num_ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        num_ranks = dist.get_world_size(self.group)
         top_k = topk_ids_TK.shape[1]
         flat_ids = topk_ids_TK.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)  # rows grouped by expert, hence by destination rank
@@ -238,7 +328,7 @@ class AllToAllDispatcher(CollectiveDispatcher):
             send_RD = x_TD.to(wire)[token_of_row]
         exchange = self._exchange(send_sizes, recv_sizes, "dispatch")
         launch_all_to_all(send_RD, exchange, self._chain(needs_backward))  # the wait reads it back: received()
-        self._count(_remote(send_sizes, rank), send_RD[:1].nbytes, dispatch=True)
+        self._count_sizes(send_sizes, send_RD[:1].nbytes, dispatch=True)
         local_ids = torch.arange(self.num_local_experts, device=x_TD.device).repeat(num_ranks)
         local_ids = local_ids.repeat_interleave(recv_counts, output_size=sum(recv_sizes)).unsqueeze(1)
 
@@ -258,7 +348,7 @@ class AllToAllDispatcher(CollectiveDispatcher):
         back = self._exchange(forward.recv_sizes, forward.send_sizes, "combine")
         y_RD = y_RD.to(wire_dtype(y_RD))
         launch_all_to_all(y_RD, back, forward.chain, wait_after=forward)
-        self._count(_remote(back.send_sizes, dist.get_rank(self.group)), y_RD[:1].nbytes)
+        self._count_sizes(back.send_sizes, y_RD[:1].nbytes)
 
         def wait() -> torch.Tensor:
             rows = wait_all_to_all(received(back), back)
@@ -298,16 +388,12 @@ class DedupAllToAllDispatcher(CollectiveDispatcher):
     """
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
-        num_ranks, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        num_ranks = dist.get_world_size(self.group)
         num_tokens, top_k = topk_ids_TK.shape
         hidden, device, local = x_TD.shape[1], x_TD.device, self.num_local_experts
         flat_ids = topk_ids_TK.reshape(-1)
-        dest = flat_ids // local
         token = torch.arange(num_tokens, device=device).repeat_interleave(top_k, output_size=num_tokens * top_k)
-        order = torch.argsort(dest * num_tokens + token, stable=True)  # pairs by destination, token, slot
-        dest_sorted, token_sorted = dest[order], token[order]
-        first = torch.ones_like(order, dtype=torch.bool)  # the first pair of each (token, rank) row
-        first[1:] = (dest_sorted[1:] != dest_sorted[:-1]) | (token_sorted[1:] != token_sorted[:-1])
+        order, dest_sorted, token_sorted, first = rows_by_destination(flat_ids // local, token, num_tokens)
         counts = torch.zeros(num_ranks, 2, dtype=torch.int64, device=device)
         counts[:, 0].scatter_add_(0, dest_sorted, first.long())
         counts[:, 1].scatter_add_(0, dest_sorted, torch.ones_like(dest_sorted))
@@ -315,60 +401,34 @@ class DedupAllToAllDispatcher(CollectiveDispatcher):
         sizes = torch.cat([counts, recv_counts], dim=1).t().tolist()  # the layer's one device-to-host copy
         send_rows, send_pairs, recv_rows, recv_pairs = sizes
         self._received(sum(recv_rows))
-        num_rows = sum(send_rows)
-        row_slot = torch.where(first, torch.cumsum(first, 0) - 1, num_rows)  # later pairs of a row: a spare slot
-        token_of_row = token_sorted.new_empty(num_rows + 1).index_put((row_slot,), token_sorted)[:num_rows]
-        local_ids = (flat_ids[order] % local).float()
-        pairs_A2 = torch.stack(
-            [topk_weights_TK.reshape(-1)[order].float(), torch.where(first, -local_ids - 1, local_ids)], 1
-        )
+        token_of_row = item_of_row(first, token_sorted, sum(send_rows))
+        pairs_A2 = marked_pairs(topk_weights_TK.reshape(-1)[order], flat_ids[order] % local, first)
         send_RD = x_TD.to(wire_dtype(x_TD))[token_of_row]
         chain = self._chain(needs_backward)
         rows_exchange = self._exchange(send_rows, recv_rows, "dispatch")
         pairs_exchange = self._exchange(send_pairs, recv_pairs, "ids")
         launch_all_to_all(send_RD, rows_exchange, chain)  # the wait reads the buffers back: received()
         launch_all_to_all(pairs_A2, pairs_exchange, chain)
-        elem = send_RD.element_size()
-        pair_bytes = ID_BYTES + WEIGHT_BYTES
-        self._count(
-            _remote(send_rows, rank), hidden * elem, dispatch=True, extra_bytes=_remote(send_pairs, rank) * pair_bytes
-        )
+        self._count_sizes(send_rows, hidden * send_RD.element_size(), True, send_pairs, ID_BYTES + WEIGHT_BYTES)
         state = _DedupState(token_of_row, num_tokens, top_k, x_TD.dtype, (rows_exchange, pairs_exchange), {})
 
         def wait() -> DispatchedRows:
             rows_RD = wait_all_to_all(received(rows_exchange), rows_exchange)
             pairs = wait_all_to_all(received(pairs_exchange), pairs_exchange)
-            ids = pairs[:, 1].detach()
-            starts = ids < 0
-            local_A = torch.where(starts, -ids - 1, ids).long()
-            row_of = torch.cumsum(starts, 0) - 1
-            expert_major = torch.argsort(local_A, stable=True)  # expand locally, grouped by expert
-            weights_A = pairs[:, 0]
-            inputs = rows_RD[row_of[expert_major]]
-            if scale_inputs:
-                inputs = (inputs.float() * weights_A[expert_major].unsqueeze(1)).to(rows_RD.dtype)
-            state.received.update(
-                rows=rows_RD.shape[0], row_of=row_of, order=expert_major, weights=None if scale_inputs else weights_A
-            )
-            ids_R1 = local_A[expert_major].unsqueeze(1)
-            return DispatchedRows(inputs, ids_R1, torch.ones_like(ids_R1, dtype=inputs.dtype))
+            rows, got = expand_rows(rows_RD, pairs, scale_inputs)
+            state.received.update(got)
+            return rows
 
         return Pending(wait, state)
 
     def combine_async(self, y_RD, pending: Pending) -> Pending:
         state: _DedupState = pending.state
         pending.wait()
-        got = state.received
-        pairs_AD = y_RD.new_empty(y_RD.shape).index_put((got["order"],), y_RD).float()  # back to receive order
-        if got["weights"] is not None:
-            pairs_AD = pairs_AD * got["weights"].unsqueeze(1)
-        width = min(state.top_k, self.num_local_experts)  # most pairs one row carries
-        partial = slot_sum(pairs_AD, got["row_of"], got["rows"], width, ordered=True).to(wire_dtype(y_RD))
+        partial = row_partials(y_RD, state.received, min(state.top_k, self.num_local_experts))
         rows_exchange = state.exchanges[0]
         back = self._exchange(rows_exchange.recv_sizes, rows_exchange.send_sizes, "combine")
         launch_all_to_all(partial, back, rows_exchange.chain, wait_after=rows_exchange)
-        rank = dist.get_rank(self.group)
-        self._count(_remote(back.send_sizes, rank), partial.shape[1] * partial.element_size())
+        self._count_sizes(back.send_sizes, partial.shape[1] * partial.element_size())
 
         def wait() -> torch.Tensor:
             rows = wait_all_to_all(received(back), back)

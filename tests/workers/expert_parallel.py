@@ -20,9 +20,12 @@ from tiny_models import CONFIGS, TEXT_FAMILIES, build
 import fcsd
 from fcsd.parallel import expert_parallel, full_state_dict, reduce_gradients
 from fcsd.parallel.dispatchers import AllToAllDispatcher, DedupAllToAllDispatcher
+from fcsd.parallel.hierarchical import HierarchicalDispatcher, node_and_rail_groups
 from fcsd.parallel.schedule import SPLIT_COUNTS
 from fcsd.placement import apply_placement
 from fcsd.placement.stats import dispatch_counts
+
+NODE = max(1, WORLD // 2)  # the hierarchical cases: two "nodes" of WORLD / 2 ranks
 
 
 def case(family, mode, route_to_first=False, dispatcher="plain", placement=False):
@@ -39,7 +42,8 @@ def case(family, mode, route_to_first=False, dispatcher="plain", placement=False
     total.backward()
     expected_logits, expected_embeds = outputs[RANK]
     where = plan.to_dict() if plan is not None else None  # the dict form, as read from PLACEMENT.json
-    model = expert_parallel(prepare(family, mode, route_to_first), mode=mode, dispatcher=dispatcher, placement=where)
+    options = {"mode": mode, "dispatcher": dispatcher, "placement": where, "node_size": NODE}
+    model = expert_parallel(prepare(family, mode, route_to_first), **options)
     logits, embeds = run(model, shares[RANK])
     loss_of(logits).backward()
     reduce_gradients(model, op="sum")
@@ -52,8 +56,8 @@ def case(family, mode, route_to_first=False, dispatcher="plain", placement=False
         converted = set(fcsd.farskip_layers(single))
         ref_logits, _, _ = farskip_reference(prepare(family, "regular", route_to_first), shares[RANK], converted)
         result["reference_logits"] = rel(logits.detach(), ref_logits)
-    result["rows_sent"] = model.fcsd_expert_parallel.dispatcher.rows_sent
-    result["rows_received"] = model.fcsd_expert_parallel.dispatcher.rows_received
+    used = model.fcsd_expert_parallel.dispatcher
+    result.update(rows_sent=used.rows_sent, rows_received=used.rows_received, inter_rows_sent=used.inter_rows_sent)
     if plan is not None:
         unplaced = prepare(family, mode, route_to_first)  # outputs unchanged by the placement itself
         result["unplaced_logits"] = rel(logits.detach(), run(unplaced, shares[RANK])[0].detach())
@@ -61,8 +65,9 @@ def case(family, mode, route_to_first=False, dispatcher="plain", placement=False
 
 
 def direct_dispatch(blocking, tokens=7 + 3 * RANK, hidden=5, top_k=3, local=2):
-    """Plain vs deduplicating dispatcher on the same random routes with per-expert linear maps: outputs, gradients
-    (tokens and routing weights), and the dedup counters against the offline dispatch_counts."""
+    """Plain vs deduplicating vs node-aware dispatcher on the same random routes with per-expert linear maps: outputs,
+    gradients (tokens and routing weights), the dedup counters against the offline dispatch_counts, and the rows
+    crossing nodes (two "nodes" of WORLD / 2 ranks) against a hand count."""
     num_experts = local * WORLD
     gen = torch.Generator().manual_seed(10 + RANK)
     x = torch.randn(tokens, hidden, generator=gen)
@@ -73,9 +78,14 @@ def direct_dispatch(blocking, tokens=7 + 3 * RANK, hidden=5, top_k=3, local=2):
         RANK * local : (RANK + 1) * local
     ]
     probe = torch.randn(tokens, hidden, generator=gen)
+    node_group, rail_group = node_and_rail_groups(None, NODE)
     out = {}
-    for name, cls in (("plain", AllToAllDispatcher), ("dedup", DedupAllToAllDispatcher)):
-        dispatcher = cls(num_local_experts=local, blocking=blocking)
+    for name, cls in (("plain", AllToAllDispatcher), ("dedup", DedupAllToAllDispatcher), ("hier", None)):
+        common = {"num_local_experts": local, "blocking": blocking, "node_size": NODE}
+        if cls is None:
+            dispatcher = HierarchicalDispatcher(**common, node_group=node_group, rail_group=rail_group)
+        else:
+            dispatcher = cls(**common)
         xg, wg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
         pending = dispatcher.dispatch_async(xg, ids, wg)
         rows = pending.wait()
@@ -83,19 +93,31 @@ def direct_dispatch(blocking, tokens=7 + 3 * RANK, hidden=5, top_k=3, local=2):
         result = dispatcher.combine_async(y, pending).wait()
         (result * probe).sum().backward()
         out[name] = (result.detach(), xg.grad, wg.grad, dispatcher)
-    plain, dedup = out["plain"], out["dedup"]
+    plain, dedup, hier = out["plain"], out["dedup"], out["hier"]
     counts = dispatch_counts(
         ids.numpy(), np.arange(num_experts) // local, np.full(tokens, RANK), hidden, elem_bytes=4, weight_bytes=4
     )
-    d = dedup[3]
+    node_of = ids.numpy() // local // NODE  # (T, K) the node of each selected expert
+    mine = RANK // NODE
+    pairs_away = int((node_of != mine).sum())
+    rows_away = sum(len(set(row) - {mine}) for row in node_of.tolist())
+    d, h = dedup[3], hier[3]
     return {
         "output": rel(dedup[0], plain[0]),
         "x_grad": rel(dedup[1], plain[1]),
         "weight_grad": rel(dedup[2], plain[2]),
+        "hier": [rel(hier[0], plain[0]), rel(hier[1], plain[1]), rel(hier[2], plain[2])],
         "rows": [d.dispatch_rows_sent, counts.remote_dedup],
         "bytes": [d.dispatch_bytes_sent, counts.remote_bytes_dedup],
         "plain_rows": [plain[3].dispatch_rows_sent, counts.remote_plain],
         "combine_rows": d.rows_sent - d.dispatch_rows_sent,
+        # across nodes: plain sends a row per (token, expert) on the other node, node-aware one per (token, node)
+        "inter_plain": [plain[3].dispatch_inter_rows_sent, pairs_away],
+        "inter_hier": [h.dispatch_inter_rows_sent, rows_away],
+        "inter_hier_bytes": [h.dispatch_inter_bytes_sent, rows_away * hidden * 4 + pairs_away * 8],
+        "inter_combine": [h.inter_rows_sent - h.dispatch_inter_rows_sent, h.dispatch_inter_rows_sent],
+        "hier_received": h.rows_received,
+        "dedup_received": d.rows_received,
     }
 
 
@@ -195,6 +217,11 @@ results["dedup"]["route_to_first"] = case("deepseek_v3", "farskip_overlap", True
 os.environ["FCSD_EP_SYNC"] = "1"
 results["dedup"]["sync_debug"] = case("deepseek_v3", "farskip_overlap", dispatcher="dedup")
 os.environ["FCSD_EP_SYNC"] = "0"
+HIERARCHICAL_CASES = {
+    True: [("qwen3_moe", "farskip_overlap"), ("deepseek_v3", "farskip_reference"), ("llama4_text", "farskip_overlap")],
+    False: [("deepseek_v3", "farskip_overlap"), ("llama4_text", "farskip_overlap"), ("olmoe", "regular")],
+}[FULL]
+results["hierarchical"] = {f"{f}/{m}": case(f, m, dispatcher="hierarchical") for f, m in HIERARCHICAL_CASES}
 results["direct_dispatch"] = {str(blocking): direct_dispatch(blocking) for blocking in (True, False)}
 PLACED = [("qwen3_moe", "farskip_overlap", "dedup"), ("olmoe", "regular", "plain")] if FULL else []
 results["placement"] = {f"{f}/{m}/{d}": case(f, m, dispatcher=d, placement=True) for f, m, d in PLACED}
