@@ -154,3 +154,17 @@ def test_layout_runs_on_fake_tensors_over_a_fake_process_group(ranks):
     assert tuple(logits.shape) == (1, 16, config.vocab_size) and grads
     assert local == ranks[0]["loaded"]["student_local"][0]  # rank 0's share, as the real 4-process layout holds
     assert tracker.peak > 0
+
+
+def test_a_replayed_exchange_that_received_no_rows_comes_back_from_host_memory():
+    """train.checkpoint_offload: an exchange that received nothing (a rank whose experts got no rows, the node-aware
+    dispatcher's fan-out to a rank with none) is kept in host memory and comes back with its shape and dtype."""
+    import torch
+
+    from fcsd.parallel.recompute import HostCopy
+
+    for shape in ((0, 5), (3, 0)):
+        back = HostCopy(torch.empty(shape, dtype=torch.bfloat16, requires_grad=True)).back()
+        assert back.shape == shape and back.dtype == torch.bfloat16 and back.requires_grad
+    rows = torch.randn(4, 3)
+    assert torch.equal(HostCopy(rows).back(), rows)

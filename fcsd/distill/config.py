@@ -19,7 +19,7 @@ OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
 SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
-EP_DISPATCHERS = ("plain", "dedup")
+EP_DISPATCHERS = ("plain", "dedup", "hierarchical")
 EARLY_STOP_METRICS = ("plus", "base")
 OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
 # parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
@@ -51,7 +51,10 @@ class ParallelConfig:
     placement: str | None = None  # PLACEMENT.json of `fcsd routes place`: experts permuted before sharding
     fsdp: bool = False  # FSDP2 under torchrun: everything but the routed experts sharded over all processes, each
     # expert shard over its world/ep_size replicas; the teacher laid out the same way (fcsd.parallel.layout)
-    dispatcher: str = "plain"  # expert-parallel all-to-all: plain (a row per token and expert) | dedup (per rank)
+    dispatcher: str = "plain"  # expert-parallel all-to-all: plain (a row per token and expert) | dedup (per rank) |
+    # hierarchical (node-aware: a row per token and destination node across nodes, fanned out inside the node)
+    node_size: int | None = None  # processes per node (the launcher's LOCAL_WORLD_SIZE if unset): an EP group larger
+    # than a node holds whole nodes (ep_size a multiple of it); the node-aware dispatcher's two hops
 
 
 @dataclass
@@ -619,6 +622,11 @@ def to_config(cfg) -> FCSDConfig:
             "needs train.gradient_checkpointing=true and parallel.ep_size > 1",
         ),
         (config.parallel.mode in EP_MODES, f"parallel.mode={config.parallel.mode!r}: choose {EP_MODES}"),
+        (
+            config.parallel.node_size is None or config.parallel.node_size >= 1,
+            f"parallel.node_size={config.parallel.node_size}: it must be at least 1 (processes per node), or unset "
+            "to take the launcher's LOCAL_WORLD_SIZE",
+        ),
         (
             config.parallel.placement is None or config.parallel.ep_size > 1,
             f"parallel.placement={config.parallel.placement} places experts on expert-parallel processes, but "

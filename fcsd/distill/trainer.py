@@ -345,6 +345,10 @@ class TrainingSession:
         if self.layer_stages:
             record["train/stage"] = f"layers {self.layers}"
         record.update({f"train/{name}": value for name, value in terms.items()})
+        if self.parallel:
+            from fcsd.parallel.training import take_traffic
+
+            record.update(take_traffic(self.unwrapped))  # this process's rows since the last logged step
         self.metrics.log(record)
 
     def evaluate(self, step: int) -> dict:

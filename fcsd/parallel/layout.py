@@ -5,7 +5,9 @@ Two views of the same ``W`` processes (Megatron's "MoE parallel folding", torcht
 
 - the **dense** mesh ``(fsdp,)``: every process. Everything outside the routed experts (embeddings, attention,
   norms, routers, shared experts, dense MLPs, the LM head) is ``fully_shard``-ed over it.
-- the **sparse** mesh ``(efsdp, ep)``, ``efsdp = W / ep``, ``ep`` innermost (consecutive ranks: one node). The
+- the **sparse** mesh ``(efsdp, ep)``, ``efsdp = W / ep``, ``ep`` innermost (consecutive ranks: inside a node, or
+  whole nodes when ``ep`` exceeds a node, e.g. EP 64 over 8 nodes of 8 with ``efsdp`` 2, or EP = W with ``efsdp`` 1:
+  no FSDP over the experts; ``parallel.dispatcher=hierarchical`` then crosses each node boundary once). The
   routed experts are split over ``ep`` (rank ``p`` keeps experts ``[p E/ep, (p+1) E/ep)``, the all-to-all runs inside
   the ep group, :func:`fcsd.parallel.expert_parallel`), and each rank's expert shard is ``fully_shard``-ed over its
   ``efsdp`` replicas: dim 0 when ``E/ep`` divides by ``efsdp`` (whole experts), else dim 1 (always with a placement,
@@ -153,6 +155,7 @@ def parallelize(
     mode: str = "farskip_overlap",
     placement=None,
     dispatcher: str = "plain",
+    node_size: int | None = None,
     checkpointing: bool = False,
     offload: bool = False,
     compute_dtype: torch.dtype | None = None,
@@ -163,9 +166,9 @@ def parallelize(
       layer with its exchanges replayed, ``offload`` keeping their rows in host memory: :mod:`fcsd.parallel.recompute`);
       ``"teacher"``: frozen, no gradients,
       resharded after every forward, run in mode ``regular`` when it has no FarSkip layers.
-    - ``mode``, ``placement``, ``dispatcher``: as :func:`fcsd.parallel.expert_parallel` (expert parallelism over the
-      ep groups; with ``ep=1`` the local dispatcher). On a meta model (the sharded loader's) the placement is kept
-      and applied by :func:`finish_loading`.
+    - ``mode``, ``placement``, ``dispatcher``, ``node_size``: as :func:`fcsd.parallel.expert_parallel` (expert
+      parallelism over the ep groups, which may span nodes; with ``ep=1`` the local dispatcher). On a meta model
+      (the sharded loader's) the placement is kept and applied by :func:`finish_loading`.
     - ``compute_dtype``: the dtype FSDP2 gathers the weights in (bf16 on GPUs; ``None``: as stored); gradients are
       reduced in fp32.
 
@@ -183,7 +186,7 @@ def parallelize(
         mode = "regular"
     deferred = placement if meta else None
     replicas = meshes.sparse.get_group("efsdp") if dims.efsdp > 1 else None
-    options = {"mode": mode, "placement": None if meta else placement, "dispatcher": dispatcher}
+    options = {"mode": mode, "placement": None if meta else placement, "dispatcher": dispatcher, "node_size": node_size}
     expert_parallel(model, meshes.ep_group, replica_group=replicas, **options)
     layout = Layout(meshes, role, placement=deferred)
     model.fcsd_layout = layout

@@ -82,6 +82,7 @@ def laid_out_loader(config, meshes, role: str, device):
 
     parallel, train = config.parallel, config.train
     options = {"mode": parallel.mode, "dispatcher": parallel.dispatcher, "placement": parallel.placement or None}
+    options["node_size"] = getattr(parallel, "node_size", None)  # absent from run configs written before it
     if role == "student":
         bf16 = train.mixed_precision == "bf16" or (train.mixed_precision == "auto" and device.type == "cuda")
         options.update(
@@ -104,6 +105,23 @@ def make_expert_parallel(model: nn.Module, group, mode: str, placement: str | No
 
     mode = mode if farskip_layers(model) else "regular"
     return expert_parallel(model, group, mode=mode, placement=placement or None)
+
+
+def take_traffic(model: nn.Module) -> dict:
+    """The rows every process's expert-parallel dispatcher sent to other processes since the last call, summed over
+    the job (training and held-out forwards; a checkpointed layer's recomputation sends none), and of them the rows
+    that crossed to another node (:attr:`~fcsd.parallel.dispatchers.Dispatcher.inter_rows_sent`); the counters
+    restart. A collective: every process calls it. Empty without expert parallelism."""
+    state = getattr(model, "fcsd_expert_parallel", None)
+    if state is None or state.size == 1:
+        return {}
+    dispatcher = state.dispatcher
+    device = next(model.parameters()).device
+    sent = torch.tensor([dispatcher.rows_sent, dispatcher.inter_rows_sent], dtype=torch.int64, device=device)
+    dist.all_reduce(sent)
+    dispatcher.reset_counters()
+    rows, crossing = sent.tolist()
+    return {"ep/rows_sent": rows, "ep/rows_crossing_nodes": crossing}
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
