@@ -69,6 +69,26 @@ def test_only_checkpoint_offload_moves_the_replayed_rows_to_host_memory(ranks, c
         assert f"host copies: {expected}" in result["cases"][case]["backward_events"]
 
 
+@pytest.mark.parametrize("case", CHECKPOINTED)
+def test_offloaded_rows_of_the_next_layer_come_back_while_a_layer_is_recomputed(ranks, case):
+    """train.checkpoint_offload: when the backward starts recomputing layer k, layer k-1's rows are copied back
+    (prefetched: a side stream on GPUs), before its own recomputation; without offload nothing is prefetched, nor is
+    a layer without exchanges (DeepSeek-V3's first, dense)."""
+    from tiny_models import CONFIGS
+
+    from fcsd.connectivity.families import family_for_config, find_decoder_layers, meta_model
+
+    _, config = CONFIGS[case.split("/")[0]]()
+    family = family_for_config(config)
+    moe = [family.is_moe(getattr(layer, family.mlp_attr)) for layer in find_decoder_layers(meta_model(config), family)]
+    expected = []
+    for layer in range(len(moe) - 1, -1, -1):
+        prefetched = layer and moe[layer - 1] and case.endswith("+offload")
+        expected += [f"recompute {layer}"] + ([f"prefetch {layer - 1}"] if prefetched else [])
+    for result in ranks:
+        assert result["cases"][case]["recomputation"] == expected * 2  # both steps
+
+
 def test_planted_factor_of_ep_expert_gradient_is_caught(ranks):
     """Experts divided by their own group's size (FSDP2's default) instead of the process count: the expert
     gradients come out ep = 2 times too large, and the comparison with one process fails."""

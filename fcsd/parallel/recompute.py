@@ -14,7 +14,11 @@ Memory: a layer keeps its inputs plus the rows its exchanges received (what torc
 activation. The log is per layer call and freed with the checkpoint. With ``offload`` (``train.checkpoint_offload``)
 the received rows wait for the backward in host memory instead: each is copied to pinned host memory once its
 exchange has been waited (on a side stream, so the forward goes on while it copies; the GPU buffer is released when
-the copy is done), and copied back when the layer is recomputed. That is what lets the replay of 48-61 MoE layers at
+the copy is done), and copied back *prefetched*: when the backward starts recomputing layer ``k``, the rows of layer
+``k - 1`` (the next it recomputes) start their copy back on the side stream, so the copy runs beside layer ``k``'s
+recomputation instead of stalling layer ``k - 1``'s (on a CPU the same order, copied at once; the layer recomputed
+first, the last, copies its own when it starts; a prefetched layer holds its rows on the device one layer early).
+That is what lets the replay of 48-61 MoE layers at
 ``tokens x top_k x hidden`` rows each stop growing the GPU's share with the tokens (``fcsd plan`` prices the copies
 over the host link). On a CPU the host copy is a buffer outside torch's allocator (what the tests and ``fcsd plan
 --measure`` run; the planner's simulation charges it to host memory).
@@ -29,6 +33,7 @@ Guard: a forward exchange issued while a backward runs (a recomputation that doe
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager, nullcontext
 from functools import partial
 
@@ -72,6 +77,33 @@ class HostCopy:
             back = torch.from_numpy(self.host).view(self.dtype).view(self.shape).clone()
         return back.requires_grad_(self.requires_grad)
 
+    def prefetch(self) -> Prefetched:
+        """Start the copy back now (a GPU run: on the side stream, after the copy out; elsewhere at once), for the
+        recomputation that reads it later (:meth:`ReplayLog.prefetch`)."""
+        if self.event is None:
+            return Prefetched(self.back())
+        stream = _copy_stream(self.device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(self.event)
+            tensor = self.host.to(self.device, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(stream)
+        return Prefetched(tensor.requires_grad_(self.requires_grad), arrived)
+
+
+class Prefetched:
+    """A :class:`HostCopy` on its way back (or back) to its device; ``back()`` hands it to the current stream."""
+
+    def __init__(self, tensor: torch.Tensor, event=None):
+        self.tensor, self.event = tensor, event
+
+    def back(self) -> torch.Tensor:
+        if self.event is not None:
+            current = torch.cuda.current_stream(self.tensor.device)
+            current.wait_event(self.event)
+            self.tensor.record_stream(current)  # allocated on the copy stream, read on this one
+        return self.tensor
+
 
 def _is_fake(tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
@@ -96,11 +128,33 @@ class ReplayLog:
     """The exchanges of one checkpointed layer call, in issue order: ``(kind, tensors)``. With ``offload``, the
     received rows move to host memory once their exchange is waited (:meth:`offload`)."""
 
-    def __init__(self, offload: bool = False):
+    def __init__(self, offload: bool = False, previous: ReplayLog | None = None):
         self.entries: list[tuple[str, tuple]] = []
         self.exchanges: list = []
         self.position = 0
         self.offloads = offload
+        # the log of the layer recorded just before this one in the same forward (recomputed right after this one):
+        # a weak reference, so that a log never keeps an earlier layer's rows alive
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.index = previous.index + 1 if previous is not None else 0  # the layer's place in its forward
+
+    def prefetch(self) -> None:
+        """Start copying this log's rows in host memory back to the device (with ``offload``): called when the
+        layer recomputed just before this one starts its recomputation, so that the copies run beside it (paper Sec.
+        4.1's overlap applied to the replay; a side stream on GPUs, in the same order on a CPU)."""
+        pending = [i for i, (_, tensors) in enumerate(self.entries) if tensors and isinstance(tensors[0], HostCopy)]
+        if not pending or self.position:
+            return
+        from fcsd.parallel.collectives import record
+
+        record("prefetch", "layer", self.index)
+        for index in pending:
+            kind, (copy,) = self.entries[index]
+            self.entries[index] = (kind, (copy.prefetch(),))
+
+    def earlier(self) -> ReplayLog | None:
+        """The log recorded just before this one, while it lives."""
+        return self.previous() if self.previous is not None else None
 
     def put(self, kind: str, *tensors, exchange=None) -> None:
         """Record an exchange's result; ``exchange`` (its :class:`~fcsd.parallel.collectives.Exchange`) forgets its
@@ -137,7 +191,7 @@ class ReplayLog:
             exchange.received = None
             self.exchanges[self.position] = None
         self.position += 1
-        return tuple(t.back() if isinstance(t, HostCopy) else t for t in tensors)
+        return tuple(t.back() if isinstance(t, HostCopy | Prefetched) else t for t in tensors)
 
 
 class _Active(threading.local):
@@ -168,8 +222,13 @@ def _recomputing(log: ReplayLog, layer):
     rank issues at the same point of its backward (the same graph); the layer's own post-backward reshards."""
     from torch.distributed.fsdp import FSDPModule
 
+    from fcsd.parallel.collectives import record
+
     if isinstance(layer, FSDPModule):
         layer.unshard()
+    record("recompute", "layer", log.index)
+    if (earlier := log.earlier()) is not None:
+        earlier.prefetch()  # the next layer the backward recomputes: its rows come back while this one runs
     with _mode(log, True):
         yield
 
@@ -209,11 +268,16 @@ class ReplayingCheckpoint:
 
     def __init__(self, offload: bool = False):
         self.offload = offload
+        self._last = None  # weak reference to the log recorded last
 
     def __call__(self, function, *args, **kwargs):
         from torch.utils.checkpoint import checkpoint
 
-        log = ReplayLog(self.offload)
+        last = self._last() if self._last is not None else None
+        if last is not None and last.position:  # already replayed: a backward ran since, this is a new forward
+            last = None
+        log = ReplayLog(self.offload, previous=last)
+        self._last = weakref.ref(log)
         layer = function.args[0] if isinstance(function, partial) and function.args else None
         pending = getattr(function, "keywords", {}).get("farskip_pending")
         if pending is not None and args and args[0] is pending.full:

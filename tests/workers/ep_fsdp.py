@@ -102,6 +102,7 @@ def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain"
         with record_events() as log:
             (loss * WORLD / tokens).backward()  # the trainer's scale: W x (this rank's sum) / global tokens
         events += [what for what, _, _ in log]
+        events += [f"{what} {serial}" for what, kind, serial in log if kind == "layer"]  # recomputation order
         squares = torch.zeros((), dtype=torch.float64)
         for name in expert_names(model):
             squares += model.get_parameter(name).grad._local_tensor.double().pow(2).sum()
@@ -129,6 +130,7 @@ def compare(family, ep, **options):
         "weights": max(rel(state[k], weights[k]) for k in weights),
         "same_keys": sorted(state) == sorted(weights),
         "backward_events": sorted(set(events)),
+        "recomputation": [e for e in events if e.startswith(("recompute ", "prefetch "))],  # in order
         "param_groups": groups,
     }
 
