@@ -387,15 +387,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help=overrides_help + " teacher.top_k=64 teacher.cache_dir=...")
     p.set_defaults(func=_cache_teacher)
 
-    p = sub.add_parser("bench", help="benchmarks: 'overlap' times expert-parallel collectives and their overlap")
-    p.add_argument("what", choices=["overlap"])
-    p.add_argument("--model", default=None, help="a saved MoE causal LM folder (default: --config)")
+    bench_help = (
+        "benchmarks: 'overlap' times expert-parallel collectives and their overlap; 'cluster' measures what fcsd "
+        "plan assumes (GEMM rate, collective bandwidths, host link) and writes a cluster file (--out; under torchrun)"
+    )
+    p = sub.add_parser("bench", help=bench_help)
+    p.add_argument("what", choices=["overlap", "cluster"])
+    model_help = "overlap: a saved MoE causal LM folder (default: --config); cluster: a preset, config.json or demo"
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--out", default=None, metavar="FILE", help="cluster: the cluster file to write (JSON)")
+    p.add_argument("--tokens", type=int, default=None, help="cluster: GEMM rows per micro-batch (4096 GPU, 512 CPU)")
+    p.add_argument("--quick", action="store_true", help="cluster: shorter timings (tests; noisier)")
     config_help = "built-in shapes: tiny, mid (Qwen3-MoE, 8 experts), dsv3 (DeepSeek-V3's layers, narrower)"
     p.add_argument("--config", choices=["tiny", "mid", "dsv3"], default="tiny", help=config_help)
     ranks_help = "local processes, one device each (the expert-parallel group size; must divide the expert count)"
     p.add_argument("--ranks", type=int, default=2, help=ranks_help)
     p.add_argument("--iters", type=int, default=5, help="timed iterations per measurement (median reported)")
-    p.add_argument("--dispatcher", choices=["plain", "dedup"], default="plain", help="all-to-all dispatcher")
+    dispatcher_help = "all-to-all dispatcher (hierarchical: node-aware, with --node-size)"
+    p.add_argument("--dispatcher", choices=["plain", "dedup", "hierarchical"], default="plain", help=dispatcher_help)
+    p.add_argument("--node-size", type=int, default=None, help="ranks per stand-in node (default: all on one node)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--trace", default=None, help="write torch.profiler traces to this folder")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: a GPU per rank if any")
@@ -417,6 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(args) -> int:
+    if args.what == "cluster":
+        return _bench_cluster(args)
     from fcsd import ownership
     from fcsd.parallel import picture
     from fcsd.parallel.bench import format_result, run_overlap_benchmark
@@ -430,7 +442,7 @@ def _bench(args) -> int:
         ownership.check_output_file(png, "--timeline", "timeline picture", picture.is_own_png, {"model": args.model})
         ownership.check_output_file(chrome, "--timeline", "timeline trace", picture.is_own_trace, {"model": args.model})
     options = dict(device=args.device, backend=args.backend, dtype=args.dtype)
-    options.update(link=args.link, timeline=bool(args.timeline))
+    options.update(link=args.link, timeline=bool(args.timeline), node_size=args.node_size)
     result = run_overlap_benchmark(
         args.ranks, args.config, args.model, args.iters, args.trace, args.dispatcher, **options
     )
@@ -441,6 +453,26 @@ def _bench(args) -> int:
     print(json.dumps(result, indent=2) if args.json else format_result(result))
     if args.timeline:  # with --json, stdout holds the JSON alone
         print(f"timeline: {png} (Chrome trace: {chrome})", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _bench_cluster(args) -> int:
+    """``fcsd bench cluster``: every rank of this job (torchrun, or this one process) measures; rank 0 writes
+    ``--out`` and prints the figures (:mod:`fcsd.plan.calibrate`)."""
+    from fcsd.plan.calibrate import check_model, format_cluster, run_cluster_benchmark
+
+    if not args.out:
+        raise ValueError("fcsd bench cluster writes a cluster file: give --out FILE, e.g. --out cluster.json")
+    if Path(args.out).expanduser().is_dir():
+        raise ValueError(f"--out {args.out} is a folder: give the cluster file's path, e.g. {args.out}/cluster.json")
+    if args.tokens is not None and args.tokens < 1:
+        raise ValueError(f"--tokens {args.tokens}: give the GEMM rows of a micro-batch, at least 1, e.g. 4096")
+    check_model(args.model or "demo")  # a dense or unknown model is refused before any rank measures
+    data = run_cluster_benchmark(args.model or "demo", args.out, args.tokens, args.quick)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(data, indent=2) if args.json else format_cluster(data))
+        if not args.json:
+            print(f"cluster file: {args.out} (fcsd plan MODEL --cluster {args.out})")
     return 0
 
 

@@ -74,3 +74,18 @@ def test_cpu_fallback_runs_end_to_end():
         assert all(figures[k] > 0 for k in ("T_regular_ms", "T_ref_ms", "T_ovl_ms", "T_comp_ms", "T_comm_ms"))
     assert "trace" not in result  # device kernels exist only on a GPU
     assert result["dispatch_rows_per_step"] > 0
+
+
+def test_node_aware_dispatch_benchmark_counts_rows_crossing_stand_in_nodes():
+    """`fcsd bench overlap --dispatcher hierarchical --node-size 1` on 2 ranks: two stand-in nodes, so every remote
+    row crosses a node; the node-aware dispatcher sends one per (token, node), fewer than plain's per (token,
+    expert)."""
+    rows = {}
+    for kind in ("plain", "hierarchical"):
+        result = run_overlap_benchmark(2, "tiny", iters=1, dispatcher=kind, node_size=1)
+        assert result["node_size"] == 1
+        assert result["dispatch_rows_crossing_nodes_per_step"] == result["dispatch_rows_per_step"] > 0
+        rows[kind] = result["dispatch_rows_per_step"]
+    assert rows["hierarchical"] < rows["plain"]
+    with pytest.raises(ValueError, match="--node-size 3: it must be at least 1 and divide --ranks 4"):
+        run_overlap_benchmark(4, "tiny", iters=1, node_size=3)

@@ -32,7 +32,7 @@ import argparse
 import json
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -188,11 +188,12 @@ def _model_for(mode, args, env: BenchEnv, group=None, layout: str = "all_to_all"
     model.to(env.device, env.dtype)
     if mode != "regular":
         fcsd.apply_farskip(model, "all")
-    model = expert_parallel(model, group=group, mode=mode, layout=layout, dispatcher=args.dispatcher)
+    options = {"mode": mode, "layout": layout, "dispatcher": args.dispatcher, "node_size": args.node_size}
+    model = expert_parallel(model, group=group, **options)
     return model, batch, seq
 
 
-def _comm_only(model, input_ids, iters: int, env: BenchEnv, kind: str = "plain"):
+def _comm_only(model, input_ids, iters: int, env: BenchEnv):
     """Dispatch + combine of every MoE layer alone, with the routing the model produces, forward then backward."""
     state = model.fcsd_expert_parallel
     family = family_for_config(model.config)
@@ -207,9 +208,7 @@ def _comm_only(model, input_ids, iters: int, env: BenchEnv, kind: str = "plain")
         model(input_ids=input_ids, use_cache=False)
     for hook in hooks:
         hook.remove()
-    dispatcher = DISPATCHERS[kind](
-        group=state.group, num_local_experts=state.dispatcher.num_local_experts, blocking=True
-    )
+    dispatcher = replace(state.dispatcher, blocking=True)  # the model's kind, groups and node size; fresh counters
     forward, backward = [], []
     timer = StepTimer(env.device)
     for _ in range(iters + 1):
@@ -273,11 +272,11 @@ def measure(args, env: BenchEnv) -> dict:
         if mode == "farskip_overlap":
             waits = {k: _slowest(v / (args.iters + 1), env) for k, v in collectives.WAIT_SECONDS.items()}
             sent = model.fcsd_expert_parallel.dispatcher
-            traffic = torch.tensor(
-                [sent.dispatch_rows_sent, sent.dispatch_bytes_sent, sent.rows_sent], dtype=torch.float64
-            ).to(env.device)
+            node_size = sent.node_size
+            counted = [sent.dispatch_rows_sent, sent.dispatch_bytes_sent, sent.rows_sent, sent.dispatch_inter_rows_sent]
+            traffic = torch.tensor(counted, dtype=torch.float64).to(env.device)
             dist.all_reduce(traffic)
-            comm = _comm_only(model, input_ids, args.iters, env, args.dispatcher)
+            comm = _comm_only(model, input_ids, args.iters, env)
         if env.backend == "nccl" and mode != "regular":  # gloo has no communication kernels to read
             traces[mode] = _exposed_from_trace(model, input_ids, args.iters, env, args.trace, mode)
         elif args.trace:
@@ -289,6 +288,8 @@ def measure(args, env: BenchEnv) -> dict:
     steps = args.iters + 1  # the overlapped model's forwards (warm-up included), summed over ranks
     result.update(dispatcher=args.dispatcher, dispatch_rows_per_step=float(traffic[0]) / steps)
     result.update(dispatch_bytes_per_step=float(traffic[1]) / steps, rows_per_step=float(traffic[2]) / steps)
+    result.update(node_size=node_size)
+    result.update(dispatch_rows_crossing_nodes_per_step=float(traffic[3]) / steps)
     waits_meaningful = env.backend == "gloo"  # gloo waits block the host; an NCCL wait returns at once
     for index, phase in enumerate(("forward", "backward")):
         t_reg, t_ref, t_ovl = (times[m][index] for m in ("regular", "farskip_reference", "farskip_overlap"))
@@ -321,6 +322,11 @@ def format_table(result: dict) -> str:
             f"{result['dispatch_rows_per_step']:.0f} ({result['dispatch_bytes_per_step'] / 1e6:.3f} MB), "
             f"dispatch + combine rows {result['rows_per_step']:.0f}"
         )
+        if result.get("node_size", result["ranks"]) < result["ranks"]:
+            lines.append(
+                f"nodes of {result['node_size']} ranks: remote rows dispatched across nodes "
+                f"{result['dispatch_rows_crossing_nodes_per_step']:.0f} per step"
+            )
     keys = ("T_regular_ms", "T_ref_ms", "T_ovl_ms", "T_comp_ms", "T_comm_ms", "effective_overlap", "wait_only_overlap")
     lines.append(f"{'':10}" + "".join(f"{k:>19}" for k in keys))
     for phase in ("forward", "backward"):
@@ -346,6 +352,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json-out", default=None)
     parser.add_argument("--trace", default=None, help="folder for torch.profiler traces")
     parser.add_argument("--dispatcher", choices=sorted(DISPATCHERS), default="plain")
+    parser.add_argument("--node-size", type=int, default=None, help="ranks per stand-in node (default: all)")
     parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
@@ -393,11 +400,13 @@ def run_overlap_benchmark(
     dtype: str = "auto",
     link: str | None = None,
     timeline: bool = False,
+    node_size: int | None = None,
 ):
     """Launch the benchmark on ``ranks`` local processes (torchrun): one GPU each when there are enough (NCCL), else
     gloo (CPU, or several ranks sharing a GPU); returns the result dict. With ``link`` (``--link`` text) the schedules
     run over that modelled link instead (:mod:`fcsd.parallel.bench_link`; ``timeline``: one recorded step per mode
-    and rank). Bad input (rank count, model, link) is refused here, in one line, before any process starts."""
+    and rank; ``node_size``: ranks per stand-in node, for the node-aware dispatcher and the count of rows crossing
+    nodes). Bad input (rank count, model, link, node size) is refused here, in one line, before any process starts."""
     import socket
     import sys
     import tempfile
@@ -418,6 +427,8 @@ def run_overlap_benchmark(
         hidden = load_config(model).get_text_config().hidden_size
     if ranks < 1 or num_experts % ranks:
         raise ValueError(f"--ranks {ranks}: it must be at least 1 and divide the model's {num_experts} experts")
+    if node_size is not None and (node_size < 1 or ranks % min(node_size, ranks)):
+        raise ValueError(f"--node-size {node_size}: it must be at least 1 and divide --ranks {ranks} (whole nodes)")
     if link:
         from fcsd.parallel.bench_link import check_link_time, link_time
         from fcsd.parallel.link import parse_link
@@ -441,6 +452,7 @@ def run_overlap_benchmark(
         command += ["--model", model] if model else []
         command += ["--trace", trace] if trace else []
         command += ["--dispatcher", dispatcher, "--device", device, "--backend", backend, "--dtype", dtype]
+        command += ["--node-size", str(node_size)] if node_size else []
         command += ["--link", link] if link else []
         command += ["--timeline"] if timeline else []
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
