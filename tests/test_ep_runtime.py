@@ -16,10 +16,11 @@ def ranks(tmp_path_factory):
 
 
 def test_one_host_sync_per_moe_layer_in_forward_and_none_in_backward(ranks):
-    """Every family, both dispatchers, overlapped and regular: the expert-parallel forward adds exactly one
+    """Every family, every dispatcher (the node-aware one over two "nodes"), overlapped and regular: the
+    expert-parallel forward adds exactly one
     device-to-host copy per MoE layer (the split sizes) to what the single-process model does; backward adds none."""
     for result in ranks:
-        assert len(result["syncs"]) == 11
+        assert len(result["syncs"]) == 13
         for case, counts in result["syncs"].items():
             added = list(counts["forward"])
             for call in counts["stock"]:  # transformers' own (mask preparation), in both runs
@@ -28,7 +29,10 @@ def test_one_host_sync_per_moe_layer_in_forward_and_none_in_backward(ranks):
             assert counts["backward"] == [], case
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe/plain", "deepseek_v3/dedup", "llama4_text/plain"])
+PRECISION_CASES = ["qwen3_moe/plain", "deepseek_v3/dedup", "llama4_text/plain", "qwen3_moe/hierarchical"]
+
+
+@pytest.mark.parametrize("case", PRECISION_CASES)
 def test_bf16_output_within_bf16_tolerance_and_bitwise_reproducible(ranks, case):
     for result in ranks:
         figures = result["precision"][case]
@@ -43,13 +47,15 @@ def test_bf16_output_within_bf16_tolerance_and_bitwise_reproducible(ranks, case)
 def test_combine_sums_in_fp32_with_fp32_routing_weights(ranks):
     """Top-8 of 8 experts, identity experts, bf16 autocast: each token's weighted sum equals the exact sum of its
     bf16 rows with the fp32 weights to fp32 accuracy (a bf16 weight or accumulation would be ~1e-3 off). The
-    deduplicating dispatcher sends each (token, rank) partial sum back in bf16: one bf16 rounding at most."""
+    deduplicating dispatcher sends each (token, rank) partial sum back in bf16: one bf16 rounding at most; the
+    node-aware one rounds inside the node and again per (token, node): two at most."""
     for result in ranks:
         assert result["combine"]["plain"]["dtype"] == result["combine"]["dedup"]["dtype"] == "torch.float32"
         assert result["combine"]["plain"]["error"] < 1e-6
         assert result["combine"]["dedup"]["error"] < 2**-8
+        assert result["combine"]["hierarchical"]["error"] < 2**-7
         # the sums are in fixed slots, not atomic scatter-adds (the CPU's bitwise checks cannot see GPU atomics)
-        assert result["combine"]["plain"]["atomic_float_sums"] == result["combine"]["dedup"]["atomic_float_sums"] == []
+        assert all(result["combine"][name]["atomic_float_sums"] == [] for name in ("plain", "dedup", "hierarchical"))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])

@@ -60,7 +60,7 @@ def host_syncs(family, dispatcher, mode):
     ids = batch(single)[RANK]
     with SyncCounter() as stock:
         run(single, ids)
-    model = expert_parallel(prepare(family, mode), mode=mode, dispatcher=dispatcher)
+    model = expert_parallel(prepare(family, mode), mode=mode, dispatcher=dispatcher, node_size=1)  # 2 "nodes"
     model.train()
     with SyncCounter() as forward:
         logits, _ = run(model, ids)
@@ -80,7 +80,7 @@ def precision(family, dispatcher):
         single_bf16 = run(single, shares[RANK])[0].detach().float()
     runs = []
     for _ in range(2):
-        model = expert_parallel(prepare(family, "farskip_overlap"), dispatcher=dispatcher)
+        model = expert_parallel(prepare(family, "farskip_overlap"), dispatcher=dispatcher, node_size=1)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, embeds = run(model, shares[RANK])
             loss_of(logits.float()).backward()
@@ -102,12 +102,17 @@ def combine_precision(name, tokens=40, hidden=16, top_k=8, local=4):
     """Identity experts under bf16 autocast: the combine must return sum_k w_k * bf16(x) computed in fp32 (weights
     never rounded to bf16, no bf16 accumulation), whatever the dispatcher."""
     from fcsd.parallel.dispatchers import AllToAllDispatcher, DedupAllToAllDispatcher
+    from fcsd.parallel.hierarchical import HierarchicalDispatcher, node_and_rail_groups
 
     gen = torch.Generator().manual_seed(20 + RANK)
     x = torch.randn(tokens, hidden, generator=gen)
     ids = torch.stack([torch.randperm(local * WORLD, generator=gen)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen)
-    dispatcher = {"plain": AllToAllDispatcher, "dedup": DedupAllToAllDispatcher}[name](num_local_experts=local)
+    if name == "hierarchical":  # two "nodes" of one rank
+        node_group, rail_group = node_and_rail_groups(None, 1)
+        dispatcher = HierarchicalDispatcher(num_local_experts=local, node_group=node_group, rail_group=rail_group)
+    else:
+        dispatcher = {"plain": AllToAllDispatcher, "dedup": DedupAllToAllDispatcher}[name](num_local_experts=local)
     with torch.autocast("cpu", dtype=torch.bfloat16), AtomicFloatSums() as atomic:
         pending = dispatcher.dispatch_async(x, ids, weights)
         rows = pending.wait()
@@ -309,10 +314,13 @@ for family in ("qwen3_moe", "deepseek_v3", "llama4_text", "mixtral", "qwen2_moe"
     results["syncs"][f"{family}/plain/farskip_overlap"] = host_syncs(family, "plain", "farskip_overlap")
 for family in ("deepseek_v3", "llama4_text"):
     results["syncs"][f"{family}/dedup/farskip_overlap"] = host_syncs(family, "dedup", "farskip_overlap")
+    results["syncs"][f"{family}/hierarchical/farskip_overlap"] = host_syncs(family, "hierarchical", "farskip_overlap")
     results["syncs"][f"{family}/plain/regular"] = host_syncs(family, "plain", "regular")
-for family, dispatcher in (("qwen3_moe", "plain"), ("deepseek_v3", "dedup"), ("llama4_text", "plain")):
+for family, dispatcher in (("qwen3_moe", "plain"), ("deepseek_v3", "dedup"), ("llama4_text", "plain")) + (
+    ("qwen3_moe", "hierarchical"),
+):
     results["precision"][f"{family}/{dispatcher}"] = precision(family, dispatcher)
-results["combine"] = {name: combine_precision(name) for name in ("plain", "dedup")}
+results["combine"] = {name: combine_precision(name) for name in ("plain", "dedup", "hierarchical")}
 results["two_forwards"] = {family: two_forwards_summed(family) for family in ("qwen3_moe", "deepseek_v3")}
 results["no_rows_eager"] = no_rows_with_eager_experts()
 results["order_check"] = order_check()
