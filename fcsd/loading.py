@@ -25,6 +25,9 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, mod
     config = _stock_config(name_or_path, kwargs.get("revision"))
     if config is not None:
         kwargs.setdefault("config", config)
+    check_quantization(
+        config if config is not None else load_config(name_or_path, kwargs.get("revision")), name_or_path
+    )
     check_weight_files(name_or_path)
 
     if model_class is not None:  # a sharded loader (expert parallelism) reads only its own part of the weights
@@ -117,11 +120,39 @@ def load_config(name_or_path: str, revision: str | None = None):
 
     stock = _stock_config(name_or_path, revision)  # its own errors are one line already (JSON, identity, hub)
     if stock is not None:
-        return stock
+        return check_quantization(stock, name_or_path)
     try:
-        return AutoConfig.from_pretrained(name_or_path, revision=revision)
+        config = AutoConfig.from_pretrained(name_or_path, revision=revision)
     except CONFIG_ERRORS as error:  # garbage, mistyped or inconsistent values
         raise ValueError(f"{name_or_path}: config.json cannot be read ({config_error_text(error)})") from None
+    return check_quantization(config, name_or_path)
+
+
+#: quantization methods fcsd loads: block FP8 (DeepSeek-V3, the Qwen3 -FP8 releases), which transformers dequantizes
+#: where no FP8 kernel runs (design §8)
+QUANTIZATION_METHODS = ("fp8",)
+
+
+def check_quantization(config, name: str):
+    """Refuse, in one line, a checkpoint quantized with a method fcsd cannot train from (bitsandbytes, GPTQ, AWQ,
+    compressed-tensors, ...): FCSD trains fp32 master weights and its teacher must compute what the source computes.
+    Returns ``config``."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return config
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"{name} is quantized with {method} (quantization_config.quant_method): fcsd loads unquantized (bf16 / "
+            "fp32) or block-FP8 checkpoints; start from the unquantized release of the model, or dequantize it "
+            "and save_pretrained the result"
+        )
+    return config
 
 
 def config_error_text(error: Exception) -> str:

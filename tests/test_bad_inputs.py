@@ -1733,6 +1733,30 @@ def test_a_config_that_asks_for_weights_the_files_lack_is_refused(env, tmp_path,
     assert fcsd.from_pretrained(str(env / "model")) is not None  # the checkpoint as it was loads
 
 
+@pytest.mark.parametrize("method", ["gptq", "bitsandbytes", "awq", "compressed-tensors"])
+def test_a_checkpoint_quantized_with_a_method_fcsd_cannot_train_from_is_refused_in_one_line(
+    env, tmp_path, capsys, method
+):
+    """A GPTQ / bitsandbytes / AWQ / compressed-tensors checkpoint is refused before anything loads, naming the method
+    and the fix; block FP8 (the hub's DeepSeek-V3 format) is not refused by the check."""
+    import fcsd
+    from fcsd.loading import check_quantization, load_config
+
+    quantized = shutil.copytree(env / "model", tmp_path / "quantized")
+    values = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**values, "quantization_config": {"quant_method": method}}))
+    message = f"is quantized with {method} (quantization_config.quant_method): fcsd loads unquantized"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fcsd.from_pretrained(str(quantized))
+    capsys.readouterr()
+    assert main(run_convert(env, f"output_dir={tmp_path / 'run'}", model=str(quantized))) == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()
+    fp8 = load_config(str(env / "model"))
+    fp8.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    assert check_quantization(fp8, "fp8 source") is fp8
+
+
 @pytest.mark.parametrize(
     "url, expected",
     [
