@@ -254,3 +254,34 @@ def test_model_card_of_a_local_or_demo_base_asks_no_hub(tmp_path, monkeypatch):
         card = render_card({"layers": [1], "spec": "1"}, {"config": {"model": {"name": base}}}, 2)
         assert "license" not in card.split("---")[1] and "base_model" not in card.split("---")[1]
     assert asked == []  # no hub request (offline machines would wait for retries)
+
+
+def test_a_step_checkpoint_of_a_bf16_source_exports(tmp_path, capsys):
+    """`fcsd export RUN/checkpoints/step-N` of a bf16 checkpoint: the step model is rebuilt in bf16 the way a fresh
+    load builds it (RoPE's inv_freq kept in fp32, as transformers keeps it), so the export's reload parity compares
+    like with like and passes, and the export holds the checkpoint's bf16 weights."""
+    from fcsd.cli import main
+    from fcsd.distill.checkpointing import load_step_checkpoint
+    from fcsd.distill.synthetic import make_dataset, write_jsonl
+
+    data = make_dataset(40, seed=3)
+    chat = train_tokenizer((m["content"] for r in data for m in r["messages"]), vocab_size=280)
+    model = build("qwen3_moe")
+    model.resize_token_embeddings(len(chat), mean_resizing=False)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    chat.save_pretrained(tmp_path / "bf16")
+    write_jsonl(data, tmp_path / "train.jsonl")
+    run = tmp_path / "run"
+    args = ["convert", str(tmp_path / "bf16"), f"data.path={tmp_path / 'train.jsonl'}", f"output_dir={run}"]
+    args += ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=128", "train.max_steps=2"]
+    args += ["train.save_every=1", "train.warmup_steps=1", "progress=false", "early_stop.enabled=false"]
+    args += ["export=false", "recovery=plain"]
+    args += [f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(args) == 0
+    assert main(["export", str(run / "checkpoints" / "step-1"), str(tmp_path / "export")]) == 0, capsys.readouterr()
+    exported = fcsd.from_pretrained(str(tmp_path / "export"), dtype="auto").eval()
+    assert exported.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    step_model, _ = load_step_checkpoint(run / "checkpoints" / "step-1")
+    assert step_model.model.rotary_emb.inv_freq.dtype == exported.model.rotary_emb.inv_freq.dtype == torch.float32
+    batch = torch.randint(3, 200, (2, 64))
+    assert torch.equal(text_logits(step_model, batch), text_logits(exported, batch))  # the same model, bit for bit

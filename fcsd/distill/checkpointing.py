@@ -135,7 +135,12 @@ def load_step_checkpoint(checkpoint: Path):
     config = OmegaConf.load(run.config)
     name, revision = resolve_model(config.model.name), config.model.revision
     options = {"revision": revision} if revision else {}
-    model = from_pretrained(name, layers=config.farskip.layers, text_only=True, dtype=torch.float32, **options)
+    # built in the source's dtype as a fresh load builds it (buffers such as RoPE's inv_freq stay as transformers
+    # keeps them): casting a fp32 model afterwards would cast those too, and the export's parity check would compare
+    # the reload with another model
+    dtype = load_config(name, revision).dtype or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = from_pretrained(name, layers=config.farskip.layers, text_only=True, dtype=dtype, **options)
     if config.parallel.placement:
         from fcsd.placement import apply_placement
 
@@ -151,6 +156,4 @@ def load_step_checkpoint(checkpoint: Path):
     if set(absent) - tied or unexpected:
         raise ValueError(f"{checkpoint} does not match {config.model.name}: missing {absent}, unexpected {unexpected}")
     model.tie_weights()
-    dtype = load_config(name, revision).dtype or torch.float32
-    model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     return model.eval(), tokenizer_from_pretrained(name, revision=revision)
