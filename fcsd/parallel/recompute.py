@@ -16,8 +16,9 @@ the received rows wait for the backward in host memory instead: each is copied t
 exchange has been waited (on a side stream, so the forward goes on while it copies; the GPU buffer is released when
 the copy is done), and copied back *prefetched*: when the backward starts recomputing layer ``k``, the rows of layer
 ``k - 1`` (the next it recomputes) start their copy back on the side stream, so the copy runs beside layer ``k``'s
-recomputation instead of stalling layer ``k - 1``'s (on a CPU the same order, copied at once; the layer recomputed
-first, the last, copies its own when it starts; a prefetched layer holds its rows on the device one layer early).
+recomputation instead of stalling layer ``k - 1``'s (the layer recomputed first, the last, copies its own when it
+starts; a prefetched layer holds its rows on the device one layer early). On a CPU the prefetch is decided at the
+same point but the copy stays at the layer's own recomputation: without a copy engine it could not run beside it.
 That is what lets the replay of 48-61 MoE layers at
 ``tokens x top_k x hidden`` rows each stop growing the GPU's share with the tokens (``fcsd plan`` prices the copies
 over the host link). On a CPU the host copy is a buffer outside torch's allocator (what the tests and ``fcsd plan
@@ -78,10 +79,12 @@ class HostCopy:
         return back.requires_grad_(self.requires_grad)
 
     def prefetch(self) -> Prefetched:
-        """Start the copy back now (a GPU run: on the side stream, after the copy out; elsewhere at once), for the
-        recomputation that reads it later (:meth:`ReplayLog.prefetch`)."""
+        """Start the copy back now (a GPU run: on the side stream, after the copy out), for the recomputation that
+        reads it later (:meth:`ReplayLog.prefetch`). A CPU run has no copy engine to run it beside the compute: its
+        copy stays where the recomputation reads it (an early copy would only hold the rows longer). The planner's
+        fake tensors stand for a GPU run's: they come back at once, charged to the device a layer early."""
         if self.event is None:
-            return Prefetched(self.back())
+            return Prefetched(self.back()) if _is_fake(self.host) else self
         stream = _copy_stream(self.device)
         with torch.cuda.stream(stream):
             stream.wait_event(self.event)
