@@ -4,7 +4,10 @@ three families, layer stacks deep enough for the depth reduction), the depth red
 simulation, the candidate search and what it implies, the EP-beside-FSDP2 choice and its reason, the layer
 recommendation, the commands (EP x FSDP2 launches and the multi-process teacher cache accepted by convert's parser),
 --probe and --json, and the paper models' claims (an EP x FSDP2 layout fits DeepSeek-V2-Lite on 1 x 8 H100, Llama-4
-Scout on 2 x 8 H200, DeepSeek-V3 on 16 x 8 H200), each simulated through its own layout."""
+Scout on 2 x 8 H200, DeepSeek-V3 on 16 x 8 H200), each simulated through its own layout; EP groups beyond a node
+(candidates, simulated, launched with the node-aware dispatcher), the routing reach against counting every route,
+the node-aware dispatch's price against a hand computation, the breakdown adding up to the step, and DeepSeek-V3's
+fastest EP size spanning nodes."""
 
 from __future__ import annotations
 
@@ -234,7 +237,8 @@ def test_checkpoint_offload_fits_expert_parallelism_where_the_replay_did_not(mod
 def test_host_memory_and_link_options_decide_the_offloaded_layout():
     """``--host-memory`` bounds what a node's GPUs may pin for the replayed rows (half of it): below what the
     offloaded Qwen3-30B-A3B step pins, the layout is refused naming the option; ``--host-gbps`` prices the copies:
-    a slower host link exposes more of them per step."""
+    a slower host link exposes more of them per step; the prefetched replay hides the way back behind the backward
+    but for the first layer's rows, and what a layer's copy takes beyond a layer's backward."""
     from fcsd.plan.candidates import _simulated
     from fcsd.plan.models import load_model_config
     from fcsd.plan.planner import run_config as plan_config
@@ -256,7 +260,13 @@ def test_host_memory_and_link_options_decide_the_offloaded_layout():
     fast_wait = offload_exposure(fits.estimate.host, compute, roomy)
     slow_wait = offload_exposure(fits.estimate.host, compute, slow)
     assert slow_wait > 5 * fast_wait > 0
-    assert slow_wait >= fits.estimate.host / (slow.gpu.host_gbps * 1e9)  # the way back is never hidden
+    copy = fits.estimate.host / (slow.gpu.host_gbps * 1e9)
+    assert slow_wait >= copy  # without the prefetch the way back is never hidden
+    # the prefetched replay (48 layers): each layer's rows come back behind a layer's backward, but the first one's
+    prefetched = offload_exposure(fits.estimate.host, compute, slow, 48, backward_compute=2 * copy)
+    assert prefetched == pytest.approx(slow_wait - copy + copy / 48)
+    starved = offload_exposure(fits.estimate.host, compute, slow, 48, backward_compute=copy / 2)
+    assert starved == pytest.approx(prefetched + (copy / 2) * 47 / 48)
 
 
 def test_plan_cli_json_with_probe(tmp_path, capsys):
@@ -350,8 +360,12 @@ def test_reduced_measure_of_laid_out_layouts_on_four_processes():
 
 def test_the_plan_times_ep_beside_fsdp2_and_says_why(tmp_path, capsys):
     """On 4 GPUs a small MoE has EP x FSDP2, EP and FSDP2-only candidates that fit: the plan times the fastest
-    fitting one of each, chooses the quickest, says why against the other kind, and prints a launch that convert's
-    parser accepts with the chosen layout's parallel keys."""
+    fitting one of each strategy it simulates, and leaves unsimulated only strategies whose lower bound (FSDP2's
+    collectives and the all-to-alls nothing hides) is not below the chosen step; it chooses the quickest, says why
+    against the other kind, breaks every timed step down into parts that add up to it, and prints a launch that
+    convert's parser accepts with the chosen layout's parallel keys."""
+    import re
+
     from fcsd.cli import main
 
     chat = [{"messages": [{"role": "user", "content": "add 1 and 1"}, {"role": "assistant", "content": "2"}]}]
@@ -360,13 +374,21 @@ def test_the_plan_times_ep_beside_fsdp2_and_says_why(tmp_path, capsys):
     assert main([*argv, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     timed = plan["layouts_timed"]
-    strategies = {t["layout"]["strategy"] for t in timed}
-    assert {"ep_fsdp", "ep", "fsdp2"} <= strategies
     fastest = min(timed, key=lambda t: t["time"]["step_s"])
     chosen = plan["chosen"]["layout"]
     assert chosen == fastest["layout"]
-    other = "FSDP2" if chosen["ep_size"] > 1 else "EP="
-    assert other in plan["layout_reason"] and "as fast as" in plan["layout_reason"]
+    slower = [c for c in plan["candidates"] if c["status"] == "slower"]
+    strategies = {t["layout"]["strategy"] for t in timed} | {c["layout"]["strategy"] for c in slower}
+    assert {"ep_fsdp", "ep", "fsdp2"} <= strategies
+    for candidate in slower:
+        assert "memory" not in candidate  # not simulated
+        assert float(re.search(r"at least ([0-9.]+) s", candidate["note"]).group(1)) >= fastest["time"]["step_s"] - 0.01
+    for t in timed:
+        assert sum(t["time"]["breakdown_s"].values()) == pytest.approx(t["time"]["step_s"])
+    assert plan["breakdown"]["step_s"] == pytest.approx(fastest["time"]["step_s"])
+    other = "FSDP2" if chosen["ep_size"] > 1 else "EP"
+    assert other in plan["layout_reason"] or "expert-parallel layout can be faster" in plan["layout_reason"]
+    assert "as fast as" in plan["layout_reason"] or "can be faster" in plan["layout_reason"]
     config = accepted_by_convert(plan["commands"]["train"])
     expected_ep = chosen["ep_size"] if chosen["strategy"] in ("ep", "ep_fsdp") else 1
     assert config.parallel.ep_size == expected_ep
@@ -441,3 +463,159 @@ def test_fsdp2_alone_with_checkpointing_simulates_on_qwen3():
     )
     assert kept.activations < whole.activations and kept.flops["backward"] > whole.flops["backward"]
     assert kept.weights == whole.weights and kept.peak < whole.peak
+
+
+def brute_force_reach(experts: int, top_k: int, ep: int, node: int, n_group: int = 1, topk_group: int = 1):
+    """Every equally likely route of one token (groups, then experts among them) from every GPU of the EP group,
+    counted: distinct nodes and GPUs reached, remote nodes, and the rows a hierarchical fan-out moves (every GPU
+    reached except the one its node's row lands on: the source's position in that node)."""
+    import itertools
+
+    per_group, per_gpu = experts // n_group, experts // ep
+    totals, count = [0.0] * 4, 0
+    for groups in itertools.combinations(range(n_group), topk_group):
+        allowed = [e for g in groups for e in range(g * per_group, (g + 1) * per_group)]
+        for chosen in itertools.combinations(allowed, top_k):
+            gpus = {e // per_gpu for e in chosen}
+            nodes = {g // node for g in gpus}
+            for source in range(ep):
+                landing = {n: n * node + source % node for n in nodes}
+                totals[0] += len(nodes)
+                totals[1] += len(gpus)
+                totals[2] += len(nodes - {source // node})
+                totals[3] += sum(1 for g in gpus if g != landing[g // node])
+                count += 1
+    return [t / count for t in totals]
+
+
+@pytest.mark.parametrize(
+    "experts,top_k,ep,node,n_group,topk_group",
+    [(8, 2, 4, 2, 1, 1), (8, 3, 8, 2, 1, 1), (8, 2, 4, 2, 4, 2), (16, 4, 8, 2, 4, 2), (12, 3, 6, 3, 2, 1)],
+)
+def test_routing_reach_equals_a_count_of_every_route(experts, top_k, ep, node, n_group, topk_group):
+    """The expected nodes and GPUs a token's experts reach (uniform top-k, and group-limited routing with groups laid
+    out contiguously), and the rows the node-aware dispatch moves from them, against counting every route from
+    every GPU; the fixed-seed Monte Carlo used beyond the exact enumeration agrees."""
+    from fcsd.plan.routing import reach
+
+    found = reach(experts, top_k, ep, node, n_group, topk_group)
+    nodes, gpus, remote, fan_out = brute_force_reach(experts, top_k, ep, node, n_group, topk_group)
+    assert (found.nodes, found.gpus) == (pytest.approx(nodes), pytest.approx(gpus))
+    assert (found.remote_nodes, found.fan_out_rows) == (pytest.approx(remote), pytest.approx(fan_out))
+    sampled = reach(experts, top_k, ep, node, n_group, topk_group, max_exact=0)
+    assert sampled.nodes == pytest.approx(nodes, abs=0.02) and sampled.gpus == pytest.approx(gpus, abs=0.02)
+
+
+def test_group_limited_routing_bounds_the_nodes_deepseek_v3_reaches():
+    """DeepSeek-V3 (256 experts, top-8 of 4 of 8 groups) over EP 64 on nodes of 8: a group per node, so a token
+    reaches at most 4 nodes (uniform routing would reach more); a layout that cannot exist is one line naming it."""
+    from fcsd.perfmodel import model_shape
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.routing import model_reach, reach
+
+    source = load_model_config("deepseek-v3")
+    limited = model_reach(model_shape(source.config), source.config, 64, 8)
+    uniform = reach(256, 8, 64, 8)
+    assert 1 < limited.nodes <= 4 < uniform.nodes and limited.num_nodes == 8
+    with pytest.raises(ValueError, match="divisor or a multiple of the GPUs per node"):
+        reach(256, 8, 12, 8)
+
+
+def test_node_aware_dispatch_priced_against_a_hand_computation():
+    """One MoE layer of 1,000 tokens per GPU, hidden 1,000, top-4, EP 8 over 4 nodes of 2 GPUs, a token reaching 2
+    nodes and 4 GPUs: the hierarchical Dispatch + Combine cross nodes once per (token, remote node) (a bf16 row each
+    way, the fp32 pairs of its remote experts on the way out) at the inter-node all-to-all bandwidth, and fan out
+    one row per (token, GPU) but the landing one inside nodes; FarSkip's window (Eq. 9, twice in backward) hides the
+    crossing, never the fan-out; a regular layer and the teacher expose both; the plain dispatcher sends a row per
+    (token, remote expert)."""
+    from fcsd import perfmodel as pm
+    from fcsd.plan.routing import Reach
+    from fcsd.plan.timing import ep_breakdown, exchange
+
+    cluster = Cluster(GPU("test", 80.0, 100.0, 60.0, 6.0), gpus_per_node=2, mfu=1.0)
+    layer = pm.LayerShape(2e6, 8, 64, 64, True, gate_flops=1e4, routed_flops=8e6, shared_flops=4e6)
+    shape = pm.ModelShape(hidden=1000, vocab=10, num_experts=16, top_k=4, layers=(layer,))
+    reach = Reach(nodes=2.0, gpus=4.0, top_k=4, num_nodes=4, node_size=2)
+    inter, intra = 6.0 * 5 / 6 * 1e9, 60.0 * 5 / 6 * 1e9  # all-to-all: 5/6 of the bus bandwidths
+    crossing = 1000 * (2 * 1.5 * 2000 + 3 * 8) / inter  # 1.5 remote nodes, 3 remote pairs of 8 bytes
+    fan_out = 1000 * (2 * 2 * 2000 + 2 * 8) / intra  # 2 of 4 GPUs off the landing one, their 2 pairs
+    one = exchange(shape, 1000, 8, cluster, reach)
+    assert one.hideable == pytest.approx(crossing) and one.exposed == pytest.approx(fan_out) and one.inter
+    plain = exchange(shape, 1000, 8, cluster, reach, "plain")
+    assert plain.hideable == pytest.approx(max(2 * 1000 * 3 * 2000 / inter, 2 * 1000 * 0.5 * 2000 / intra))
+    times = pm.prefill_layer_times(shape, layer, 1, 1000, 1, 1, pm.Hardware(100.0, 100.0, 60.0, 50.0))
+    window = times.compute - times.routed - times.gate
+    farskip = ep_breakdown(shape, {0}, 1000, 1000, 8, cluster, teacher=False, reach=reach)
+    assert farskip.inter == pytest.approx(max(0, crossing - window) + max(0, crossing - 2 * window))
+    assert farskip.intra == pytest.approx(2 * fan_out)
+    regular = ep_breakdown(shape, set(), 1000, 1000, 8, cluster, teacher=True, reach=reach)
+    assert (regular.inter, regular.intra) == (pytest.approx(3 * crossing), pytest.approx(3 * fan_out))
+    assert regular.hidden_inter == 0 and farskip.hidden_inter == pytest.approx(2 * crossing - farskip.inter)
+
+
+def test_deepseek_v3_prices_an_ep_group_across_nodes_fastest():
+    """DeepSeek-V3 on 16 x 8 H200, the same step (the same FLOPs, checkpointing with its replay in host memory, the
+    online teacher) priced for every EP x FSDP2 size: EP 8 x FSDP 16 exposes most of FSDP2's gathers of the expert
+    shards between 16 replicas on 16 nodes; the fastest EP size spans nodes (hierarchical dispatch, its all-to-alls
+    across nodes mostly hidden by FarSkip's window), and every breakdown adds up to its step. (The whole plan, whose
+    simulations decide memory too, chooses the same way: docs/planning.md.)"""
+    from types import SimpleNamespace
+
+    from fcsd.connectivity.layer_spec import converted_layers
+    from fcsd.perfmodel import model_shape
+    from fcsd.plan.candidates import parameter_counts
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.planner import _teacher_flops
+    from fcsd.plan.planner import run_config as plan_config
+    from fcsd.plan.pricing import Pricing, step_bound
+
+    source = load_model_config("deepseek-v3")
+    cluster = make_cluster("h200", 8, 16)
+    config, _, _ = plan_config(source, [], 2e9, cluster)
+    shape, counts = model_shape(source.config), parameter_counts(source.config)
+    converted = set(converted_layers("last:50%", len(shape.layers)))
+    pricing = Pricing(source.config, config, cluster, counts, shape, converted)
+    tokens = config.data.seq_len
+    flops = {"teacher": tokens * _teacher_flops(shape, tokens), "student": 4 * tokens * _teacher_flops(shape, tokens)}
+    times = {}
+    for ep in (8, 16, 32, 64, 128):
+        layout = Layout("ep_fsdp", 128, ep, "online", 1, True, offload=True)
+        stub = SimpleNamespace(layout=layout, flops=flops, tokens=tokens, gradients=0, accumulation=1, host=2**30)
+        times[ep] = pricing.time(stub)
+        assert sum(times[ep].breakdown().values()) == pytest.approx(times[ep].seconds)
+        assert step_bound(layout, pricing) <= times[ep].seconds
+        assert times[ep].dispatcher == ("hierarchical" if ep > 8 else "plain")
+    fastest = min(times, key=lambda ep: times[ep].seconds)
+    assert fastest > cluster.gpus_per_node and times[fastest].seconds < times[8].seconds / 1.5
+    assert times[8].fsdp_s > times[8].compute_s and times[fastest].fsdp_s < times[8].fsdp_s / 4
+    assert times[fastest].a2a_inter_s > 0 and times[fastest].mfu > times[8].mfu
+
+
+def test_ep_groups_beyond_a_node_are_candidates_simulated_and_launched_hierarchical():
+    """On 2 nodes of 2 GPUs an 8-expert MoE gets EP groups of 4 spanning both nodes (EP 4 x FSDP 1, EP 4 with the rest
+    replicated) beside the groups inside a node; one is simulated through the trainer's layout over a fake process
+    group of the 4 ranks (a 4th of the experts per GPU, nothing whole), priced with the node-aware dispatcher (its
+    breakdown adding up to its step), and its launch names parallel.dispatcher=hierarchical, which a group inside a
+    node does not."""
+    from fcsd.perfmodel import model_shape
+    from fcsd.plan.candidates import parameter_counts, strategies
+    from fcsd.plan.commands import plan_commands
+    from fcsd.plan.pricing import Pricing
+
+    model_config, config = deep_config("qwen3_moe", layers=3), run_config(sequences=8)
+    shape, counts = model_shape(model_config), parameter_counts(model_config)
+    cluster = make_cluster("h100", 2, 2)
+    found = strategies(cluster.gpus, shape.num_experts, cluster.gpus_per_node)
+    assert ("ep_fsdp", 4) in found and ("ep", 4) in found and ("ep_fsdp", 2) in found
+    wide = Layout("ep_fsdp", 4, 4, "online", 2, True)
+    estimate = estimate_step(model_config, config, wide, "cuda")
+    whole = estimate_step(model_config, config, Layout("single", 1, micro_batch=2, gradient_checkpointing=True))
+    assert estimate.weights < whole.weights / 3  # every parameter sharded over the 4 ranks
+    time = Pricing(model_config, config, cluster, counts, shape, {1, 2}).time(estimate)
+    assert time.dispatcher == "hierarchical" and time.a2a_inter_s > 0 and time.a2a_intra_s > 0
+    assert sum(time.breakdown().values()) == pytest.approx(time.seconds)
+    for layout, named in ((wide, True), (Layout("ep_fsdp", 4, 2, "online", 2, True), False)):
+        commands, _ = plan_commands("m", layout, "all", config, config, cluster, ["data.path=x.jsonl"], ("x", 1))
+        assert ("parallel.dispatcher=hierarchical" in commands["train"]) == named, commands["train"]
+        parallel = accepted_by_convert(commands["train"]).parallel
+        assert parallel.dispatcher == ("hierarchical" if named else "plain") and parallel.ep_size == layout.ep_size

@@ -1,18 +1,26 @@
 """Which ways of running FCSD on a cluster fit in memory, and which of them trains fastest.
 
 A candidate is a :class:`~fcsd.plan.simulate.Layout`: one process, DDP, expert parallelism over groups of ``P``
-GPUs with the rest replicated (``P`` divides the GPUs and the experts), EP ``P`` x FSDP2 (``P`` also at most the GPUs
-of a node: the all-to-all stays inside it, the expert shards FSDP2-sharded over their ``W / P`` replicas, the rest
-over all ``W`` GPUs), or FSDP2 alone over all of them; an online teacher (laid out as the student) or the top-k
-cache; a micro-batch (a divisor of each GPU's share of a step); gradient checkpointing on or off (under expert
-parallelism the layout's own, which replays the exchanges). Each is decided by simulation, cheapest first, and a
-candidate that needs at least as much memory as one that already failed is not simulated again (``dominated``):
-the static bytes (weights, gradients, AdamW, teacher) rule a strategy out before any step; a step with the cached
-teacher and checkpointing is the frugal one, whose failure rules out the online teacher and the run without
-checkpointing at the same micro-batch; a larger micro-batch needs more (FSDP2 included: the trainer reduce-scatters
-every micro-batch, so no GPU holds unsharded gradients between them). ``fcsd cache-teacher`` lays the teacher out
-as the run does (on the run's GPUs under a parallel layout, else on one GPU): a teacher whose share does not fit
-there rules the cache out.
+GPUs with the rest replicated, EP ``P`` x FSDP2 (the expert shards FSDP2-sharded over their ``W / P`` replicas,
+the rest over all ``W`` GPUs; ``W / P`` may be 1), or FSDP2 alone over all of them; ``P`` divides the GPUs and the
+experts, and an EP group lies inside a node or spans whole nodes (``P`` a divisor or a multiple of the GPUs per
+node: ep innermost, consecutive ranks; a group beyond a node runs the node-aware ``hierarchical`` dispatcher,
+:mod:`fcsd.plan.timing`); an online teacher (laid out as the student) or the top-k cache; a micro-batch (a divisor
+of each GPU's share of a step); gradient checkpointing on or off (under expert parallelism the layout's own, which
+replays the exchanges, with its rows on the GPU or in host memory).
+
+Each is decided by simulation. Without a time model (``shape`` not given to :func:`search`) every candidate is
+decided, cheapest first, and a candidate that needs at least as much memory as one that already failed is not
+simulated again (``dominated``): the static bytes (weights, gradients, AdamW, teacher) rule a strategy out before
+any step; a lighter candidate fits when a heavier one does; a larger micro-batch needs more (FSDP2 included: the
+trainer reduce-scatters every micro-batch, so no GPU holds unsharded gradients between them). With it (what
+``fcsd plan`` runs) the search looks for the fastest layout and simulates only what can decide it: strategies in
+the order of a lower bound of their step time that needs no simulation (:func:`fcsd.plan.pricing.step_bound`:
+FSDP2's collectives and the all-to-alls nothing hides); a strategy whose bound is not below the fastest step found
+is not simulated (``slower``); inside a strategy its candidates are tried fastest first (the online teacher, no
+recomputation, fewer micro-batches) until one fits (after a first miss, the lightest one: if it does not fit,
+none does); the rest are ``skipped``. ``fcsd cache-teacher`` lays the teacher out as the run does (on the run's
+GPUs under a parallel layout, else on one GPU): a teacher whose share does not fit there rules the cache out.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ MAX_MICRO_BATCH = 8
 @dataclass
 class Candidate:
     layout: Layout
-    status: str  # fits | exceeds | static (its static bytes alone exceed) | dominated | invalid
+    status: str  # fits | exceeds | static (its static bytes alone exceed) | dominated | invalid | slower | skipped
     estimate: StepEstimate | None = None
     static: dict | None = None
     note: str = ""
@@ -67,13 +75,18 @@ class Search:
 
 
 def strategies(processes: int, num_experts: int, gpus_per_node: int | None = None) -> list[tuple[str, int]]:
-    """``(strategy, EP size)`` pairs for ``processes`` GPUs: EP x FSDP2 for every EP size dividing the GPUs and the
-    experts up to ``gpus_per_node``, expert parallelism with the rest replicated, FSDP2, DDP."""
+    """``(strategy, EP size)`` pairs for ``processes`` GPUs: EP x FSDP2 and expert parallelism with the rest
+    replicated for every EP size dividing the GPUs and the experts whose groups lie inside a node or span whole
+    nodes of ``gpus_per_node``, then FSDP2 and DDP."""
     if processes == 1:
         return [("single", 1)]
-    sizes = [p for p in range(processes, 1, -1) if processes % p == 0 and num_experts % p == 0]
     node = gpus_per_node or processes
-    return [("ep_fsdp", p) for p in sizes if p <= node] + [("ep", p) for p in sizes] + [("fsdp2", 1), ("ddp", 1)]
+    sizes = [
+        p
+        for p in range(processes, 1, -1)
+        if processes % p == 0 and num_experts % p == 0 and (node % p == 0 or p % node == 0)
+    ]
+    return [("ep_fsdp", p) for p in sizes] + [("ep", p) for p in sizes] + [("fsdp2", 1), ("ddp", 1)]
 
 
 def micro_batches(share: int) -> list[int]:
@@ -131,25 +144,68 @@ def cache_teacher_bytes(layout: Layout, counts: Counts) -> int:
     return int(1.1 * 2 * held)
 
 
-def search(model_config, fcsd_config, cluster: Cluster, counts: Counts, cache_ok: bool | str) -> Search:
-    """Decide every candidate on ``cluster`` (see the module docstring). ``cache_ok``: whether the teacher cache may
-    serve the run's objective (True), or why not (a string: the reason)."""
+def _layouts(strategy: str, processes: int, ep: int, share: int) -> list[Layout]:
+    """A strategy's candidates, fastest first: the online teacher, no recomputation (then no offload), fewer
+    micro-batches."""
+    # under expert parallelism checkpointing may keep its replayed rows in host memory (train.checkpoint_offload)
+    recomputing = [(True, False), (True, True)] if strategy in ("ep", "ep_fsdp") else [(True, False)]
+    return [
+        Layout(strategy, processes, ep, teacher, mb, gc, offload)
+        for teacher in ("online", "cache")
+        for gc, offload in [(False, False), *recomputing]
+        for mb in reversed(micro_batches(share))
+    ]
+
+
+def search(
+    model_config, fcsd_config, cluster: Cluster, counts: Counts, cache_ok: bool | str, shape=None, converted=None
+) -> Search:
+    """Decide the candidates on ``cluster`` (see the module docstring). ``cache_ok``: whether the teacher cache may
+    serve the run's objective (True), or why not (a string: the reason). With ``shape`` (the model's
+    :class:`fcsd.perfmodel.ModelShape`) and ``converted`` (its FarSkip layers) the search times what it finds and
+    fills ``timed`` and ``chosen``."""
     from fcsd.perfmodel import model_shape
 
     result = Search(cluster, counts=counts)
     processes = cluster.gpus
     share = fcsd_config.train.batch_tokens // fcsd_config.data.seq_len // processes
-    experts = model_shape(model_config).num_experts
-    for strategy, ep in strategies(processes, experts, cluster.gpus_per_node):
-        # under expert parallelism checkpointing may keep its replayed rows in host memory (train.checkpoint_offload)
-        recomputing = [(True, False), (True, True)] if strategy in ("ep", "ep_fsdp") else [(True, False)]
-        layouts = [  # fastest first: the online teacher, no recomputation (then no offload), fewer micro-batches
-            Layout(strategy, processes, ep, teacher, mb, gc, offload)
-            for teacher in ("online", "cache")
-            for gc, offload in [(False, False), *recomputing]
-            for mb in reversed(micro_batches(share))
-        ]
-        result.candidates += _decide(model_config, fcsd_config, layouts, cluster, counts, cache_ok)
+    experts = model_shape(model_config).num_experts if shape is None else shape.num_experts
+    groups = [
+        _layouts(strategy, processes, ep, share)
+        for strategy, ep in strategies(processes, experts, cluster.gpus_per_node)
+    ]
+    if shape is None:
+        for layouts in groups:
+            result.candidates += _decide(model_config, fcsd_config, layouts, cluster, counts, cache_ok)
+        return result
+    from fcsd.plan.pricing import Pricing
+
+    pricing = Pricing(model_config, fcsd_config, cluster, counts, shape, set(converted or ()))
+    decided: dict[Layout, Candidate] = {}
+    screened = [_screen(layouts, cluster, counts, cache_ok) for layouts in groups]
+    bounds = [min((pricing.bound(c.layout) for c in found if c.status == "open"), default=None) for found in screened]
+    best: Candidate | None = None
+    order = sorted(range(len(groups)), key=lambda i: (bounds[i] is None, bounds[i] or 0.0))
+    for position, index in enumerate(order):
+        found, bound = screened[index], bounds[index]
+        if bound is not None and best is not None and bound >= best.time.seconds:
+            note = (
+                f"its step takes at least {bound:.2f} s (FSDP2's collectives and the all-to-alls nothing hides), "
+                f"not less than {best.layout.short}'s {best.time.seconds:.2f} s"
+            )
+            found = [c if c.status != "open" else Candidate(c.layout, "slower", note=note) for c in found]
+        else:
+            after = next((c.layout for i in order[position + 1 :] for c in screened[i] if c.status == "open"), None)
+            found = _walk(model_config, fcsd_config, found, cluster, after, pricing.host_scale)
+            first = next((c for c in found if c.fits), None)
+            if first is not None:
+                first.time = pricing.time(first.estimate)
+                result.timed.append(first)
+                if best is None or first.time.seconds < best.time.seconds:
+                    best = first
+        decided.update((c.layout, c) for c in found)
+    result.candidates = [decided[layout] for layouts in groups for layout in layouts]
+    result.chosen = best
     return result
 
 
@@ -166,23 +222,70 @@ def lighter(a: Layout, b: Layout) -> bool:
     )
 
 
+def _screen(layouts: list[Layout], cluster: Cluster, counts: Counts, cache_ok: bool | str) -> list[Candidate]:
+    """``layouts`` decided where no simulation is needed (``invalid``, ``static``); the others ``open``."""
+    budget = cluster.budget
+    found = []
+    for layout in layouts:
+        floor = static_floor(layout, counts)
+        if layout.teacher == "cache" and cache_ok is not True:
+            found.append(Candidate(layout, "invalid", note=cache_ok))
+        elif layout.teacher == "cache" and cache_teacher_bytes(layout, counts) > budget:
+            where = "each of the run's GPUs" if layout.strategy in LAID_OUT else "one GPU"
+            note = f"fcsd cache-teacher holds its bf16 teacher's share on {where}, which it does not fit"
+            found.append(Candidate(layout, "invalid", note=note))
+        elif floor > budget:
+            note = f"its fp32 weights, gradients and AdamW (and teacher) take at least {floor / GIB:.1f} GiB"
+            found.append(Candidate(layout, "static", note=note))
+        else:
+            found.append(Candidate(layout, "open"))
+    return found
+
+
+def _walk(model_config, fcsd_config, found: list[Candidate], cluster: Cluster, after=None, host_scale=None):
+    """One strategy's screened candidates (fastest first) simulated in order until one fits; after the first miss
+    the lightest is simulated (when it does not fit, no candidate does); a candidate needing at least what a
+    failed one needs is ``dominated``; the ones after the first that fits are ``skipped``. While one simulates, the
+    workers (:mod:`fcsd.plan.workers`) start the one needed if it misses (or ``after``, the next strategy's).
+    ``host_scale(layout)``: :func:`_simulated`'s."""
+    from fcsd.plan.workers import prefetch
+
+    out = {c.layout: c for c in found}
+    opened = [c.layout for c in found if c.status == "open"]
+    first = None
+    for index, layout in enumerate(opened):
+        if out[layout].status != "open":
+            first = first or (out[layout] if out[layout].fits else None)  # the lightest, simulated after a miss
+            continue
+        if first is not None:
+            out[layout] = Candidate(layout, "skipped", note=f"{first.layout.short} comes first and fits")
+            continue
+        failing = next(
+            (c for c in out.values() if c.estimate is not None and not c.fits and lighter(c.layout, layout)), None
+        )
+        if failing is not None:
+            out[layout] = Candidate(layout, "dominated", note=f"needs at least what {failing.layout.short} needs")
+            continue
+        missed = any(c.estimate is not None or c.status == "invalid" for c in out.values() if c.layout in opened)
+        later = [other for other in opened[index + 1 :] if out[other].status == "open"]
+        upcoming = (later[-1] if not missed and later else later[0]) if later else after
+        prefetch(model_config, fcsd_config, layout)
+        if upcoming is not None:
+            prefetch(model_config, fcsd_config, upcoming)
+        scale = host_scale or (lambda layout: 1.0)
+        out[layout] = _simulated(model_config, fcsd_config, layout, cluster, scale(layout))
+        if out[layout].fits:
+            first = out[layout]
+        elif out[opened[-1]].status == "open":
+            out[opened[-1]] = _simulated(model_config, fcsd_config, opened[-1], cluster, scale(opened[-1]))
+    return [out[c.layout] for c in found]
+
+
 def _decide(model_config, fcsd_config, layouts: list[Layout], cluster: Cluster, counts: Counts, cache_ok: bool | str):
     """Decide ``layouts`` (one strategy, fastest first): the heaviest and the lightest are simulated first, then
     every candidate not implied by a simulated one (a lighter one fits when a heavier one does, a heavier one does
     not when a lighter one does not)."""
-    decided: dict[Layout, Candidate] = {}
-    budget = cluster.budget
-    for layout in layouts:
-        floor = static_floor(layout, counts)
-        if layout.teacher == "cache" and cache_ok is not True:
-            decided[layout] = Candidate(layout, "invalid", note=cache_ok)
-        elif layout.teacher == "cache" and cache_teacher_bytes(layout, counts) > budget:
-            where = "each of the run's GPUs" if layout.strategy in LAID_OUT else "one GPU"
-            note = f"fcsd cache-teacher holds its bf16 teacher's share on {where}, which it does not fit"
-            decided[layout] = Candidate(layout, "invalid", note=note)
-        elif floor > budget:
-            note = f"its fp32 weights, gradients and AdamW (and teacher) take at least {floor / GIB:.1f} GiB"
-            decided[layout] = Candidate(layout, "static", note=note)
+    decided = {c.layout: c for c in _screen(layouts, cluster, counts, cache_ok) if c.status != "open"}
     pending = [layout for layout in layouts if layout not in decided]
     for layout in pending[:1] + pending[-1:] + pending[1:-1]:  # heaviest, lightest, then the fastest first
         if layout in decided:
@@ -199,9 +302,10 @@ def _decide(model_config, fcsd_config, layouts: list[Layout], cluster: Cluster, 
     return [decided[layout] for layout in layouts]
 
 
-def _simulated(model_config, fcsd_config, layout: Layout, cluster: Cluster) -> Candidate:
+def _simulated(model_config, fcsd_config, layout: Layout, cluster: Cluster, host_scale: float = 1.0) -> Candidate:
     """``layout`` simulated; a step the trainer's own code cannot run (it raises on fake tensors as it would on real
-    ones) is an ``invalid`` candidate naming the error, not a crashed plan."""
+    ones) is an ``invalid`` candidate naming the error, not a crashed plan. ``host_scale``: the layout's replayed
+    rows over the simulated dispatcher's (:func:`fcsd.plan.timing.replay_scale`), for the host memory they take."""
     try:
         estimate = estimate_step(model_config, fcsd_config, layout)
     except RuntimeError as error:
@@ -209,21 +313,28 @@ def _simulated(model_config, fcsd_config, layout: Layout, cluster: Cluster) -> C
         return Candidate(layout, "invalid", note=f"the trainer's step fails in this layout: {first[:160]}")
     if estimate.peak > cluster.budget:
         return Candidate(layout, "exceeds", estimate)
-    host = estimate.host * cluster.gpus_per_node
+    host = estimate.host * host_scale * cluster.gpus_per_node
     if host > cluster.host_budget:
         note = (
             f"its GPUs' rows for the replay take {host / GIB:.0f} GiB of a node's host memory, more than the "
             f"{cluster.host_budget / GIB:.0f} GiB allowed (--host-memory)"
         )
         return Candidate(layout, "exceeds", estimate, note=note)
-    return Candidate(layout, "fits", estimate)
+    note = ""
+    if host_scale != 1.0 and estimate.host:
+        note = f"the node-aware dispatcher's replay holds {host_scale:.2f}x as much: {host / GIB:.0f} GiB per node"
+    return Candidate(layout, "fits", estimate, note=note)
 
 
 def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]) -> Candidate | None:
     """The fastest candidate that fits: each strategy's first fitting candidate in its order (fastest first; it is
-    simulated now if its fit was implied), timed (all of them kept in ``result.timed``), the quickest chosen."""
-    from fcsd.plan.timing import step_time
+    simulated now if its fit was implied), timed (all of them kept in ``result.timed``), the quickest chosen. A
+    search that timed its candidates itself (:func:`search` with ``shape``) has chosen already."""
+    if result.timed:
+        return result.chosen
+    from fcsd.plan.pricing import Pricing
 
+    pricing = Pricing(model_config, fcsd_config, result.cluster, result.counts, shape, set(converted))
     best: dict[tuple, Candidate] = {}
     for candidate in result.candidates:
         group = (candidate.layout.strategy, candidate.layout.ep_size)
@@ -234,15 +345,7 @@ def choose(result: Search, model_config, fcsd_config, shape, converted: set[int]
             candidate.estimate, candidate.status, candidate.note = simulated.estimate, simulated.status, simulated.note
             if not candidate.fits:  # not implied after all (or the step fails): keep looking
                 continue
-        candidate.time = step_time(
-            candidate.estimate,
-            shape,
-            converted,
-            result.cluster,
-            fcsd_config.train.batch_tokens,
-            fcsd_config.data.seq_len,
-            result.counts,
-        )
+        candidate.time = pricing.time(candidate.estimate)
         best[group] = candidate
     result.timed = list(best.values())
     result.chosen = min(best.values(), key=lambda c: c.time.seconds) if best else None

@@ -20,13 +20,15 @@ CONFIG_PROCESSES = 8  # the shipped one-node configs launch 8 processes
 CACHE_DIR = "teacher-cache"
 
 
-def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir: str, defaults) -> list[str]:
+def convert_overrides(
+    model: str, layout: Layout, spec: str, config, output_dir: str, defaults, gpus_per_node: int | None = None
+) -> list[str]:
     """``fcsd convert`` arguments for ``layout``: the model, the layer spec, the candidate's settings, and every
     setting the plan changed from the resolved recipe (``defaults``)."""
     from fcsd.distill.config import hydra_override
 
     args = [model, f"farskip.layers={spec}" if "," not in spec else hydra_override("farskip.layers", spec)]
-    args += parallel_overrides(layout)
+    args += parallel_overrides(layout, gpus_per_node)
     settings = {
         "train.micro_batch_size": layout.micro_batch,
         "train.gradient_checkpointing": str(layout.gradient_checkpointing).lower(),
@@ -53,9 +55,13 @@ def convert_overrides(model: str, layout: Layout, spec: str, config, output_dir:
     return args + [f"output_dir={output_dir}"]
 
 
-def parallel_overrides(layout: Layout) -> list[str]:
-    """The ``parallel.*`` keys of ``layout`` (what the trainer and ``fcsd cache-teacher`` lay the models out by)."""
+def parallel_overrides(layout: Layout, gpus_per_node: int | None = None) -> list[str]:
+    """The ``parallel.*`` keys of ``layout`` (what the trainer and ``fcsd cache-teacher`` lay the models out by): an
+    EP group wider than the ``gpus_per_node`` of a node runs the node-aware dispatcher (the node size is the
+    launcher's ``LOCAL_WORLD_SIZE``)."""
     args = [f"parallel.ep_size={layout.ep_size}"] if layout.ep_size > 1 else []
+    if gpus_per_node and layout.ep_size > gpus_per_node:
+        args.append("parallel.dispatcher=hierarchical")
     return args + (["parallel.fsdp=true"] if layout.fsdp else [])
 
 
@@ -109,7 +115,7 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
 
     given = dict(a.split("=", 1) for a in extra)
     output_dir = given.get("output_dir") or f"runs/{(display_name(model) or 'model').split('/')[-1]}-farskip"
-    train = convert_overrides(model, layout, spec, config, output_dir, defaults)
+    train = convert_overrides(model, layout, spec, config, output_dir, defaults, cluster.gpus_per_node)
     ours = dict(a.split("=", 1) for a in train[1:])
     notes = [
         f"{key}={value} replaced by the plan's {key}={ours[key]}: the plan chooses it (the fastest way that fits)"
@@ -127,7 +133,7 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
         others = [a for a in extra if a.split("=")[0] != "output_dir"]
         cache = ["cache-teacher", model, *keep, *others, f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
         if layout.strategy in LAID_OUT:  # on the run's processes, the teacher laid out as the run's
-            cache = [*launch_prefix(layout, cluster), *cache, *parallel_overrides(layout)]
+            cache = [*launch_prefix(layout, cluster), *cache, *parallel_overrides(layout, cluster.gpus_per_node)]
         else:  # one process, the whole teacher on one GPU
             cache = ["fcsd", *cache]
         commands["cache_teacher"] = _line(cache)

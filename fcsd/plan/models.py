@@ -118,3 +118,21 @@ def load_model_config(name: str) -> ModelSource:
     from fcsd.sources import resolve_model
 
     return ModelSource(name, load_config(resolve_model(name)), f"{name} config.json (hub)")
+
+
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+SHAPE_FIELDS += ("moe_intermediate_size", "intermediate_size", "n_routed_experts", "num_experts", "num_local_experts")
+
+
+def embedded_name(source: ModelSource) -> str | None:
+    """The hub id of the embedded config ``source``'s architecture matches (a local copy of a paper model's
+    ``config.json`` included), else None: what published figures are looked up by."""
+    from fcsd.connectivity.families import text_config
+
+    if source.name in EMBEDDED:
+        return source.name
+    text = text_config(source.config)
+    for hub_id, values in EMBEDDED.items():
+        if all(getattr(text, key, None) == values[key] for key in SHAPE_FIELDS if key in values):
+            return hub_id
+    return None

@@ -2,8 +2,10 @@
 3.1, 4.1, 5.1, Appendix B).
 
 The run is the one ``fcsd convert MODEL [overrides]`` would make (the same Hydra recipe and presets): the layer
-table chooses the layers, the candidate search (:mod:`fcsd.plan.candidates`) the way to run them on the cluster, the
-timing model the hours, and :mod:`fcsd.plan.commands` the commands. When nothing fits, the same search runs on
+table chooses the layers, the candidate search (:mod:`fcsd.plan.candidates`, EP groups up to all the GPUs, its
+simulations in worker processes: :mod:`fcsd.plan.workers`) the way to run them on the cluster, the timing model
+(:mod:`fcsd.plan.timing`, Sec. 4.1 / Eq. 9, the node-aware dispatch across nodes) the hours and where a step's time
+goes, and :mod:`fcsd.plan.commands` the commands. When nothing fits, the same search runs on
 twice as many nodes, then four times, ... and the plan says which size fits.
 """
 
@@ -15,8 +17,10 @@ from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, se
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
 from fcsd.plan.models import ModelSource, load_model_config
+from fcsd.plan.workers import simulation_workers
 
 MAX_NODES = 128
+PARALLEL_FROM = 1e9  # parameters from which simulations run in worker processes (their start takes seconds)
 DEFAULT_DATA = "data=tulu3_sft_mixture"  # the printed command's data, unless the overrides name some
 
 
@@ -72,10 +76,12 @@ def make_plan(
     probe_data: str | None = None,
     overrides: list[str] | None = None,
     max_kl: float | None = None,
+    workers: int | None = None,
 ) -> Plan:
     """Plan FCSD for ``model`` on ``cluster`` (see the module docstring). ``overrides`` are ``fcsd convert``'s
     Hydra overrides (batch size, sequence length, ...); ``tokens`` the training budget (default: the recipe's
-    ``train.max_tokens``)."""
+    ``train.max_tokens``); ``workers``: processes simulating candidates (default: the CPU cores, up to 4, for a
+    model of :data:`PARALLEL_FROM` parameters or more, else this process; :mod:`fcsd.plan.workers`)."""
     from fcsd import perfmodel as pm
     from fcsd.connectivity.summary import summarize
 
@@ -93,11 +99,12 @@ def make_plan(
     config.farskip.layers = choice.spec
     cache_ok = _cache_ok(config)
     counts = parameter_counts(source.config)
-    result = search(source.config, config, cluster, counts, cache_ok)
     converted = set(choice.layers)
     fallback = None
-    if choose(result, source.config, config, shape, converted) is None:
-        fallback = _larger_cluster(source, config, cluster, shape, counts, converted, cache_ok, notes)
+    with simulation_workers(workers if workers is not None or counts.total >= PARALLEL_FROM else 1):
+        result = search(source.config, config, cluster, counts, cache_ok, shape, converted)
+        if choose(result, source.config, config, shape, converted) is None:
+            fallback = _larger_cluster(source, config, cluster, shape, counts, converted, cache_ok, notes)
     plan = Plan(
         source, cluster, tokens, config, summary, options, choice, reason, result, fallback, notes=notes, counts=counts
     )
@@ -182,7 +189,11 @@ def layout_reason(result: Search) -> str:
     (compute and exposed communication), or why one kind is missing."""
     ep, fsdp2, chosen = result.best(True), result.best(False), result.chosen
     if ep is None or fsdp2 is None:
+        kind = (lambda c: c.layout.ep_size > 1) if ep is None else (lambda c: c.layout.ep_size == 1)
+        slower = [c for c in result.candidates if kind(c) and c.status == "slower"]
         missing = "no expert-parallel layout" if ep is None else "no layout without expert parallelism"
+        if slower:
+            return f"{missing} can be faster on {result.cluster.gpus} GPUs: {slower[0].note}"
         return f"{missing} fits on {result.cluster.gpus} GPUs"
     other = fsdp2 if chosen is ep else ep
     a, b = chosen.time, other.time
@@ -222,7 +233,7 @@ def _larger_cluster(source, config, cluster: Cluster, shape, counts, converted, 
     while nodes <= MAX_NODES:
         bigger = cluster.with_nodes(nodes)
         sized, extra = run_config_for(config, bigger)
-        result = search(source.config, sized, bigger, counts, cache_ok)
+        result = search(source.config, sized, bigger, counts, cache_ok, shape, converted)
         if choose(result, source.config, sized, shape, converted) is not None:
             notes += extra
             config.train.batch_tokens, config.train.warmup_steps = sized.train.batch_tokens, sized.train.warmup_steps

@@ -1,4 +1,11 @@
-"""``fcsd plan``'s output: the text report (layer table, memory table, time, commands) and ``--json``."""
+"""``fcsd plan``'s output: the text report (layer table, memory table, time with its breakdown, commands) and
+``--json``.
+
+The chosen layout's step is broken down into compute and the communication it exposes (:class:`fcsd.plan.timing.
+StepTime`: all-to-all inside and across nodes, FSDP2's collectives, the DP all-reduce, the host copies), with its
+tokens/s per GPU and model FLOPs utilisation, beside the published figures of the same model (:data:`PUBLISHED`,
+each named with its source; pretraining figures, so the comparable distillation figure divides them by
+:data:`DISTILL_COST`)."""
 
 from __future__ import annotations
 
@@ -6,7 +13,15 @@ from fcsd.plan.candidates import why_none_fits
 from fcsd.plan.cluster import GIB
 from fcsd.plan.simulate import CATEGORIES
 
-STATUS = {"fits": "fits", "exceeds": "no", "static": "no (static)", "dominated": "no (implied)", "invalid": "no"}
+STATUS = {
+    "fits": "fits",
+    "exceeds": "no",
+    "static": "no (static)",
+    "dominated": "no (implied)",
+    "invalid": "no",
+    "slower": "not simulated (slower)",
+    "skipped": "not simulated",
+}
 
 
 def _unit(search) -> tuple[str, int]:
@@ -47,6 +62,51 @@ def memory_table(search) -> list[str]:
     return lines
 
 
+# published training throughputs (tokens/s per GPU) to set a plan beside, by the hub id the plan names
+PUBLISHED = {
+    "deepseek-ai/DeepSeek-V3": [
+        ("NeMo AutoModel's performance summary: DeepSeek-V3 pretraining, 256 H100, BF16, EP 64 x PP 4", 1002),
+        ("DeepSeek-V3 technical report: 180K H800 GPU-hours per trillion pretraining tokens, FP8", 1543),
+    ],
+    "Qwen/Qwen3-30B-A3B": [
+        ("NeMo AutoModel's performance summary: Qwen3-MoE 30B pretraining, 8 H100, BF16, EP 8", 12040)
+    ],
+}
+# a distillation step's FLOPs over a pretraining step's: 6N, plus 2N of teacher forward and 2N of recomputation
+DISTILL_COST = 10 / 6
+
+
+def published(plan) -> list[tuple[str, int]]:
+    """The published figures of the plan's model (its hub id, or the paper model its config matches)."""
+    from fcsd.plan.models import embedded_name
+
+    return PUBLISHED.get(embedded_name(plan.source) or plan.source.name, [])
+
+
+def breakdown_lines(plan) -> list[str]:
+    """The chosen step's breakdown, its tokens/s per GPU and MFU, and the published figures it compares with."""
+    chosen = plan.chosen
+    t = chosen.time
+    dispatch = f", {t.dispatcher} dispatch" if t.dispatcher else ""
+    parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in t.breakdown().items())
+    teacher = " and 2 x for the online teacher's forward" if chosen.layout.teacher == "online" else ""
+    lines = [
+        f"breakdown  per step of {chosen.layout.shape}{dispatch}: {parts} = {t.seconds:.2f} s "
+        f"({t.seconds / t.compute_s:.2f}x its compute)"
+        if t.compute_s
+        else f"breakdown  {parts}",
+        f"           {t.tokens_per_gpu_s:,.0f} tokens/s per GPU, model FLOPs utilisation {t.mfu:.1%} (model FLOPs: "
+        f"6 x active parameters per token for the student{teacher}; the step's compute runs at "
+        f"{plan.cluster.mfu:.0%} of peak)",
+    ]
+    for source, rate in published(plan):
+        lines.append(
+            f"published  {source}: {rate:,} tokens/s per GPU; as distillation (x{DISTILL_COST:.2f} the FLOPs of a "
+            f"pretraining step) about {rate / DISTILL_COST:,.0f}"
+        )
+    return lines
+
+
 _SHORT = ("weights", "grads", "AdamW", "teacher", "activ.", "loss")
 PHASES = {"activations": "student forward", "backward": "backward", "teacher": "teacher forward", "loss": "loss"}
 
@@ -70,15 +130,17 @@ def timing_table(search) -> list[str]:
         return []
     lines = [
         "step time of each layout's fastest fitting candidate (expert parallel and not)",
-        f"{'layout':<32}{'peak GiB':>9}{'step s':>8}{'compute':>9}{'comm':>7}",
+        f"{'layout':<32}{'peak GiB':>9}{'step s':>8}{'compute':>9}{'comm':>7}{'a2a':>7}{'FSDP2':>7}{'other':>7}",
     ]
     for c in timed:
         mark = "  <- chosen" if c is search.chosen else ""
         t = c.time
+        a2a = t.a2a_intra_s + t.a2a_inter_s
         lines.append(
             f"{c.layout.short:<32}{c.estimate.peak / GIB:>9.1f}{t.seconds:>8.2f}{t.compute_s:>9.2f}"
-            f"{t.exposed_comm_s:>7.2f}{mark}"
+            f"{t.exposed_comm_s:>7.2f}{a2a:>7.2f}{t.fsdp_s:>7.2f}{t.dp_allreduce_s + t.host_s:>7.2f}{mark}"
         )
+    lines.append("(comm: exposed communication = a2a (all-to-alls) + FSDP2 + other (DP all-reduce, host copies))")
     return lines
 
 
@@ -132,6 +194,7 @@ def format_plan(plan) -> str:
         + f"; at {plan.cluster.mfu:.0%} of {plan.cluster.gpu.tflops:g} TFLOP/s",
         f"           step {t.seconds:.2f} s (compute {t.compute_s:.2f} s, exposed communication "
         f"{t.exposed_comm_s:.2f} s), {t.tokens_per_s:,.0f} tokens/s",
+        *breakdown_lines(plan),
         f"           {plan.hours:.1f} h on {chosen.layout.processes} GPUs, {plan.gpu_hours:,.0f} GPU-hours"
         + (
             f" (with the teacher cache's pass, {plan.cache_pass_hours:.1f} h on {plan.cache_gpus} "
@@ -180,6 +243,11 @@ def plan_dict(plan) -> dict:
         "layout_reason": plan.layout_reason,
         "why_nothing_fits": [] if chosen is not None else why_none_fits(plan.fallback or plan.search, plan.counts),
         "flops_per_token": plan.flops,
+        "breakdown": None if chosen is None else chosen.time.to_dict(),
+        "published": [
+            {"source": source, "tokens_per_gpu_s": rate, "as_distillation": rate / DISTILL_COST}
+            for source, rate in published(plan)
+        ],
         "hours": plan.hours,
         "gpu_hours": plan.gpu_hours,
         "cache_pass_hours": plan.cache_pass_hours,

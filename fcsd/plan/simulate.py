@@ -12,7 +12,9 @@ the clipping and AdamW from :func:`fcsd.distill.optim.build_optimizer`.
 With ``fake=True`` everything runs under ``FakeTensorMode`` (shapes and dtypes only) on a fake process group of the
 candidate's size, as rank 0: that is how the planner sizes a 671B model on a CPU. Two things the fake run decides
 where a real run reads data: the expert-parallel token counts are perfectly balanced (each rank sends and receives
-``tokens x top_k / P`` rows per MoE layer: the planner's routing assumption, as in Appendix B), and the optimizer
+``tokens x top_k / P`` rows per MoE layer: the planner's routing assumption, as in Appendix B; an EP group spanning
+nodes runs the plain dispatcher here, whose split sizes the fake step can be given: the node-aware one's replayed
+rows are priced from its routing by :mod:`fcsd.plan.timing`), and the optimizer
 states exist before the tracked step (the steady state of every step after the first). ``target="cuda"`` applies a
 GPU run's choices on the CPU (bf16 autocast and teacher, fused AdamW, 512-byte allocator blocks, the CUDA
 flash-attention backward's scratch);
@@ -118,6 +120,44 @@ def meshes_outside_fake_mode():
         yield
     finally:
         _fsdp_init.init_device_mesh = original
+
+
+class _Chunks:
+    """``torch.chunk(tensor, count, dim)`` padded to ``count`` pieces as FSDP2's ``_chunk_with_empty`` pads it, each
+    piece made when it is read (the same view): FSDP2 reads two pieces of a parameter (the first and its rank's),
+    and making all of them on fake tensors, for a mesh of 128 ranks, took a third of a simulation."""
+
+    def __init__(self, tensor, count: int, dim: int):
+        self.tensor, self.count, self.dim = tensor, count, dim
+        size = tensor.size(dim)
+        self.step = -(-size // count) if size else 0
+        self.made = -(-size // self.step) if size else count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int):
+        index = index + self.count if index < 0 else index
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        if index >= self.made:
+            return self[0].new_empty(0)
+        size = self.tensor.size(self.dim)
+        start = index * self.step
+        return self.tensor.narrow(self.dim, start, min(self.step, size - start))
+
+
+@contextlib.contextmanager
+def lazy_fsdp_chunks():
+    """FSDP2's parameter sharding through :class:`_Chunks` (the same shards, made on demand)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original = _fsdp_param._chunk_with_empty
+    _fsdp_param._chunk_with_empty = _Chunks
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
 
 
 # -- the estimate ---------------------------------------------------------------------------------------------------
@@ -283,10 +323,13 @@ def _estimate(measured: dict, layout: Layout, tokens: int, accumulation: int) ->
 def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda") -> StepEstimate:
     """The memory and FLOPs of one FCSD training step of ``layout``, per GPU, from the config alone: the models are
     built and the step run on fake tensors with a fake process group (see the module docstring), through a few
-    layers of the stack (:mod:`fcsd.plan.depth`)."""
+    layers of the stack (:mod:`fcsd.plan.depth`), in worker processes inside
+    :func:`fcsd.plan.workers.simulation_workers`."""
     config = step_config(fcsd_config, layout, layout.processes)
-    plan = _reduction(model_config, fcsd_config, layout)
-    measured = [simulate(model_config, fcsd_config, layout, target, subset) for subset in plan.subsets]
+    from fcsd.plan.workers import results
+
+    plan = reduction_for(model_config, fcsd_config, layout)
+    measured = results(model_config, fcsd_config, layout, target, plan.subsets)
     keys = ("static", "largest", "flops", "buckets")
     combined = {key: plan.combine([m[key] for m in measured]) for key in keys}
     phases = {name for m in measured for name in m["phases"]}
@@ -294,16 +337,24 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     return _estimate(combined, layout, layout.micro_batch * config.data.seq_len, accumulation_steps(config, layout))
 
 
-def _reduction(model_config, fcsd_config, layout: Layout):
+_REDUCTIONS: dict[tuple, tuple] = {}  # (id of the model config, layer spec) -> (the config, its Reduction)
+
+
+def reduction_for(model_config, fcsd_config, layout: Layout):
+    """The :class:`fcsd.plan.depth.Reduction` of the model's stack under the run's layer spec (kept per model config
+    and spec: it builds the model on the meta device)."""
     from fcsd.connectivity.families import meta_model, text_config
     from fcsd.connectivity.layer_spec import parse_layer_spec
     from fcsd.plan.depth import layer_kinds, reduction
 
-    config = step_config(fcsd_config, layout, layout.processes)
-    layers = text_config(model_config).num_hidden_layers
-    return reduction(
-        layer_kinds(meta_model(text_config(model_config)), parse_layer_spec(config.farskip.layers, layers))
-    )
+    spec = step_config(fcsd_config, layout, layout.processes).farskip.layers
+    key = (id(model_config), str(spec))
+    found = _REDUCTIONS.get(key)
+    if found is None or found[0] is not model_config:
+        layers = text_config(model_config).num_hidden_layers
+        kinds = layer_kinds(meta_model(text_config(model_config)), parse_layer_spec(spec, layers))
+        found = _REDUCTIONS[key] = (model_config, reduction(kinds))
+    return found[1]
 
 
 def simulate(model_config, fcsd_config, layout: Layout, target: str, subset: tuple[int, ...]) -> dict:
@@ -323,6 +374,7 @@ def simulate(model_config, fcsd_config, layout: Layout, target: str, subset: tup
             meshes = run_meshes(layout)
         stack.enter_context(balanced_routing(tokens, top_k))
         stack.enter_context(meshes_outside_fake_mode())
+        stack.enter_context(lazy_fsdp_chunks())
         stack.enter_context(_quiet_fake_warnings())
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         run = build_run(model_config, fcsd_config, layout, target, meshes, subset)
