@@ -10,12 +10,23 @@ planner's stated assumptions, not measurements: override them with ``--intra-gbp
 is a PCIe Gen5 x16 per GPU, shared with its neighbour behind one switch as in DGX/HGX nodes: about 25 GB/s each way
 per GPU while all copy (``--host-gbps``); a node has 2 TiB of host memory, of which a plan pins at most half
 (``--host-memory``).
+
+A cluster file (``fcsd bench cluster``, :mod:`fcsd.plan.calibrate`) replaces the presets with figures measured on
+the machines at hand: ``fcsd plan --cluster FILE`` (:func:`load_cluster_file`). Its GEMM rate is the effective one
+(``peak x mfu`` replaced: ``mfu`` is 1), and it carries the costs the time model leaves out
+(:class:`Calibration`: per-op dispatch time, elementwise memory bandwidth, per-collective latency), which the
+calibrated prediction of ``--measure``'s reduced steps adds.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
-from dataclasses import asdict, dataclass, replace
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 GIB = 2**30
 
@@ -37,6 +48,45 @@ GPUS = {
     "mi300x": GPU("MI300X 192GB", 192.0, 1307.0, 300.0, 45.0),
 }
 HOST_SHARE = 0.5  # of a node's host memory, what a plan may pin (the rest: the OS, data loading, the page cache)
+CLUSTER_FORMAT, CLUSTER_VERSION = "fcsd-cluster", 1
+COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``fcsd bench cluster`` measured beyond the preset fields (all optional for a :class:`Cluster`): the
+    per-op cost of dispatching one tensor op (``op_us``: Python, dispatcher and autograd, every rank busy),
+    elementwise memory bandwidth (``memory_gbps``), each collective's latency by group size (``latency_us``:
+    ``((kind, ranks, microseconds), ...)``), the all-to-all bus bandwidths (``alltoall_intra_gbps`` /
+    ``alltoall_inter_gbps``), the GEMM rate at the reduced shapes ``fcsd plan --measure`` runs
+    (``reduced_tflops``: ``((tokens, TFLOP/s), ...)``), and where it was measured (``device``, ``backend``,
+    ``threads``: torch's intra-op threads per process, ``model``)."""
+
+    op_us: float = 0.0
+    memory_gbps: float | None = None  # None: no elementwise term
+    latency_us: tuple = ()
+    alltoall_intra_gbps: float | None = None
+    alltoall_inter_gbps: float | None = None
+    reduced_tflops: tuple = ()
+    device: str = ""
+    backend: str = ""
+    threads: int = 0
+    model: str = ""
+    assumed: tuple = ()  # the cluster fields not measured (kept from a preset), e.g. inter_gbps on one node
+
+    def latency(self, kind: str, ranks: int) -> float:
+        """Seconds of latency of one ``kind`` collective over ``ranks`` ranks: the measured group size nearest above
+        (else the largest measured), 0 when none of that kind was measured or ``ranks`` is 1."""
+        sizes = sorted((n, us) for k, n, us in self.latency_us if k == kind)
+        if ranks <= 1 or not sizes:
+            return 0.0
+        return next((us for n, us in sizes if n >= ranks), sizes[-1][1]) * 1e-6
+
+    def reduced_rate(self, tokens: int) -> float | None:
+        """FLOP/s of the reduced run's GEMMs at the measured token count nearest to ``tokens`` (None: none)."""
+        if not self.reduced_tflops:
+            return None
+        return min(self.reduced_tflops, key=lambda item: abs(math.log(item[0] / max(tokens, 1))))[1] * 1e12
 
 
 @dataclass(frozen=True)
@@ -51,6 +101,7 @@ class Cluster:
     mfu: float = 0.3
     reserve_gib: float = 2.0
     margin: float = 0.1
+    calibration: Calibration | None = field(default=None, compare=False)  # from a cluster file (fcsd bench cluster)
 
     @property
     def gpus(self) -> int:
@@ -76,8 +127,11 @@ class Cluster:
     def describe(self) -> str:
         g = self.gpu
         budget = f"({g.memory_gib:g} - {self.reserve_gib:g} GiB reserve) x {1 - self.margin:.0%}"
+        rate = f"{g.tflops:g} TFLOP/s bf16"
+        if self.calibration is not None:
+            rate = f"{g.tflops * self.mfu:.3g} TFLOP/s measured at the model's GEMMs"
         return (
-            f"{self.nodes} x {self.gpus_per_node} {g.name} ({g.memory_gib:g} GiB, {g.tflops:g} TFLOP/s bf16, "
+            f"{self.nodes} x {self.gpus_per_node} {g.name} ({g.memory_gib:g} GiB, {rate}, "
             f"{g.intra_gbps:g} GB/s in a node, {g.inter_gbps:g} GB/s between nodes); fits = peak <= {budget} = "
             f"{self.budget / GIB:.1f} GiB"
         )
@@ -142,5 +196,146 @@ def make_cluster(
         raise ValueError(
             f"--gpu-memory {gpu_memory}: {chosen.memory_gib:.2f} GiB is not more than the {cluster.reserve_gib:g} GiB "
             "a GPU keeps for the CUDA context, NCCL and the allocator; give the GPU's whole memory, e.g. 80GiB"
+        )
+    return cluster
+
+
+# -- cluster files (fcsd bench cluster writes them, fcsd plan --cluster reads them) ---------------------------------
+
+REMEASURE = "measure it again: `fcsd bench cluster --model MODEL --out FILE` (under torchrun for several processes)"
+NUMBERS = ("gpu_memory_gib", "host_memory_gib", "tflops", "intra_gbps", "inter_gbps", "host_gbps")
+COUNTS = ("nodes", "gpus_per_node")
+OPTIONAL = ("alltoall_intra_gbps", "alltoall_inter_gbps", "memory_gbps")
+
+
+def write_cluster_file(path, data: dict) -> Path:
+    """Write the cluster file ``data`` (checked first: :func:`check_cluster_data`) to ``path`` atomically: a
+    temporary file in the same folder, renamed over ``path``, so that a reader never sees half a file."""
+    check_cluster_data(data, str(path))
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(data, out, indent=1, allow_nan=False)
+            out.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_cluster_file(path) -> dict:
+    """The checked contents of the cluster file ``path`` (one-line ``ValueError`` naming the problem and the fix)."""
+    where = f"--cluster {path}"
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"{where}: no such file; write one with `fcsd bench cluster --model MODEL --out {path}`")
+    try:
+        data = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{where}: not JSON ({error}); {REMEASURE}") from None
+    check_cluster_data(data, str(path))
+    return data
+
+
+def check_cluster_data(data, path: str = "FILE") -> None:
+    """Refuse, in one line naming the field and the fix, a cluster file's contents that ``fcsd plan`` cannot use."""
+    where = f"--cluster {path}"
+    if not isinstance(data, dict) or data.get("format") != CLUSTER_FORMAT:
+        raise ValueError(f'{where}: not a cluster file (no "format": "{CLUSTER_FORMAT}"); {REMEASURE}')
+    version = data.get("version")
+    if not isinstance(version, int) or version > CLUSTER_VERSION or version < 1:
+        raise ValueError(
+            f"{where}: cluster file version {version!r}, this fcsd reads version {CLUSTER_VERSION}; upgrade fcsd or "
+            + REMEASURE
+        )
+    for key in (*COUNTS, *NUMBERS):
+        if key not in data:
+            raise ValueError(f"{where}: the field {key!r} is missing; {REMEASURE}")
+    for key in COUNTS:
+        value = data[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: {key} is {value!r}, not a whole number of at least 1; {REMEASURE}")
+    for key in (*NUMBERS, *OPTIONAL, "op_us"):
+        value = data.get(key)
+        if key not in NUMBERS and value is None:
+            continue
+        if not _positive(value) and not (key == "op_us" and value == 0):
+            raise ValueError(f"{where}: {key} is {value!r}, not a number above 0; {REMEASURE}")
+    latency = data.get("latency_us", {})
+    if not isinstance(latency, dict) or any(kind not in COLLECTIVES for kind in latency):
+        raise ValueError(f"{where}: latency_us must map {', '.join(COLLECTIVES)} to {{ranks: us}}; {REMEASURE}")
+    for kind, sizes in latency.items():
+        if not isinstance(sizes, dict) or not all(str(n).isdigit() and _positive(us) for n, us in sizes.items()):
+            raise ValueError(f"{where}: latency_us.{kind} is {sizes!r}, not {{ranks: microseconds}}; {REMEASURE}")
+    reduced = data.get("reduced_tflops", {})
+    if not isinstance(reduced, dict) or not all(str(n).isdigit() and _positive(v) for n, v in reduced.items()):
+        raise ValueError(f"{where}: reduced_tflops is {reduced!r}, not {{tokens: TFLOP/s}}; {REMEASURE}")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def cluster_from_data(data: dict, margin: float = 0.1) -> Cluster:
+    """The :class:`Cluster` a checked cluster file describes: its memory, its measured GEMM rate as the effective
+    FLOP/s (``mfu`` 1), its bandwidths, and the :class:`Calibration` beside them."""
+    gpu = GPU(
+        str(data.get("name") or data.get("device") or "measured"),
+        float(data["gpu_memory_gib"]),
+        float(data["tflops"]),
+        float(data["intra_gbps"]),
+        float(data["inter_gbps"]),
+        float(data["host_gbps"]),
+        float(data["host_memory_gib"]),
+    )
+    latency = tuple(
+        (kind, int(n), float(us)) for kind, sizes in data.get("latency_us", {}).items() for n, us in sizes.items()
+    )
+    calibration = Calibration(
+        op_us=float(data.get("op_us", 0.0)),
+        memory_gbps=data.get("memory_gbps"),
+        latency_us=latency,
+        alltoall_intra_gbps=data.get("alltoall_intra_gbps"),
+        alltoall_inter_gbps=data.get("alltoall_inter_gbps"),
+        reduced_tflops=tuple(sorted((int(n), float(v)) for n, v in data.get("reduced_tflops", {}).items())),
+        device=str(data.get("device", "")),
+        backend=str(data.get("backend", "")),
+        threads=int(data.get("threads", 0) or 0),
+        model=str(data.get("model", "")),
+        assumed=tuple(data.get("assumed", ())),
+    )
+    return Cluster(gpu, data["gpus_per_node"], data["nodes"], 1.0, margin=margin, calibration=calibration)
+
+
+def load_cluster_file(path, margin: float = 0.1, **changes) -> Cluster:
+    """``fcsd plan --cluster FILE``: the measured :class:`Cluster` of the file ``path``; ``changes`` (the plan's
+    options given beside it: ``gpus_per_node``, ``nodes``, ``gpu_memory``, ``intra_gbps``, ``inter_gbps``,
+    ``host_gbps``, ``host_memory``; None: the file's) override its figures, checked as :func:`make_cluster` checks
+    them."""
+    cluster = cluster_from_data(read_cluster_file(path), margin)
+    if not 0 <= margin < 1:
+        raise ValueError(f"--margin {margin}: the share of memory kept free lies in [0, 1), e.g. 0.1")
+    layout = {k: changes.pop(k) for k in ("gpus_per_node", "nodes") if changes.get(k) is not None}
+    for key, value in layout.items():
+        if value < 1:
+            raise ValueError(f"--{key.replace('_', '-')} {value}: a cluster needs at least one node of one GPU")
+    gpu = {}
+    for key, value in changes.items():
+        if value is None:
+            continue
+        if key in ("gpu_memory", "host_memory"):
+            gpu["memory_gib" if key == "gpu_memory" else "host_gib"] = parse_memory(value, "--" + key.replace("_", "-"))
+        elif value <= 0:
+            raise ValueError(f"--{key.replace('_', '-')} {value}: it must be more than 0")
+        else:
+            gpu[key] = value
+    cluster = replace(cluster, gpu=replace(cluster.gpu, **gpu), **layout)
+    if cluster.gpu.memory_gib <= cluster.reserve_gib:
+        raise ValueError(
+            f"--cluster {path}: {cluster.gpu.memory_gib:.2f} GiB per GPU is not more than the {cluster.reserve_gib:g} "
+            "GiB a GPU keeps for the CUDA context, NCCL and the allocator; give the GPU's memory with --gpu-memory"
         )
     return cluster

@@ -1,0 +1,269 @@
+"""`fcsd bench cluster` and `fcsd plan --cluster FILE`: the cluster file round-trips (written atomically), its bad
+forms are refused in one line naming the field and the fix, the plan prices a step with the file's figures (a
+changed bandwidth or GEMM rate moves the step by the hand-computed amount), the benchmark under two gloo processes
+writes a file the plan reads, and `--measure --json` sets each measured step beside its calibrated estimate. No
+assertion on absolute speed: CPU timings here are shared and noisy."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from launch import torchrun
+
+from fcsd.plan.cluster import (
+    Cluster,
+    cluster_from_data,
+    load_cluster_file,
+    read_cluster_file,
+    write_cluster_file,
+)
+
+
+def rank_result(tflops: float, op_us: float, latency: float, gbps: float, device: str = "CPU") -> dict:
+    """One rank's :func:`fcsd.plan.calibrate.measure_rank` result, made up (two ranks, one node)."""
+    collectives = [
+        {"scope": "intra", "kind": kind, "ranks": 2, "latency_us": latency, "gbps": gbps}
+        for kind in ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+    ]
+    return {
+        "model": "demo",
+        "tokens": 512,
+        "gemm": {"tflops": tflops, "shapes": [{"m": 512, "k": 96, "n": 96, "count": 1, "tflops": tflops}]},
+        "reduced_gemm": {"128": tflops / 2, "256": tflops},
+        "op_us": op_us,
+        "ops_per_step": 100,
+        "memory_gbps": 10.0,
+        "host": {"gbps": 3.0, "what": "memcpy (CPU: no host link)"},
+        "collectives": collectives,
+        "memory_gib": 12.0,
+        "device_name": device,
+        "host_memory_gib": 24.0,
+        "threads": 1,
+    }
+
+
+def made_up_file(tmp_path, name: str = "cluster.json", **changes) -> tuple:
+    from fcsd.plan.calibrate import combine
+
+    data = combine([rank_result(0.04, 10.0, 500.0, 0.5), rank_result(0.06, 20.0, 700.0, 0.4)], 2, 2, "gloo")
+    data.update(changes)
+    return write_cluster_file(tmp_path / name, data), data
+
+
+def test_cluster_file_round_trips_and_combines_the_ranks(tmp_path):
+    """What combine() makes of two ranks (GEMM and dispatch averaged, collectives at their slowest rank), written
+    and read back unchanged, and the Cluster the plan prices with: the measured rate as the effective FLOP/s."""
+    path, data = made_up_file(tmp_path)
+    assert data["tflops"] == pytest.approx(0.05) and data["op_us"] == pytest.approx(15.0)
+    assert data["latency_us"]["all_gather"]["2"] == 700.0  # the slowest rank's
+    assert data["intra_gbps"] == pytest.approx(0.4) and data["alltoall_intra_gbps"] == pytest.approx(0.4)
+    assert data["assumed"] == ["inter_gbps"]  # one node: not measured, and the file says so
+    assert read_cluster_file(path) == data
+    assert not [p for p in tmp_path.iterdir() if p.name != "cluster.json"]  # no temporary file left behind
+    cluster = load_cluster_file(path)
+    assert isinstance(cluster, Cluster)
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.mfu) == (1, 2, 1.0)
+    assert cluster.gpu.tflops == pytest.approx(0.05) and cluster.gpu.memory_gib == 12.0
+    assert cluster.gpu.intra_gbps == pytest.approx(0.4) and cluster.gpu.host_gbps == 3.0
+    calibration = cluster.calibration
+    assert calibration.latency("all_gather", 2) == pytest.approx(700e-6)
+    assert calibration.latency("all_gather", 4) == pytest.approx(700e-6)  # beyond the measured: the largest
+    assert calibration.latency("all_gather", 1) == 0.0
+    assert calibration.reduced_rate(128) == pytest.approx(0.025e12) and calibration.reduced_rate(300) == 0.05e12
+    overridden = load_cluster_file(path, nodes=4, intra_gbps=7.0, gpu_memory="80GiB")
+    assert (overridden.nodes, overridden.gpu.intra_gbps, overridden.gpu.memory_gib) == (4, 7.0, 80.0)
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path, data = made_up_file(tmp_path)
+    before = path.read_text()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(json, "dump", broken)
+    with pytest.raises(OSError, match="disk full"):
+        write_cluster_file(path, {**data, "tflops": 9.0})
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["cluster.json"]
+
+
+BAD_FILES = [
+    ("not json {", "not JSON"),
+    ("[1, 2]", "not a cluster file"),
+    (lambda d: {**d, "format": "other"}, "not a cluster file"),
+    (lambda d: {**d, "version": 99}, "version 99"),
+    (lambda d: {k: v for k, v in d.items() if k != "intra_gbps"}, "'intra_gbps' is missing"),
+    (lambda d: {**d, "tflops": -1.0}, "tflops is -1.0"),
+    (lambda d: {**d, "host_gbps": "fast"}, "host_gbps is 'fast'"),
+    (lambda d: {**d, "gpus_per_node": 0}, "gpus_per_node is 0"),
+    (lambda d: {**d, "latency_us": {"broadcast": {"2": 1.0}}}, "latency_us must map"),
+    (lambda d: {**d, "latency_us": {"all_gather": {"two": 1.0}}}, "latency_us.all_gather"),
+    (lambda d: {**d, "reduced_tflops": {"128": 0}}, "reduced_tflops"),
+]
+
+
+@pytest.mark.parametrize(("content", "problem"), BAD_FILES, ids=[p for _, p in BAD_FILES])
+def test_bad_cluster_files_are_refused_in_one_line(tmp_path, capsys, content, problem):
+    """Each bad form: a one-line error naming the problem and the fix, from the library and from `fcsd plan`."""
+    from fcsd.cli import main
+
+    _, data = made_up_file(tmp_path)
+    path = tmp_path / "bad.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content(data)))
+    with pytest.raises(ValueError, match="fcsd bench cluster") as error:
+        load_cluster_file(path)
+    assert problem in str(error.value) and "\n" not in str(error.value)
+    capsys.readouterr()
+    assert main(["plan", "demo", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and problem in err and "fcsd bench cluster" in err
+
+
+def test_plan_refuses_preset_options_beside_a_cluster_file(tmp_path, capsys):
+    from fcsd.cli import main
+
+    path, _ = made_up_file(tmp_path)
+    for option in (["--mfu", "0.5"], ["--gpu", "h200"], ["--gpu-tflops", "100"]):
+        assert main(["plan", "demo", "--cluster", str(path), *option]) == 2
+        err = capsys.readouterr().err.strip()
+        assert option[0] in err and "leave" in err and err.count("\n") == 0
+    assert main(["plan", "demo", "--cluster", str(tmp_path / "absent.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def ddp_estimate():
+    """A simulated DDP step of the reduced demo over 2 processes (what the priced-step tests price)."""
+    from fcsd.plan.check import reduced
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.planner import run_config
+    from fcsd.plan.run import Layout
+    from fcsd.plan.simulate import estimate_step
+
+    source = load_model_config("demo")
+    cluster = cluster_from_data(_data_only())
+    config, _, _ = run_config(source, [], 2e9, cluster)
+    model_config, config, layout = reduced(source.config, config, Layout("ddp", 2, micro_batch=1))
+    return model_config, config, layout, estimate_step(model_config, config, layout, "cpu")
+
+
+def _data_only() -> dict:
+    from fcsd.plan.calibrate import combine
+
+    return combine([rank_result(0.05, 10.0, 500.0, 0.5)] * 2, 2, 2, "gloo")
+
+
+def test_a_cluster_files_figures_price_the_step(tmp_path):
+    """`fcsd plan --cluster FILE` prices with the file: a DDP step's gradient all-reduce (exposed beyond two thirds
+    of the compute) at a tenth of the bandwidth takes 2 (n-1)/n x gradient bytes x (1/b' - 1/b) longer, and twice the
+    GEMM rate halves its compute."""
+    from fcsd import perfmodel as pm
+    from fcsd.plan.candidates import parameter_counts
+    from fcsd.plan.timing import step_time
+
+    model_config, config, layout, estimate = ddp_estimate()
+    shape = pm.model_shape(model_config)
+    counts = parameter_counts(model_config)
+    slow, fast = 0.001, 0.01  # GB/s: slow enough that the all-reduce outlasts the backward
+    priced = {}
+    for name, changes in {"slow": {}, "fast": {"intra_gbps": fast}, "double": {"tflops": 0.1}}.items():
+        path, _ = made_up_file(tmp_path, f"{name}.json", **{"intra_gbps": slow, **changes})
+        cluster = load_cluster_file(path)
+        priced[name] = step_time(estimate, shape, set(), cluster, config.train.batch_tokens, 128, counts)
+    n, grads = layout.processes, estimate.gradients
+    expected = 2 * (n - 1) / n * grads * (1 / slow - 1 / fast) / 1e9
+    assert priced["slow"].seconds > priced["fast"].seconds
+    assert priced["slow"].seconds - priced["fast"].seconds == pytest.approx(expected, rel=1e-9)
+    tokens = config.train.batch_tokens // n
+    flops = sum(estimate.flops.values()) / estimate.tokens * tokens
+    assert priced["slow"].compute_s == pytest.approx(flops / 0.05e12, rel=1e-9)
+    assert priced["double"].compute_s == pytest.approx(priced["slow"].compute_s / 2, rel=1e-9)
+
+
+def test_the_calibrated_prediction_adds_the_measured_overheads(tmp_path):
+    """predict_step: the time model at the file's figures plus every op at the per-op time, the elementwise bytes at
+    the measured bandwidth, each collective at its latency (none for DDP here: its reducer is not simulated), and a
+    file with twice the per-op time predicts exactly the extra dispatch time."""
+    from fcsd.plan.predict import predict_step, step_counts
+
+    model_config, config, layout, estimate = ddp_estimate()
+    path, _ = made_up_file(tmp_path)
+    cluster = load_cluster_file(path)
+    counts = step_counts(model_config, config, layout)
+    assert counts["ops"] > counts["gemms"] > 0 and counts["bytes"] > 0
+    base = predict_step(model_config, config, layout, cluster, estimate)
+    extra = base["beyond_time_model"]
+    assert extra["ops"] == counts["ops"]
+    assert extra["dispatch_s"] == pytest.approx(counts["ops"] * 15e-6)
+    assert extra["elementwise_s"] == pytest.approx(counts["bytes"] / 10e9)
+    timed = base["time_model"]
+    total = timed["compute_s"] + timed["exposed_comm_s"] + sum(extra[k] for k in extra if k.endswith("_s"))
+    assert base["estimated_step_seconds"] == pytest.approx(total)
+    path2, _ = made_up_file(tmp_path, "slower.json", op_us=30.0)
+    slower = predict_step(model_config, config, layout, load_cluster_file(path2), estimate)
+    assert slower["estimated_step_seconds"] - base["estimated_step_seconds"] == pytest.approx(counts["ops"] * 15e-6)
+
+
+def test_step_counts_see_the_collectives_of_a_laid_out_step():
+    """An EP 2 step over a fake process group: all-to-alls of 2 ranks in every MoE layer, forward and backward."""
+    from fcsd.plan.check import reduced
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.planner import run_config
+    from fcsd.plan.predict import step_counts
+    from fcsd.plan.run import Layout
+
+    source = load_model_config("demo")
+    config, _, _ = run_config(source, [], 2e9, cluster_from_data(_data_only()))
+    model_config, config, layout = reduced(source.config, config, Layout("ep", 2, 2, micro_batch=1))
+    counts = step_counts(model_config, config, layout)
+    moe_layers = model_config.num_hidden_layers
+    assert counts["collectives"][("all_to_all", 2)] >= 4 * moe_layers  # dispatch + combine, forward + backward
+
+
+def test_bench_cluster_under_two_gloo_processes_writes_a_file_the_plan_reads(tmp_path):
+    out = tmp_path / "cluster.json"
+    command = ["-m", "fcsd.cli", "bench", "cluster", "--model", "demo", "--out", str(out), "--quick"]
+    done = torchrun(2, *command, timeout=600)
+    data = read_cluster_file(out)
+    assert (data["nodes"], data["gpus_per_node"], data["backend"], data["device"]) == (1, 2, "gloo", "cpu")
+    assert set(data["latency_us"]) == {"all_to_all", "all_gather", "reduce_scatter", "all_reduce"}
+    assert all(set(sizes) == {"2"} for sizes in data["latency_us"].values())
+    assert data["threads"] == 1 and data["assumed"] == ["inter_gbps"]
+    assert {"128", "256"} == set(data["reduced_tflops"])
+    assert all(row["tflops"] > 0 for row in data["measurements"]["gemm"])
+    assert "cluster file:" in done.stdout and done.stdout.count("cluster file:") == 1  # rank 0 alone reports
+    cluster = load_cluster_file(out)
+    assert cluster.gpus == 2 and math.isclose(cluster.gpu.tflops, data["tflops"])
+
+
+def test_bench_cluster_refuses_bad_options_in_one_line(tmp_path, capsys):
+    from fcsd.cli import main
+
+    assert main(["bench", "cluster", "--model", "demo"]) == 2
+    assert "--out FILE" in capsys.readouterr().err
+    assert main(["bench", "cluster", "--out", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["bench", "cluster", "--out", str(tmp_path / "c.json"), "--tokens", "0"]) == 2
+    assert "--tokens 0" in capsys.readouterr().err
+
+
+def test_measure_json_sets_the_estimate_beside_the_measured_step(tmp_path, capsys):
+    """`fcsd plan demo --cluster FILE --measure --json` on a one-GPU cluster file (one process, here): the measured
+    reduced layout carries measured.step_seconds beside measured.estimated_step_seconds (the calibrated
+    prediction, with its parts) and their ratio."""
+    from fcsd.cli import main
+
+    path, _ = made_up_file(tmp_path, gpus_per_node=1, gpu_memory_gib=24.0)
+    assert main(["plan", "demo", "--cluster", str(path), "--measure", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cluster"]["gpu"]["tflops"] == pytest.approx(0.05) and report["cluster"]["gpus"] == 1
+    measure = report["measure"]
+    assert measure["layouts"] and measure["measured"] == measure["layouts"][0]["measured"]
+    for entry in measure["layouts"]:
+        measured = entry["measured"]
+        assert measured["calibrated"] is True
+        assert measured["step_seconds"] > 0 and measured["estimated_step_seconds"] > 0
+        assert measured["ratio"] == pytest.approx(measured["estimated_step_seconds"] / measured["step_seconds"])
+        assert measured["prediction"]["beyond_time_model"]["ops"] > 0
