@@ -188,7 +188,8 @@ def _model_for(mode, args, env: BenchEnv, group=None, layout: str = "all_to_all"
     model.to(env.device, env.dtype)
     if mode != "regular":
         fcsd.apply_farskip(model, "all")
-    options = {"mode": mode, "layout": layout, "dispatcher": args.dispatcher, "node_size": args.node_size}
+    node_size = getattr(args, "node_size", None)  # the modelled-link benchmark's arguments have none
+    options = {"mode": mode, "layout": layout, "dispatcher": args.dispatcher, "node_size": node_size}
     model = expert_parallel(model, group=group, **options)
     return model, batch, seq
 
