@@ -21,6 +21,7 @@ CASES = [
     "qwen3_moe/ep4xfsdp1",
     "qwen3_moe/fsdp4/checkpointing",  # FSDP2 alone: a layer recomputed before its own unit's pre-backward gather
     "qwen3_moe/ep2xfsdp2/placement+dedup",
+    "qwen3_moe/ep2xfsdp2/checkpointing+offload+hierarchical",  # the node-aware dispatcher over two "nodes"
 ]
 
 
@@ -64,7 +65,10 @@ def test_only_checkpoint_offload_moves_the_replayed_rows_to_host_memory(ranks, c
 
     _, config = CONFIGS[case.split("/")[0]]()
     layers = len(moe_blocks(meta_model(config), family_for_config(config)))
-    expected = 2 * layers * 2 if case.endswith("+offload") else 0
+    # per MoE layer and step: plain's Dispatch and Combine; the node-aware dispatcher's pairs of both hops, the rows
+    # its experts received and the rows that came home (the forwarded rows and sums are kept as shapes alone)
+    per_layer = 4 if case.endswith("+hierarchical") else 2
+    expected = 2 * layers * per_layer if "+offload" in case else 0
     for result in ranks:
         assert f"host copies: {expected}" in result["cases"][case]["backward_events"]
 
@@ -83,7 +87,7 @@ def test_offloaded_rows_of_the_next_layer_come_back_while_a_layer_is_recomputed(
     moe = [family.is_moe(getattr(layer, family.mlp_attr)) for layer in find_decoder_layers(meta_model(config), family)]
     expected = []
     for layer in range(len(moe) - 1, -1, -1):
-        prefetched = layer and moe[layer - 1] and case.endswith("+offload")
+        prefetched = layer and moe[layer - 1] and "+offload" in case
         expected += [f"recompute {layer}"] + ([f"prefetch {layer - 1}"] if prefetched else [])
     for result in ranks:
         assert result["cases"][case]["recomputation"] == expected * 2  # both steps

@@ -192,6 +192,10 @@ class Exchange:
         self.replay_log = None  # the checkpointed layer's log that recorded the receive buffer
         self.received = None  # the receive buffer (or its host copy under train.checkpoint_offload): see received()
         self.sequence_nr = None  # of its launch node, before re-numbering (see launch_all_to_all)
+        # whether a checkpointed layer's recomputation reads its rows' values (False: they only build sends, which a
+        # recomputation does not send: the replay log keeps their shape alone and the recomputation gets a
+        # placeholder; the node-aware dispatcher's forwarding hops)
+        self.replayed = True
 
     def start(self, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], phase: str):
         if phase == "forward":
@@ -200,8 +204,11 @@ class Exchange:
         send = send.contiguous()
         recv = send.new_empty((sum(recv_sizes), *send.shape[1:]))
         if phase == "forward" and (log := recompute.recording_log()) is not None:
-            log.put(self.kind, recv, exchange=self)  # filled by the collective before anything reads it
-            self.replay_log = log  # offloaded once waited (wait_all_to_all)
+            if self.replayed:
+                log.put(self.kind, recv, exchange=self)  # filled by the collective before anything reads it
+                self.replay_log = log  # offloaded once waited (wait_all_to_all)
+            else:
+                log.put(self.kind, recompute.Shape(recv, send.requires_grad or self.chain is not None), exchange=self)
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group, async_op=True)
         if LINK is not None:  # full duplex: the larger of what leaves and what arrives from other ranks
             row_bytes = send[:1].nbytes if send.shape[0] else recv[:1].nbytes

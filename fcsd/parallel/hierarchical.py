@@ -89,8 +89,10 @@ class HierarchicalDispatcher(CollectiveDispatcher):
     def _nodes(self) -> tuple[int, int]:
         return dist.get_world_size(self.rail_group), dist.get_world_size(self.node_group)
 
-    def _exchange_in(self, group, send_sizes, recv_sizes, kind: str) -> Exchange:
-        return Exchange(send_sizes, recv_sizes, group, sync=self._sync(), kind=kind, serial=self._next())
+    def _exchange_in(self, group, send_sizes, recv_sizes, kind: str, replayed: bool = True) -> Exchange:
+        exchange = Exchange(send_sizes, recv_sizes, group, sync=self._sync(), kind=kind, serial=self._next())
+        exchange.replayed = replayed
+        return exchange
 
     def _layer_sizes(self, node_dest, node_first, rank_dest, rank_first) -> _Sizes:
         """Every split size of the layer, from each pair's destination node and rank (and the marks on the first
@@ -143,8 +145,10 @@ class HierarchicalDispatcher(CollectiveDispatcher):
         return Pending(wait, state)
 
     def _cross_nodes(self, rows_RD, pairs_A2, sizes: _Sizes, chain) -> tuple:
-        """Hop 1: launch the rows and their pairs to the rail peers (one per destination node)."""
-        rows = self._exchange_in(self.rail_group, sizes.rows_out, sizes.rows_in, "dispatch")
+        """Hop 1: launch the rows and their pairs to the rail peers (one per destination node). The rows only build
+        the fan-out's sends: a checkpointed layer's replay keeps their shape, not them (the pairs, which say where
+        the fan-out goes, it keeps)."""
+        rows = self._exchange_in(self.rail_group, sizes.rows_out, sizes.rows_in, "dispatch", replayed=False)
         pairs = self._exchange_in(self.rail_group, sizes.pairs_out, sizes.pairs_in, "ids")
         launch_all_to_all(rows_RD, rows, chain)
         launch_all_to_all(pairs_A2, pairs, chain)
@@ -182,8 +186,9 @@ class HierarchicalDispatcher(CollectiveDispatcher):
         got, (nodes, per_node) = state.received, self._nodes()
         fan = got["fan"]
         partial = row_partials(y_RD, got, min(state.top_k, self.num_local_experts))
-        back = self._exchange_in(self.node_group, fan.recv_sizes, fan.send_sizes, "combine")
-        launch_all_to_all(partial, back, fan.chain, wait_after=fan)  # inside the node: waited at once
+        # inside the node, waited at once; its sums only build the way home's sends: not kept for a replay
+        back = self._exchange_in(self.node_group, fan.recv_sizes, fan.send_sizes, "combine", replayed=False)
+        launch_all_to_all(partial, back, fan.chain, wait_after=fan)
         row_bytes = partial.shape[1] * partial.element_size()
         self._count_sizes(back.send_sizes, row_bytes, group=self.node_group, node_of=_same)
         node_sums = wait_all_to_all(received(back), back)

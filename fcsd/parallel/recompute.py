@@ -94,6 +94,24 @@ class HostCopy:
         return Prefetched(tensor.requires_grad_(self.requires_grad), arrived)
 
 
+class Shape:
+    """What the replay keeps of an exchange whose rows' values the recomputation never reads (they only build sends):
+    their shape, dtype and device, given back as a placeholder of one value broadcast to that shape (no memory), so
+    that the recomputation runs and saves exactly what the forward did."""
+
+    def __init__(self, tensor: torch.Tensor, requires_grad: bool):
+        self.shape, self.dtype, self.device, self.requires_grad = (
+            tensor.shape,
+            tensor.dtype,
+            tensor.device,
+            requires_grad,
+        )
+
+    def back(self) -> torch.Tensor:
+        value = torch.zeros((), dtype=self.dtype, device=self.device, requires_grad=self.requires_grad)
+        return value.expand(self.shape)
+
+
 class Prefetched:
     """A :class:`HostCopy` on its way back (or back) to its device; ``back()`` hands it to the current stream."""
 
@@ -194,7 +212,7 @@ class ReplayLog:
             exchange.received = None
             self.exchanges[self.position] = None
         self.position += 1
-        return tuple(t.back() if isinstance(t, HostCopy | Prefetched) else t for t in tensors)
+        return tuple(t.back() if isinstance(t, HostCopy | Prefetched | Shape) else t for t in tensors)
 
 
 class _Active(threading.local):

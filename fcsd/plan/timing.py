@@ -372,9 +372,9 @@ def offload_exposure(
 
 def replay_scale(layout, cluster: Cluster, reach) -> float:
     """The replayed rows of ``layout``'s dispatcher over the plain one's, which the simulation runs (its buffers;
-    :mod:`fcsd.plan.simulate`): the node-aware dispatcher records the receive buffers of its four row exchanges per
-    MoE layer, a row per (token, node) and per (token, GPU) reached each way, where the plain one records a row per
-    (token, expert) each way."""
+    :mod:`fcsd.plan.simulate`): the node-aware dispatcher records, per MoE layer, the rows its experts received (one
+    per (token, GPU) reached) and the rows that came home (one per (token, node) reached; its forwarding hops are not
+    replayed), where the plain one records a row per (token, expert) each way."""
     if reach is None or dispatcher_for(layout.ep_size, cluster.gpus_per_node) != "hierarchical":
         return 1.0
-    return (reach.nodes + reach.gpus) / reach.top_k
+    return (reach.nodes + reach.gpus) / (2 * reach.top_k)

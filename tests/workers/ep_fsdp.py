@@ -86,11 +86,12 @@ def counting_host_copies(counter: list):
     yield
 
 
-def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain", offload=False):
+def laid_out(family, ep, checkpointing=False, placement=None, dispatcher="plain", offload=False, node_size=None):
     """The same steps laid out EP ``ep`` x FSDP ``WORLD / ep`` (the trainer's loss scale and calls)."""
     model = prepare(family, "farskip_overlap").train()
     meshes = build_meshes(ParallelDims(WORLD, ep, True), "cpu")
     options = dict(placement=placement, dispatcher=dispatcher, checkpointing=checkpointing, offload=offload)
+    options["node_size"] = node_size
     parallelize(model, meshes, "student", **options)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameter_groups(model, params), lr=LR, fused=True)
@@ -336,6 +337,12 @@ cases = {
     "qwen3_moe/ep4xfsdp1": ("qwen3_moe", 4, {}),
     "qwen3_moe/fsdp4/checkpointing": ("qwen3_moe", 1, {"checkpointing": True}),
     "qwen3_moe/ep2xfsdp2/placement+dedup": ("qwen3_moe", 2, {"dispatcher": "dedup", "placement": "ep2"}),
+    # two "nodes" of one rank per EP group: the node-aware dispatcher, its replay in host memory
+    "qwen3_moe/ep2xfsdp2/checkpointing+offload+hierarchical": (
+        "qwen3_moe",
+        2,
+        {"checkpointing": True, "offload": True, "dispatcher": "hierarchical", "node_size": 1},
+    ),
 }
 for name, (family, ep, options) in cases.items():
     if options.get("placement") == "ep2":
