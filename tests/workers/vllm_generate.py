@@ -38,6 +38,9 @@ def run(job):
         kv_cache_memory_bytes=64 << 20,
         additional_config=additional,
         trust_remote_code=job.get("trust_remote_code", False),
+        # the reference MLA kernels: on a CPU with AMX vLLM prefers its AMX MLA backend, whose packed weights must be
+        # bf16 (these runs are fp32, to compare with fcsd's fp32 model); other attention ignores the choice
+        attention_backend="CPU_MLA",
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=job["logprobs"])
