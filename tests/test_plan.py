@@ -619,3 +619,24 @@ def test_ep_groups_beyond_a_node_are_candidates_simulated_and_launched_hierarchi
         assert ("parallel.dispatcher=hierarchical" in commands["train"]) == named, commands["train"]
         parallel = accepted_by_convert(commands["train"]).parallel
         assert parallel.dispatcher == ("hierarchical" if named else "plain") and parallel.ep_size == layout.ep_size
+
+
+def test_an_interrupted_plan_stops_its_simulation_workers_at_once():
+    """Ctrl-C (or an error) inside a plan's simulation workers: the workers are terminated, not waited for (a
+    simulation of a paper model runs for a minute), and none is left running."""
+    import time
+
+    from fcsd.plan import workers
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with workers.simulation_workers(2):
+            pool = workers._ACTIVE[0]
+            running = pool.executor.submit(time.sleep, 120)
+            while not running.running():
+                time.sleep(0.1)
+            processes = list(pool.executor._processes.values())
+            raise KeyboardInterrupt
+    assert time.monotonic() - started < 60
+    assert processes and not any(process.is_alive() for process in processes)
+    assert workers._ACTIVE == []

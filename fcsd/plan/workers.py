@@ -38,7 +38,12 @@ class Pool:
             self.futures[key] = (model_config, fcsd_config, future)  # the configs kept: their ids stay theirs
         return self.futures[key][2]
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers; ``abort`` (the plan failed or was interrupted): at once, their simulations discarded,
+        instead of waiting for the ones running to finish."""
+        if abort:
+            for process in list(getattr(self.executor, "_processes", {}).values()):
+                process.terminate()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
@@ -54,11 +59,13 @@ def simulation_workers(workers: int | None = None):
         return
     pool = Pool(workers)
     _ACTIVE.append(pool)
+    finished = False
     try:
         yield
+        finished = True
     finally:
         _ACTIVE.remove(pool)
-        pool.close()
+        pool.close(abort=not finished)  # Ctrl-C or an error: nothing left running, no minute-long wait
 
 
 def results(model_config, fcsd_config, layout, target: str, subsets) -> list[dict]:
