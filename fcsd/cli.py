@@ -463,8 +463,11 @@ def _bench_cluster(args) -> int:
 
     if not args.out:
         raise ValueError("fcsd bench cluster writes a cluster file: give --out FILE, e.g. --out cluster.json")
-    if Path(args.out).expanduser().is_dir():
-        raise ValueError(f"--out {args.out} is a folder: give the cluster file's path, e.g. {args.out}/cluster.json")
+    from fcsd import ownership
+    from fcsd.plan.cluster import is_cluster_file
+
+    # only a cluster file fcsd wrote is replaced (a folder, a config.json or any other file is refused first)
+    ownership.check_output_file(args.out, "--out", "cluster file", is_cluster_file, {"model": args.model})
     if args.tokens is not None and args.tokens < 1:
         raise ValueError(f"--tokens {args.tokens}: give the GEMM rows of a micro-batch, at least 1, e.g. 4096")
     check_model(args.model or "demo")  # a dense or unknown model is refused before any rank measures

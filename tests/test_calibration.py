@@ -83,7 +83,7 @@ def test_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(json, "dump", broken)
+    monkeypatch.setattr(json, "dumps", broken)
     with pytest.raises(OSError, match="disk full"):
         write_cluster_file(path, {**data, "tflops": 9.0})
     assert path.read_text() == before
@@ -245,6 +245,11 @@ def test_bench_cluster_refuses_bad_options_in_one_line(tmp_path, capsys):
     assert "--out FILE" in capsys.readouterr().err
     assert main(["bench", "cluster", "--out", str(tmp_path)]) == 2
     assert "is a folder" in capsys.readouterr().err
+    notes = tmp_path / "notes.json"  # a file fcsd did not write is never replaced
+    notes.write_text('{"mine": true}')
+    assert main(["bench", "cluster", "--model", "demo", "--out", str(notes)]) == 2
+    assert "exists and is not a cluster file fcsd wrote" in capsys.readouterr().err
+    assert notes.read_text() == '{"mine": true}'
     assert main(["bench", "cluster", "--out", str(tmp_path / "c.json"), "--tokens", "0"]) == 2
     assert "--tokens 0" in capsys.readouterr().err
 

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -209,21 +207,24 @@ OPTIONAL = ("alltoall_intra_gbps", "alltoall_inter_gbps", "memory_gbps")
 
 
 def write_cluster_file(path, data: dict) -> Path:
-    """Write the cluster file ``data`` (checked first: :func:`check_cluster_data`) to ``path`` atomically: a
-    temporary file in the same folder, renamed over ``path``, so that a reader never sees half a file."""
+    """Write the cluster file ``data`` (checked first: :func:`check_cluster_data`) to ``path`` atomically
+    (:func:`fcsd.staging.atomic_file`: a reader never sees half a file)."""
+    from fcsd.staging import atomic_file
+
     check_cluster_data(data, str(path))
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(data, out, indent=1, allow_nan=False)
-            out.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as temporary:
+        temporary.write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     return path
+
+
+def is_cluster_file(path) -> bool:
+    """Whether ``path`` is a cluster file fcsd wrote (what ``fcsd bench cluster --out`` may replace)."""
+    try:
+        read_cluster_file(path)
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 def read_cluster_file(path) -> dict:
