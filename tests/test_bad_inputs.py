@@ -1720,17 +1720,25 @@ def test_a_config_that_asks_for_weights_the_files_lack_is_refused(env, tmp_path,
     export) silently was another model; now every fcsd load refuses it in one line naming the weights."""
     import fcsd
 
+    message = "weights its config.json asks for are not in its weight files (model.layers.0.mlp.down_proj.weight"
+    assert_edited_config_refused(env, tmp_path, capsys, {"mlp_only_layers": [0, 1, 2, 3]}, message)
+    assert fcsd.from_pretrained(str(env / "model")) is not None  # the checkpoint as it was loads
+
+
+def assert_edited_config_refused(env, tmp_path, capsys, changes: dict, message: str) -> None:
+    """The checkpoint with ``changes`` in its config.json is refused by ``fcsd.from_pretrained`` and, in one last
+    line, by ``fcsd convert`` (rc 2, no run folder), with ``message``."""
+    import fcsd
+
     edited = shutil.copytree(env / "model", tmp_path / "edited")
     values = json.loads((edited / "config.json").read_text())
-    (edited / "config.json").write_text(json.dumps({**values, "mlp_only_layers": [0, 1, 2, 3]}))
-    message = "weights its config.json asks for are not in its weight files (model.layers.0.mlp.down_proj.weight"
+    (edited / "config.json").write_text(json.dumps({**values, **changes}))
     with pytest.raises(ValueError, match=re.escape(message)):
         fcsd.from_pretrained(str(edited))
     capsys.readouterr()
     assert main(run_convert(env, f"output_dir={tmp_path / 'run'}", model=str(edited))) == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "run").exists()
-    assert fcsd.from_pretrained(str(env / "model")) is not None  # the checkpoint as it was loads
 
 
 @pytest.mark.parametrize("method", ["gptq", "bitsandbytes", "awq", "compressed-tensors"])
@@ -1739,19 +1747,10 @@ def test_a_checkpoint_quantized_with_a_method_fcsd_cannot_train_from_is_refused_
 ):
     """A GPTQ / bitsandbytes / AWQ / compressed-tensors checkpoint is refused before anything loads, naming the method
     and the fix; block FP8 (the hub's DeepSeek-V3 format) is not refused by the check."""
-    import fcsd
     from fcsd.loading import check_quantization, load_config
 
-    quantized = shutil.copytree(env / "model", tmp_path / "quantized")
-    values = json.loads((quantized / "config.json").read_text())
-    (quantized / "config.json").write_text(json.dumps({**values, "quantization_config": {"quant_method": method}}))
     message = f"is quantized with {method} (quantization_config.quant_method): fcsd loads unquantized"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        fcsd.from_pretrained(str(quantized))
-    capsys.readouterr()
-    assert main(run_convert(env, f"output_dir={tmp_path / 'run'}", model=str(quantized))) == 2
-    assert message in capsys.readouterr().err.strip().splitlines()[-1]
-    assert not (tmp_path / "run").exists()
+    assert_edited_config_refused(env, tmp_path, capsys, {"quantization_config": {"quant_method": method}}, message)
     fp8 = load_config(str(env / "model"))
     fp8.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     assert check_quantization(fp8, "fp8 source") is fp8
