@@ -104,12 +104,13 @@ def set_command(argv: list[str]) -> None:
     _COMMAND = list(argv)
 
 
-def command_line(*extra: str) -> str:
-    """The fcsd command being run, as a shell line (``extra`` arguments appended): what a message tells the user to
-    run again."""
+def command_line(*extra: str, replace: dict[str, str] | None = None) -> str:
+    """The fcsd command being run, as a shell line (``extra`` arguments appended, each argument that is a key of
+    ``replace`` replaced by its value): what a message tells the user to run again."""
     import shlex
 
     argv = _COMMAND if _COMMAND is not None else sys.argv[1:]
+    argv = [(replace or {}).get(arg, arg) for arg in argv]
     return shlex.join([*launcher(), *argv, *extra])
 
 

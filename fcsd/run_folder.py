@@ -98,8 +98,11 @@ class RunFolder:
 
     def checkpoint_problems(self, checkpoint: Path) -> list[str]:
         """What ``checkpoint`` lacks to resume exactly, one entry per file (``optimizer.bin missing``,
-        ``model.safetensors truncated (1,000 of 4,096 bytes)``): the files its trainer state lists with their sizes,
+        ``model.safetensors truncated (1,000 of 4,096 bytes)``, ``__1_0.distcp changed since it was written``): the
+        files its trainer state lists with their sizes and SHA-256 (every byte is read: see :mod:`fcsd.checksums`),
         else accelerate's standard set for one process."""
+        from fcsd import checksums
+
         state = self.trainer_state(checkpoint)
         if not state:
             return [f"{TRAINER_STATE} missing"]
@@ -112,7 +115,18 @@ class RunFolder:
             elif size is not None and path.stat().st_size != size:
                 problems.append(f"{name} {'truncated' if path.stat().st_size < size else 'of another size'} "
                                 f"({path.stat().st_size:,} of {size:,} bytes)")  # fmt: skip
-        return problems
+        recorded = state.get(checksums.ALGORITHM) or {}  # checkpoints written before the hashes: sizes only
+        if problems or not isinstance(recorded, dict):
+            return problems
+        found = checksums.digests([checkpoint / name for name in recorded if (checkpoint / name).is_file()])
+        changed = [name for name, digest in recorded.items() if found.get(name, digest) != digest]
+        return [f"{name} changed since it was written (its SHA-256 is not the one recorded then)" for name in changed]
+
+    def newest_sound_checkpoint(self, before: int) -> Path | None:
+        """The newest step checkpoint older than step ``before`` that has no :meth:`checkpoint_problems` (checked
+        newest first, stopping at the first sound one), or None."""
+        older = [c for c in self.checkpoints() if int(c.name[5:]) < before]
+        return next((c for c in reversed(older) if not self.checkpoint_problems(c)), None)
 
     def prune_checkpoints(self, keep: int) -> None:
         for old in self.checkpoints()[:-keep] if keep > 0 else []:

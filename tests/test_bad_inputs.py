@@ -1776,3 +1776,81 @@ def test_an_unreachable_hub_names_what_was_fetched_and_a_fix_that_fits_it(url, e
     message = explain_error(ConnectError(f"couldn't connect to {url}"))
     assert message.startswith(expected), message
     assert ("local checkpoint folder" in message) == expected.startswith("org/model"), message
+
+
+def _overwrite_middle(path: Path, count: int = 4096) -> None:
+    """Overwrite ``count`` bytes in the middle of ``path`` with 0xFF (a float NaN), keeping its size: a bit rot or a
+    torn write that no size check sees."""
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(b"\xff" * min(count, size - size // 2))
+    assert path.stat().st_size == size
+
+
+def test_a_checkpoint_whose_bytes_changed_is_refused_by_resume_and_export_naming_the_file(
+    env, tmp_path, monkeypatch, capsys
+):
+    """Every file of a step checkpoint has its SHA-256 in the trainer state; 4 KiB of its weights overwritten with
+    0xFF (size kept): --resume trained NaN from it; now it is refused in one line naming the file and the command
+    that resumes from the previous sound checkpoint, which trains to the end; `fcsd export` of it is refused too,
+    naming the export of the sound one."""
+    import shlex
+
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", "train.max_steps=4", "train.save_every=1", "train.keep_checkpoints=3")
+    argv += ["export=false"]
+    with monkeypatch.context() as patch:
+        _stop_after_checkpoint(patch, 3)
+        assert main(argv) == 130
+    _overwrite_middle(out / "checkpoints" / "step-3" / "model.safetensors")
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    state = json.loads((out / "checkpoints" / "step-3" / "trainer_state.json").read_text())
+    assert set(state["sha256"]) == set(state["files"]) and "model.safetensors" in state["files"]
+    assert len(err.splitlines()) == 1, err
+    assert "checkpoints/step-3 is damaged (model.safetensors changed since it was written" in err, err
+    assert "; continue from step-2: `fcsd" in err, err
+    command = shlex.split(err.split("`")[1])
+    assert command[-2:] == ["--resume", "train.resume_step=2"]
+    step3 = out / "checkpoints" / "step-3"
+    assert main(["export", str(step3), str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.safetensors changed since it was written" in err, err
+    sound = f"fcsd export {out / 'checkpoints' / 'step-2'} {tmp_path / 'exported'}"
+    assert f"export the newest sound one instead: `{sound}`" in err, err
+    assert not (tmp_path / "exported").exists()
+    assert main(command[1:]) == 0
+    losses = [r["train/loss"] for r in RunFolder(out).records() if "train/loss" in r]
+    assert len(losses) == 4 and all(loss == loss for loss in losses)  # no NaN
+    assert json.loads((out / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
+
+
+def _nan_model(env, tmp_path: Path) -> Path:
+    """The world's model with one attention weight set to NaN: every loss it gives is NaN."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan_model"
+    shutil.copytree(env / "model", model)
+    weights = load_file(str(model / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("self_attn.q_proj.weight"))
+    weights[name] = torch.full_like(weights[name], float("nan"))
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("steps", [4, 2], ids=["three-skipped-in-a-row", "too-short-for-the-streak"])
+def test_a_run_with_non_finite_weights_writes_no_final_export_or_summary(env, tmp_path, capsys, steps):
+    """Weights that give a NaN loss: the run skipped every step and then wrote final/, its summary and its export
+    from them (train.max_bad_steps=5 was never reached in 4 steps); now train.max_nonfinite_steps (3) skipped steps in
+    a row stop it in one line, and a run too short for that is stopped by the check of the weights before final/."""
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", f"train.max_steps={steps}", model=str(_nan_model(env, tmp_path)))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]
+    expected = "the loss was not finite in each of the last 3 steps" if steps == 4 else "hold non-finite values"
+    assert expected in err and "nothing was written from them (no final/, export or summary)" in err, err
+    assert not any((out / name).exists() for name in ("final", "export", "run_summary.json"))

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
 import torch
 
-from fcsd import ownership
+from fcsd import checksums, ownership
 from fcsd.distill.config import FCSDConfig
 from fcsd.run_folder import CHECKPOINT_RECORD, CONFIG, TRAINER_STATE, RunFolder
 from fcsd.staging import atomic_dir, disk_full_reported
@@ -41,16 +42,31 @@ def save_checkpoint(
 
             step_state.save(*expert_parallel, staging)
         accelerator.wait_for_everyone()  # every process's RNG file is in the staging folder before it is renamed
+        hashes = _content_hashes(accelerator, staging)
         if accelerator.is_main_process:
-            # the files a resume needs, with their sizes: --resume refuses a checkpoint that lost one
+            # the files a resume needs, with their sizes and SHA-256: --resume and `fcsd export` refuse a checkpoint
+            # that lost one or whose bytes changed since
             files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
-            (staging / TRAINER_STATE).write_text(json.dumps({**trainer_state, "files": files}))
+            state = {**trainer_state, "files": files, checksums.ALGORITHM: hashes}
+            (staging / TRAINER_STATE).write_text(json.dumps(state))
             if target.exists():  # a checkpoint of a run resumed from an older one (train.resume_step)
                 shutil.rmtree(target)
             os.replace(staging, target)
             run.prune_checkpoints(keep)
     accelerator.wait_for_everyone()
     return target
+
+
+def _content_hashes(accelerator, staging: Path) -> dict[str, str]:
+    """SHA-256 of every file in the staged checkpoint, each process hashing its share (:func:`fcsd.checksums.share`)
+    and the main process collecting them (a collective)."""
+    files = sorted(p for p in staging.iterdir() if p.is_file())
+    mine = checksums.digests(checksums.share(files, accelerator.process_index, accelerator.num_processes))
+    if accelerator.num_processes == 1:
+        return mine
+    from accelerate.utils import gather_object
+
+    return {name: digest for part in gather_object([mine]) for name, digest in part.items()}
 
 
 def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: int | None = None) -> dict | None:
@@ -116,6 +132,19 @@ def set_saved_dtype(folder: Path, dtype: torch.dtype) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _older_export(run: RunFolder, checkpoint: Path) -> str:
+    """The advice that follows a refused export of a step checkpoint: the ``fcsd export`` of the newest sound older
+    one, in place of the checkpoint in the command being run."""
+    older = run.newest_sound_checkpoint(int(checkpoint.name[5:])) if checkpoint.name[5:].isdigit() else None
+    if older is None:
+        return "; no sound older checkpoint is left"
+    given = str(checkpoint)
+    line = ownership.command_line(replace={given: str(older), given + "/": str(older)})
+    if shlex.quote(str(older)) not in line:  # the command does not name the checkpoint so (the Python API)
+        line = f"fcsd export {shlex.quote(str(older))} OUT"
+    return f"; export the newest sound one instead: `{line}`"
+
+
 def load_step_checkpoint(checkpoint: Path):
     """The student of a step checkpoint (``checkpoints/step-N``) and its tokenizer, rebuilt from the run's config
     (model, revision, layers, placement) with the checkpoint's weights (expert-parallel shards consolidated, see
@@ -131,7 +160,7 @@ def load_step_checkpoint(checkpoint: Path):
     run = RunFolder.of_checkpoint(checkpoint)
     problems = run.checkpoint_problems(checkpoint) or ([] if run.config.exists() else [f"{run.config} missing"])
     if problems:
-        raise ValueError(f"{checkpoint} cannot be exported: {', '.join(problems)}")
+        raise ValueError(f"{checkpoint} cannot be exported: {', '.join(problems)}{_older_export(run, checkpoint)}")
     config = OmegaConf.load(run.config)
     name, revision = resolve_model(config.model.name), config.model.revision
     options = {"revision": revision} if revision else {}

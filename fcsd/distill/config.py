@@ -111,12 +111,18 @@ class TrainConfig:
     spike_window: int = 20  # updates in that median (spike detection starts once it is full); a step is one
     # update, or several in a batch ramp (recovery.batch_ramp)
     max_bad_steps: int = 5  # consecutive skipped updates before the run stops with an error
+    # steps in a row whose loss is not finite (all skipped) that stop the run in one line, before it writes final/,
+    # an export or a summary: weights that give a NaN loss on that many batches are broken themselves (a damaged
+    # checkpoint, a diverged update), and nothing is written from them; 0: only train.max_bad_steps
+    max_nonfinite_steps: int = 3
 
 
 @dataclass
 class TeacherConfig:
     mode: str = "online"  # online: teacher forward each step | cache: top-k logits from `fcsd cache-teacher`
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU
+    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | fp8: a block-FP8 source
+    # (DeepSeek-V3, Qwen3 -FP8) keeps transformers' FP8 modules (a CUDA GPU of compute capability >= 8.9, the teacher
+    # loaded whole, no parallel layout; refused elsewhere); other values dequantize an FP8 source (fcsd.fp8)
     cache_dir: str | None = None  # where the teacher cache lives; None: <output_dir>/teacher-cache
     top_k: int = 64  # cached logits per token (the rest of the mass is one bucket)
 
@@ -196,6 +202,7 @@ class FCSDConfig:
     output_dir: str = "outputs/fcsd"
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
     export: bool = True  # run that export (remote code, reload-parity check)
+    export_format: str = "source"  # source: a block-FP8 source's own FP8 format (else its dtype) | bf16
     push_to_hub: str | None = None  # hub repository to push the export to at the end (needs a token)
     overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
     progress: bool = True  # progress bars
@@ -607,6 +614,10 @@ def to_config(cfg) -> FCSDConfig:
         (train.batch_tokens > 0, f"train.batch_tokens={train.batch_tokens}: it must be > 0"),
         (train.micro_batch_size > 0, f"train.micro_batch_size={train.micro_batch_size}: it must be > 0"),
         (
+            train.max_nonfinite_steps >= 0,
+            f"train.max_nonfinite_steps={train.max_nonfinite_steps}: it must be >= 0 (0: only train.max_bad_steps)",
+        ),
+        (
             config.data.seq_len > 1,
             f"data.seq_len={config.data.seq_len}: a sequence needs at least 2 tokens (a token and the next one it "
             "predicts); e.g. data.seq_len=2048",
@@ -655,6 +666,7 @@ def to_config(cfg) -> FCSDConfig:
         (config.early_stop.every > 0, "early_stop.every must be a positive number of steps"),
         (config.early_stop.patience > 0, "early_stop.patience must be at least 1 evaluation"),
         (config.export or not config.push_to_hub, "push_to_hub pushes the export: it needs export=true"),
+        (config.export_format in ("source", "bf16"), f"export_format={config.export_format!r}: choose source or bf16"),
     ]
     for ok, message in checks:
         if not ok:

@@ -106,16 +106,32 @@ def check_resume(run: RunFolder, config) -> None:
     _check_length_and_schedule(run, checkpoint, config, saved)
     problems = run.checkpoint_problems(checkpoint)
     if problems:
-        step = int(checkpoint.name[5:])
-        older = [c for c in run.checkpoints() if int(c.name[5:]) < step and not run.checkpoint_problems(c)]
+        older = run.newest_sound_checkpoint(int(checkpoint.name[5:]))
         way = (
-            f"continue from {older[-1].name}: `{ownership.command_line(f'train.resume_step={older[-1].name[5:]}')}`"
-            if older
+            f"continue from {older.name}: `{ownership.command_line(f'train.resume_step={older.name[5:]}')}`"
+            if older is not None
             else "no complete older checkpoint is left: start the run again with overwrite=true and no --resume"
         )
         raise ownership.FolderError(
-            f"--resume: {checkpoint.relative_to(root)} is incomplete ({', '.join(problems)}); {way}"
+            f"--resume: {checkpoint.relative_to(root)} is {checkpoint_state(problems)} ({', '.join(problems)}); {way}"
         )
+
+
+def resume_command(step: int) -> str:
+    """The command being run as the ``--resume`` of ``checkpoints/step-<step>`` (its own ``--resume`` and
+    ``train.resume_step`` replaced)."""
+    import shlex
+
+    from fcsd.ownership import command_line
+
+    words = shlex.split(command_line())
+    kept = [w for w in words if w not in ("--resume", "train.resume=true") and not w.startswith("train.resume_step=")]
+    return shlex.join([*kept, "--resume", f"train.resume_step={step}"])
+
+
+def checkpoint_state(problems: list[str]) -> str:
+    """``incomplete`` when a file is missing or cut short, ``damaged`` when only their bytes changed."""
+    return "damaged" if all(" changed since " in problem for problem in problems) else "incomplete"
 
 
 def _saved_value(saved, key: str):

@@ -24,6 +24,7 @@ from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
 from fcsd.distill.config import guide_weight, layer_stages, ramp_stages, update_split, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
+from fcsd.distill.finite import NonFiniteStop, check_weights_finite
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
@@ -76,6 +77,7 @@ def train(checked: Checked) -> RunResult:
         done = step + 1
         s.tokens_seen += train_cfg.batch_tokens
         s.log_step(done, loss, lr, grad_norm, terms, skipped=not applied)
+        s.nonfinite.step_done(done, loss, applied, s.run)  # before anything is saved from broken weights
         bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{s.throughput(done):,.0f}")
         bar.update()
         last = done == plan.total_steps
@@ -210,6 +212,7 @@ class TrainingSession:
         saved = saved or {"step": 0, "tokens": 0, "guard": {}, "eval_before": None, "early_stop": None}
         self.start_step, self.tokens_seen = saved["step"], saved["tokens"]
         self.guard = SpikeGuard(*guard, **saved["guard"], can_skip=not deepspeed)
+        self.nonfinite = NonFiniteStop(train_cfg.max_nonfinite_steps, saved.get("nonfinite_streak", 0))
         if self.early is not None and saved.get("early_stop"):
             self.early.load(saved["early_stop"])
         self.layer_stages = layer_stages(config) if config.recovery.progressive else []
@@ -395,6 +398,7 @@ class TrainingSession:
         state = {"step": done, "tokens": self.tokens_seen, "guard": self.guard.state(), "eval_before": self.eval_before}
         state["data"], state["inputs"] = self.data_fingerprint, self.inputs
         state["early_stop"] = self.early.state() if self.early is not None else None
+        state["nonfinite_streak"] = self.nonfinite.streak
         ep_state = (self.model, self.optimizer) if self.parallel else None
         if self.parallel:
             from fcsd.parallel.step_state import layout_record
@@ -409,6 +413,7 @@ class TrainingSession:
 
     def _finish(self, done: int) -> RunResult:
         accelerator, run = self.accelerator, self.run
+        check_weights_finite(self.unwrapped, accelerator, done, run)  # nothing is scored or saved from NaN weights
         if self.early is not None and not self.early.evaluated(done):
             self.early_stop_check(done)  # the final score (it may be the best)
         eval_after = self.evaluate(done)
