@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.run import LAID_OUT
 from fcsd.plan.simulate import Layout, StepEstimate, estimate_step
+from fcsd.plan.units import duration
 
 MAX_MICRO_BATCH = 8
 
@@ -190,8 +191,8 @@ def search(
         found, bound = screened[index], bounds[index]
         if bound is not None and best is not None and bound >= best.time.seconds:
             note = (
-                f"its step takes at least {bound:.2f} s (FSDP2's collectives and the all-to-alls nothing hides), "
-                f"not less than {best.layout.short}'s {best.time.seconds:.2f} s"
+                f"its step takes at least {duration(bound)} (FSDP2's collectives and the all-to-alls nothing "
+                f"hides), not less than {best.layout.short}'s {duration(best.time.seconds)}"
             )
             found = [c if c.status != "open" else Candidate(c.layout, "slower", note=note) for c in found]
         else:

@@ -55,6 +55,16 @@ def add_parser(sub) -> None:
         help="run real steps of the plan at reduced size here (with --cluster: every timed layout, each beside its "
         "calibrated step time)",
     )
+    p.add_argument(
+        "--serve-context",
+        type=int,
+        metavar="TOKENS",
+        help="tokens per sequence the serving check holds a KV cache for, passed to vLLM as --max-model-len "
+        "(default 32768, or the model's maximum when smaller)",
+    )
+    p.add_argument(
+        "--serve-sequences", type=int, default=1, metavar="N", help="sequences of that context served at once (1)"
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan)
 
@@ -122,7 +132,17 @@ def run_plan(args) -> int:
             "with up to 1e10; no corpus holds more than about 1e14), e.g. 2e9"
         )
     cluster = plan_cluster(args)
-    plan = make_plan(args.model, cluster, args.tokens, args.layers, args.probe, args.overrides, args.max_kl)
+    plan = make_plan(
+        args.model,
+        cluster,
+        args.tokens,
+        args.layers,
+        args.probe,
+        args.overrides,
+        args.max_kl,
+        serve_context=args.serve_context,
+        serve_sequences=args.serve_sequences,
+    )
     report = plan_dict(plan)
     if args.measure:
         from fcsd.plan.check import check_plan, format_check

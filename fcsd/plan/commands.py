@@ -1,20 +1,26 @@
 """The commands a plan prints: the teacher cache (when the plan uses one: on the run's processes, laid out as the
-run, under a parallel layout), the training launch with the accelerate config shipped in ``recipes/accelerate/``
-for its strategy (a plain multi-process launch for the layouts fcsd lays out itself: ``parallel.ep_size``,
-``parallel.fsdp=true``), and serving the export.
+run, under a parallel layout), the training launch with the accelerate config for its strategy (a plain
+multi-process launch for the layouts fcsd lays out itself: ``parallel.ep_size``, ``parallel.fsdp=true``), and
+serving the export.
 
-Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes to
-the plugin's own command (``fcsd.serving.vllm.families.serve_command``, which ``fcsd export`` prints too).
+The accelerate configs are ``recipes/accelerate/`` of the source tree, shipped inside the package as
+``fcsd/accelerate/`` (package data; in the source tree a link to ``recipes/accelerate``): the launch line names the
+installed file (:func:`accelerate_config`), so it runs as printed after ``pip install`` too.
+
+Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes and
+the context the plan checked (:mod:`fcsd.plan.serving`) to the plugin's own command
+(``fcsd.serving.vllm.families.serve_command``, which ``fcsd export`` prints too).
 """
 
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from fcsd.plan.cluster import Cluster
 from fcsd.plan.run import LAID_OUT, Layout
 
-PLAIN = ("recipes/accelerate/ep8_1node.yaml", "recipes/accelerate/ep8_1node.yaml")  # a plain multi-process launch
+PLAIN = ("ep8_1node.yaml", "ep8_1node.yaml")  # a plain multi-process launch
 ACCELERATE_CONFIGS = {"ep": PLAIN, "ep_fsdp": PLAIN, "fsdp2": PLAIN}  # strategy -> (one node, several nodes)
 CONFIG_PROCESSES = 8  # the shipped one-node configs launch 8 processes
 CACHE_DIR = "teacher-cache"
@@ -73,7 +79,7 @@ def launch_prefix(layout: Layout, cluster: Cluster) -> list[str]:
     args = ["accelerate", "launch"]
     configs = ACCELERATE_CONFIGS.get(layout.strategy)
     if configs is not None:
-        args += ["--config_file", configs[cluster.nodes > 1]]
+        args += ["--config_file", accelerate_config(configs[cluster.nodes > 1])]
     else:  # DDP: said outright, so that a default accelerate config (FSDP, DeepSpeed) is not picked up instead
         args.append("--multi_gpu")
     if configs is None or layout.processes != CONFIG_PROCESSES or cluster.nodes > 1:
@@ -84,33 +90,42 @@ def launch_prefix(layout: Layout, cluster: Cluster) -> list[str]:
     return args + ["-m", "fcsd.cli"]
 
 
-def serving_size(gpus: int, heads: int, kv_heads: int, experts: int) -> int:
-    """The largest tensor-parallel size dividing ``gpus`` that vLLM accepts for the model: it divides the attention
-    heads, it and the KV heads divide one another, and (the experts split over the same GPUs) it divides the
-    experts."""
-    for size in range(gpus, 0, -1):
-        if gpus % size or heads % size or experts % size or (kv_heads % size and size % kv_heads):
-            continue
-        return size
-    return 1
+def accelerate_config(name: str) -> str:
+    """The path of the shipped accelerate config ``name`` (``fcsd/accelerate/`` of the installed package): relative
+    to the working directory when it lies below it (a source checkout), else absolute."""
+    path = Path(__file__).resolve().parents[1] / "accelerate" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: the accelerate config is missing from this fcsd install; reinstall fcsd")
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
-def serve_line(export_dir: str, model_type: str, size: int) -> str | None:
-    """vLLM serving of the export on ``size`` GPUs of one node, the experts split over them (the command fcsd's
-    plugin prints, :func:`fcsd.serving.vllm.families.serve_command`, with the parallel sizes); None when vLLM has
-    no FarSkip class for ``model_type``."""
+def serve_line(export_dir: str, model_type: str, fit=None, max_context: int | None = None) -> str | None:
+    """vLLM serving of the export at ``fit``'s setting (:class:`fcsd.plan.serving.ServingFit`: tensor parallelism
+    with the experts split over the same GPUs, pipeline parallelism across nodes over a Ray cluster, and its context
+    as ``--max-model-len`` when below the model's ``max_context``; None: one GPU, vLLM's defaults). The command
+    fcsd's plugin prints (:func:`fcsd.serving.vllm.families.serve_command`) with those flags; None when vLLM has no
+    FarSkip class for ``model_type``."""
     from fcsd.serving.vllm.families import serve_command
 
     base = serve_command(shlex.quote(export_dir), model_type)
-    if base is None or size == 1:
+    if base is None or fit is None:
         return base
-    return f"{base} --tensor-parallel-size {size} --enable-expert-parallel"
+    flags = [f"--tensor-parallel-size {fit.tp} --enable-expert-parallel"] if fit.tp > 1 else []
+    if fit.pp > 1:
+        flags.append(f"--pipeline-parallel-size {fit.pp} --distributed-executor-backend ray")
+    if max_context is None or fit.context < max_context:
+        flags.append(f"--max-model-len {fit.context}")
+    return " ".join([base, *flags])
 
 
 def plan_commands(model: str, layout: Layout, spec: str, config, defaults, cluster: Cluster, extra: list[str], serving):
     """``({"cache_teacher", "train", "serve"}, notes)``: the shell lines (``cache_teacher`` only with a cached
-    teacher, ``serve`` only where vLLM has the family; ``serving`` is ``(model_type, GPUs)``) and a note for each
-    of the user's overrides the plan replaced with its own choice. The user's ``output_dir`` is kept."""
+    teacher, ``serve`` only where vLLM has the family and the export fits the cluster; ``serving`` is
+    ``(model_type, check)``, ``check`` a :class:`fcsd.plan.serving.ServingCheck` or None) and a note for each of
+    the user's overrides the plan replaced with its own choice. The user's ``output_dir`` is kept."""
     from fcsd.sources import display_name
 
     given = dict(a.split("=", 1) for a in extra)
@@ -138,7 +153,9 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
             cache = ["fcsd", *cache]
         commands["cache_teacher"] = _line(cache)
     commands["train"] = _line(launch_prefix(layout, cluster) + ["convert", *train])
-    serve = serve_line(f"{output_dir}/export", *serving)
+    model_type, check = serving
+    fits = check is not None and check.fit is not None
+    serve = serve_line(f"{output_dir}/export", model_type, check.fit, check.model.max_context) if fits else None
     if serve is not None:
         commands["serve"] = serve
     return commands, notes

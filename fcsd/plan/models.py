@@ -73,7 +73,14 @@ EMBEDDED = {
         rope_theta=500000.0,
         tie_word_embeddings=False,
     ),
-    "deepseek-ai/DeepSeek-V3": dict(PERFMODEL_PRESETS["deepseek-v3"], max_position_embeddings=163840),
+    "deepseek-ai/DeepSeek-V3": dict(
+        PERFMODEL_PRESETS["deepseek-v3"],
+        max_position_embeddings=163840,
+        # the release is block-FP8: an export keeps that format (fcsd plan's serving check counts its bytes)
+        quantization_config=dict(
+            quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128], activation_scheme="dynamic"
+        ),
+    ),
 }
 ALIASES = {
     "qwen3_30b_a3b": "Qwen/Qwen3-30B-A3B",

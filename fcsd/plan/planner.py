@@ -17,6 +17,8 @@ from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, se
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
 from fcsd.plan.models import ModelSource, load_model_config
+from fcsd.plan.serving import plan_serving
+from fcsd.plan.units import duration, time_unit
 from fcsd.plan.workers import simulation_workers
 
 MAX_NODES = 128
@@ -43,6 +45,7 @@ class Plan:
     commands: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     counts: object = None  # candidates.Counts of the model
+    serving: object = None  # serving.ServingCheck on the cluster asked for (None: vLLM lacks the family)
 
     @property
     def chosen(self) -> Candidate | None:
@@ -77,11 +80,15 @@ def make_plan(
     overrides: list[str] | None = None,
     max_kl: float | None = None,
     workers: int | None = None,
+    serve_context: int | None = None,
+    serve_sequences: int = 1,
 ) -> Plan:
     """Plan FCSD for ``model`` on ``cluster`` (see the module docstring). ``overrides`` are ``fcsd convert``'s
     Hydra overrides (batch size, sequence length, ...); ``tokens`` the training budget (default: the recipe's
     ``train.max_tokens``); ``workers``: processes simulating candidates (default: the CPU cores, up to 4, for a
-    model of :data:`PARALLEL_FROM` parameters or more, else this process; :mod:`fcsd.plan.workers`)."""
+    model of :data:`PARALLEL_FROM` parameters or more, else this process; :mod:`fcsd.plan.workers`);
+    ``serve_context`` / ``serve_sequences``: what the serving check holds a KV cache for
+    (:func:`fcsd.plan.serving.check_serving`)."""
     from fcsd import perfmodel as pm
     from fcsd.connectivity.summary import summarize
 
@@ -89,6 +96,7 @@ def make_plan(
     summary = summarize(source.name, config=source.config)
     shape = pm.model_shape(source.config)  # a dense or unsupported model is refused here, in one line
     config, defaults, notes = run_config(source, overrides or [], tokens, cluster)
+    serving = plan_serving(source.config, cluster, serve_context, serve_sequences, config)  # bad input: at once
     tokens = float(config.train.max_tokens)
     given = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("farskip.layers=")]
     specs = specs or given[-1:] or DEFAULT_SPECS  # the user's farskip.layers is the one spec planned
@@ -123,17 +131,12 @@ def make_plan(
         user = list(overrides or [])
         has_data = any(_names_data(o) for o in user) or defaults.data.path != "plan"
         extra = user if has_data else [DEFAULT_DATA, *user]
-        target = fallback.cluster if fallback is not None else cluster
         from fcsd.connectivity.families import text_config
-        from fcsd.plan.commands import serving_size
 
-        text = text_config(source.config)
-        heads = text.num_attention_heads
-        size = serving_size(
-            target.gpus_per_node, heads, getattr(text, "num_key_value_heads", None) or heads, shape.num_experts
-        )
+        target = fallback.cluster if fallback is not None else cluster
+        plan.serving, model_type = serving, text_config(source.config).model_type
         plan.commands, replaced = plan_commands(
-            source.name, chosen.layout, choice.spec, config, defaults, target, extra, (text.model_type, size)
+            source.name, chosen.layout, choice.spec, config, defaults, target, extra, (model_type, serving)
         )
         plan.notes += replaced
         if chosen.layout.teacher == "cache" and config.recovery.hidden_l2 > 0:
@@ -199,17 +202,23 @@ def layout_reason(result: Search) -> str:
     a, b = chosen.time, other.time
     parts = []
     if a.compute_s < 0.99 * b.compute_s:
-        parts.append(f"less compute ({a.compute_s:.2f} s vs {b.compute_s:.2f} s: " + _compute_why(chosen, other) + ")")
+        parts.append(f"less compute ({_versus(a.compute_s, b.compute_s)}: " + _compute_why(chosen, other) + ")")
     if a.exposed_comm_s < b.exposed_comm_s - 0.01 * b.seconds:
-        parts.append(f"less exposed communication ({a.exposed_comm_s:.2f} s vs {b.exposed_comm_s:.2f} s)")
+        parts.append(f"less exposed communication ({_versus(a.exposed_comm_s, b.exposed_comm_s)})")
     if a.compute_s > 1.01 * b.compute_s:
         lighter = _compute_why(other, chosen)
-        parts.append(f"despite more compute ({a.compute_s:.2f} s vs {b.compute_s:.2f} s: {lighter} there)")
+        parts.append(f"despite more compute ({_versus(a.compute_s, b.compute_s)}: {lighter} there)")
     why = " and ".join(parts) or "about the same step time (within 1%)"
     return (
-        f"{chosen.layout.shape} ({a.seconds:.2f} s per step) is {b.seconds / a.seconds:.2f}x as fast as "
-        f"{other.layout.short} ({b.seconds:.2f} s): {why}"
+        f"{chosen.layout.shape} ({duration(a.seconds)} per step) is {b.seconds / a.seconds:.2f}x as fast as "
+        f"{other.layout.short} ({duration(b.seconds)}): {why}"
     )
+
+
+def _versus(a: float, b: float) -> str:
+    """``a vs b`` in one unit that shows both (ms for a small model's steps)."""
+    name, size = time_unit(a, b)
+    return f"{a / size:.2f} {name} vs {b / size:.2f} {name}"
 
 
 def _compute_why(fast, slow) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fcsd.plan.candidates import why_none_fits
 from fcsd.plan.cluster import GIB
 from fcsd.plan.simulate import CATEGORIES
+from fcsd.plan.units import duration, time_unit
 
 STATUS = {
     "fits": "fits",
@@ -88,10 +89,10 @@ def breakdown_lines(plan) -> list[str]:
     chosen = plan.chosen
     t = chosen.time
     dispatch = f", {t.dispatcher} dispatch" if t.dispatcher else ""
-    parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in t.breakdown().items())
+    parts = ", ".join(f"{name} {duration(seconds)}" for name, seconds in t.breakdown().items())
     teacher = " and 2 x for the online teacher's forward" if chosen.layout.teacher == "online" else ""
     lines = [
-        f"breakdown  per step of {chosen.layout.shape}{dispatch}: {parts} = {t.seconds:.2f} s "
+        f"breakdown  per step of {chosen.layout.shape}{dispatch}: {parts} = {duration(t.seconds)} "
         f"({t.seconds / t.compute_s:.2f}x its compute)"
         if t.compute_s
         else f"breakdown  {parts}",
@@ -128,20 +129,32 @@ def timing_table(search) -> list[str]:
     timed = sorted(search.timed, key=lambda c: c.time.seconds)
     if not timed:
         return []
+    unit, size = time_unit(*(c.time.seconds for c in timed))  # one unit for the columns: ms for a small model
     lines = [
         "step time of each layout's fastest fitting candidate (expert parallel and not)",
-        f"{'layout':<32}{'peak GiB':>9}{'step s':>8}{'compute':>9}{'comm':>7}{'a2a':>7}{'FSDP2':>7}{'other':>7}",
+        f"{'layout':<32}{'peak GiB':>9}{'step ' + unit:>9}{'compute':>9}{'comm':>8}{'a2a':>8}{'FSDP2':>8}{'other':>8}",
     ]
     for c in timed:
         mark = "  <- chosen" if c is search.chosen else ""
         t = c.time
-        a2a = t.a2a_intra_s + t.a2a_inter_s
+        cells = (t.seconds, t.compute_s, t.exposed_comm_s, t.a2a_intra_s + t.a2a_inter_s, t.fsdp_s)
+        cells += (t.dp_allreduce_s + t.host_s,)
+        widths = (9, 9, 8, 8, 8, 8)
         lines.append(
-            f"{c.layout.short:<32}{c.estimate.peak / GIB:>9.1f}{t.seconds:>8.2f}{t.compute_s:>9.2f}"
-            f"{t.exposed_comm_s:>7.2f}{a2a:>7.2f}{t.fsdp_s:>7.2f}{t.dp_allreduce_s + t.host_s:>7.2f}{mark}"
+            f"{c.layout.short:<32}{c.estimate.peak / GIB:>9.1f}"
+            + "".join(f"{value / size:>{width}.2f}" for value, width in zip(cells, widths, strict=True))
+            + mark
         )
-    lines.append("(comm: exposed communication = a2a (all-to-alls) + FSDP2 + other (DP all-reduce, host copies))")
+    lines.append(
+        f"(times in {unit}; comm: exposed communication = a2a (all-to-alls) + FSDP2 + other (DP all-reduce, host "
+        "copies))"
+    )
     return lines
+
+
+def _hours(hours: float) -> str:
+    """Hours, or a smaller unit below a tenth of an hour (a small model's run)."""
+    return f"{hours:.1f} h" if hours >= 0.1 else duration(hours * 3600)
 
 
 def format_plan(plan) -> str:
@@ -192,10 +205,10 @@ def format_plan(plan) -> str:
         "time       FLOPs per token: "
         + ", ".join(f"{PHASES.get(phase, phase)} {_flops(value)}" for phase, value in plan.flops.items())
         + f"; at {plan.cluster.mfu:.0%} of {plan.cluster.gpu.tflops:g} TFLOP/s",
-        f"           step {t.seconds:.2f} s (compute {t.compute_s:.2f} s, exposed communication "
-        f"{t.exposed_comm_s:.2f} s), {t.tokens_per_s:,.0f} tokens/s",
+        f"           step {duration(t.seconds)} (compute {duration(t.compute_s)}, exposed communication "
+        f"{duration(t.exposed_comm_s)}), {t.tokens_per_s:,.0f} tokens/s",
         *breakdown_lines(plan),
-        f"           {plan.hours:.1f} h on {chosen.layout.processes} GPUs, {plan.gpu_hours:,.0f} GPU-hours"
+        f"           {_hours(plan.hours)} on {chosen.layout.processes} GPUs, {plan.gpu_hours:,.0f} GPU-hours"
         + (
             f" (with the teacher cache's pass, {plan.cache_pass_hours:.1f} h on {plan.cache_gpus} "
             f"GPU{'s' if plan.cache_gpus > 1 else ''})"
@@ -209,6 +222,10 @@ def format_plan(plan) -> str:
             f"           the teacher cache takes about {disk:.2f} TB of disk for these tokens (top "
             f"{plan.config.teacher.top_k} per token; it covers the whole dataset, which may hold more)"
         )
+    if plan.serving is not None:
+        from fcsd.plan.serving import serving_line
+
+        lines += ["", serving_line(plan.serving)]
     lines += [
         "",
         "commands",
@@ -252,6 +269,7 @@ def plan_dict(plan) -> dict:
         "gpu_hours": plan.gpu_hours,
         "cache_pass_hours": plan.cache_pass_hours,
         "cache_gpus": plan.cache_gpus,
+        "serving": None if plan.serving is None else plan.serving.to_dict(),
         "commands": plan.commands,
         "notes": plan.notes,
     }
