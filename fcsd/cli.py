@@ -155,7 +155,7 @@ def _export(args) -> int:
     from fcsd.serving.vllm.families import serve_command
 
     ownership.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
-    out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite)
+    out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite, export_format=args.format)
     print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
     command = serve_command(str(out), json.loads((out / "config.json").read_text())["model_type"])
     if command:
@@ -333,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("out_dir", help="where the export goes (refused if not empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument(
+        "--format",
+        choices=("source", "bf16"),
+        default="source",
+        help="source (default): a model trained from a block-FP8 checkpoint is written in that FP8 format, any "
+        "other in its dtype; bf16: the weights as they are, without quantization",
+    )
     p.set_defaults(func=_export)
 
     p = sub.add_parser(

@@ -9,7 +9,9 @@ from fcsd.connectivity.patch import CONFIG_KEY, apply_farskip
 CONFIG_ERRORS = (ValueError, TypeError, KeyError, StrictDataclassError)  # garbage, mistyped or inconsistent values
 
 
-def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, model_class=None, **kwargs):
+def from_pretrained(
+    name_or_path: str, layers=None, text_only: bool = False, model_class=None, keep_fp8: bool = False, **kwargs
+):
     """Load a causal LM (hub id or local folder) and apply FarSkip connectivity. Every fcsd command loads models
     through here (training, evaluation, export, the demo), so an exported ``farskip_*`` folder works everywhere.
 
@@ -21,21 +23,38 @@ def from_pretrained(name_or_path: str, layers=None, text_only: bool = False, mod
     converted (none for a stock checkpoint). An exported folder (model type ``farskip_<stock type>``) loads through
     the stock transformers classes, without its remote code. ``model_class`` overrides the class (expert
     parallelism's sharded loader passes one). ``kwargs`` go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
+
+    A block-FP8 checkpoint (design §8) is dequantized by fcsd as it is read (:mod:`fcsd.fp8`), into ``dtype``;
+    ``keep_fp8`` keeps transformers' FP8 modules instead (a CUDA GPU of compute capability >= 8.9 only).
     """
     config = _stock_config(name_or_path, kwargs.get("revision"))
     if config is not None:
         kwargs.setdefault("config", config)
-    check_quantization(
+    checked = check_quantization(
         config if config is not None else load_config(name_or_path, kwargs.get("revision")), name_or_path
     )
     check_weight_files(name_or_path)
 
-    if model_class is not None:  # a sharded loader (expert parallelism) reads only its own part of the weights
-        model = model_class.from_pretrained(name_or_path, **kwargs)
-    else:
+    from fcsd.fp8 import check_fp8_modules, dequantizing_class, fp8_settings, without_quantization
+
+    settings = fp8_settings(checked)
+    if keep_fp8:
+        check_fp8_modules(settings, name_or_path)
+    sharded = model_class is not None  # a sharded loader (expert parallelism) reads only its own part of the weights
+    if model_class is None:
         model_class = model_class_for(name_or_path, text_only, config, kwargs.get("revision"))
-        model, info = model_class.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    loader = model_class
+    if settings is not None and not keep_fp8:
+        kwargs["config"] = without_quantization(kwargs.get("config") or checked)
+        model_class = _concrete(model_class, kwargs["config"])
+        loader = dequantizing_class(model_class, settings)
+    if sharded:
+        model = loader.from_pretrained(name_or_path, **kwargs)
+    else:
+        model, info = loader.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
         check_no_missing_weights(name_or_path, info.get("missing_keys") or [])
+    if type(model) is not model_class and type(model) is loader:
+        model.__class__ = model_class  # the class it would have had (the exported remote code names its module)
     if layers is None:
         record = getattr(model.config, CONFIG_KEY, None) or {}
         layers = record.get("layers", [])
@@ -88,6 +107,17 @@ def model_class_for(name_or_path: str, text_only: bool = False, config=None, rev
     if text_only:
         return transformers.AutoModelForCausalLM
     return _model_class(name_or_path, config, revision)
+
+
+def _concrete(model_class: type, config) -> type:
+    """``model_class`` with an auto class resolved to the class it picks for ``config``."""
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+
+    return (
+        _get_model_class(config, model_class._model_mapping)
+        if issubclass(model_class, _BaseAutoModelClass)
+        else model_class
+    )
 
 
 def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):

@@ -67,8 +67,19 @@ def load_models(
         common["experts_implementation"] = config.model.experts_implementation
     teacher = student = None
     if need_teacher:
-        dtype = _dtype(config.teacher.dtype, cuda, "float32", "bfloat16")
-        teacher = teacher_load(path, dtype=dtype, **common)
+        keep_fp8 = config.teacher.dtype == "fp8"  # a block-FP8 source's FP8 modules (fcsd.fp8); else dequantized
+        dtype = _dtype("bfloat16" if keep_fp8 else config.teacher.dtype, cuda, "float32", "bfloat16")
+        if keep_fp8:
+            from fcsd.fp8 import check_fp8_modules, fp8_settings
+
+            check_fp8_modules(fp8_settings(load_config(path, revision=config.model.revision)), path)
+            if teacher_load is not from_pretrained:
+                raise ValueError(
+                    "teacher.dtype=fp8 loads the teacher whole with transformers' FP8 modules, which fcsd's parallel "
+                    "layouts (parallel.ep_size / parallel.fsdp) do not shard: use teacher.dtype=auto"
+                )
+        fp8 = {"keep_fp8": True, "device_map": {"": device}} if keep_fp8 else {}
+        teacher = teacher_load(path, dtype=dtype, **common, **fp8)
         teacher.eval().requires_grad_(False).to(device)
     if need_student:
         source_dtype = load_config(path, revision=config.model.revision).dtype  # an export's: its stock config

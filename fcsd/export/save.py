@@ -24,7 +24,14 @@ class ExportError(ValueError):
     """An export that cannot be written, or whose reloaded copy does not match the model."""
 
 
-def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, source: str | Path | None = None) -> Path:
+def export(
+    model,
+    tokenizer,
+    out_dir: str | Path,
+    overwrite: bool = False,
+    source: str | Path | None = None,
+    export_format: str = "source",
+) -> Path:
     """Write ``model`` (FarSkip layers applied) and ``tokenizer`` to ``out_dir`` atomically and check reload parity.
 
     The folder holds safetensors shards in the model's dtype, the config with its ``farskip`` record, model type
@@ -32,8 +39,13 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
     tokenizer. A non-empty ``out_dir`` is refused unless ``overwrite``; ``source`` (the checkpoint exported) is never
     written into. The export is a folder of its own in fcsd's ownership model (:mod:`fcsd.ownership`): one writer
     holds its lock from before staging to the rename, which checks the target again (:func:`fcsd.staging.atomic_dir`).
+    A model trained from a block-FP8 source is written in that format unless ``export_format="bf16"``
+    (:mod:`fcsd.export.fp8`).
     """
+    from fcsd.export.fp8 import check_format, finish_config, quantize_folder, source_quantization
     from fcsd.staging import atomic_dir
+
+    record = source_quantization(model.config) if check_format(export_format) == "source" else None
 
     out_dir = Path(out_dir).resolve()
     if not farskip_layers(model):
@@ -43,6 +55,9 @@ def export(model, tokenizer, out_dir: str | Path, overwrite: bool = False, sourc
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         farskip = complete_export(staging, model.config, type(model), source, model.dtype)
+        if record is not None:
+            quantize_folder(staging, record)
+        finish_config(staging, record)
         difference = check_parity(model, staging)
         write_parity_record(staging, difference, model.dtype, farskip)
     return out_dir
@@ -127,7 +142,7 @@ def check_parity(model, folder: Path) -> float:
     reloaded = from_pretrained(str(folder), dtype="auto").to(device).eval()
     got = text_logits(reloaded, batch)
     difference = float((got - expected).abs().max())
-    tolerance = PARITY_TOLERANCE.get(next(model.parameters()).dtype, 1e-2)
+    tolerance = parity_tolerance(folder, expected, next(model.parameters()).dtype)
     if reloaded.dtype != model.dtype or not difference <= tolerance:
         raise ExportError(
             f"reload parity failed: max |logit difference| {difference:.3g} (tolerance {tolerance:g}), dtype "
@@ -136,10 +151,23 @@ def check_parity(model, folder: Path) -> float:
     return difference
 
 
-def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+def parity_tolerance(folder: Path, expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest |logit difference| the reload of the export in ``folder`` may show: the dtype's, or for block-FP8
+    weights :func:`fcsd.export.fp8.parity_tolerance` (FP8 rounding)."""
+    from fcsd.export.fp8 import parity_tolerance as fp8_tolerance
+
+    if "quantization_config" in json.loads((Path(folder) / "config.json").read_text()):
+        return fp8_tolerance(expected)
+    return PARITY_TOLERANCE.get(dtype, 1e-2)
+
+
+def export_checkpoint(
+    run_or_checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False, export_format: str = "source"
+) -> Path:
     """``fcsd export``: export a run folder (its ``best/`` when MBPP+ early stopping kept one, else ``final/``), a
     converted checkpoint folder, or a run's step checkpoint (``checkpoints/step-N``, expert-parallel shards
-    consolidated: the state of a run that never reached ``final/``) to ``out_dir``."""
+    consolidated: the state of a run that never reached ``final/``) to ``out_dir``; ``export_format``: ``source``
+    (a block-FP8 source's own format, else the checkpoint's dtype) or ``bf16``."""
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.run_folder import is_step_checkpoint
     from fcsd.staging import restore_stale_siblings
@@ -163,4 +191,4 @@ def export_checkpoint(run_or_checkpoint: str | Path, out_dir: str | Path, overwr
             model, tokenizer = load_step_checkpoint(source)
         else:
             model, tokenizer = from_pretrained(str(source), dtype="auto"), tokenizer_from_pretrained(str(source))
-        return export(model, tokenizer, out_dir, overwrite=overwrite, source=source)
+        return export(model, tokenizer, out_dir, overwrite=overwrite, source=source, export_format=export_format)

@@ -23,15 +23,20 @@ from fcsd.parallel.stream_save import INDEX, WEIGHTS
 COPIED = ("*.safetensors", INDEX, "config.json", "generation_config.json")
 
 
-def export_laid_out(source: Path, out_dir: Path, meshes, overwrite: bool = False) -> Path:
-    """Export ``source`` (a parallel run's ``final/`` or ``best/``) to ``out_dir``; a collective: every process."""
+def export_laid_out(
+    source: Path, out_dir: Path, meshes, overwrite: bool = False, export_format: str = "source"
+) -> Path:
+    """Export ``source`` (a parallel run's ``final/`` or ``best/``) to ``out_dir``; a collective: every process.
+    From a block-FP8 source, the main process rewrites the copied files in that format one at a time unless
+    ``export_format="bf16"`` (:mod:`fcsd.export.fp8`)."""
     import gc
 
+    from fcsd.export.fp8 import check_format, finish_config, quantize_folder, source_quantization
     from fcsd.export.save import (
-        PARITY_TOLERANCE,
         ExportError,
         check_export_target,
         complete_export,
+        parity_tolerance,
         write_parity_record,
     )
     from fcsd.loading import load_config, tokenizer_from_pretrained
@@ -45,6 +50,7 @@ def export_laid_out(source: Path, out_dir: Path, meshes, overwrite: bool = False
     check_export_target(out_dir, overwrite, [source], run_root=RunFolder.of_checkpoint(source).root)  # everywhere
     config = load_config(str(source))
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype or torch.float32
+    record = source_quantization(config) if check_format(export_format) == "source" else None
     with contextlib.ExitStack() as stack:
         staging = (
             [str(stack.enter_context(atomic_dir(out_dir, kind="export", replace=overwrite, what="OUT_DIR")))]
@@ -60,9 +66,12 @@ def export_laid_out(source: Path, out_dir: Path, meshes, overwrite: bool = False
                     shutil.copy2(path, staging / path.name)
             tokenizer_from_pretrained(str(source)).save_pretrained(staging)
             farskip = [complete_export(staging, config, concrete_class(str(source), True, config), source, dtype)]
+            if record is not None:
+                quantize_folder(staging, record)
+            finish_config(staging, record)
         dist.broadcast_object_list(farskip, src=0)  # the staged folder is complete before anyone reads it
-        difference = _parity(source, staging, meshes)
-        tolerance = PARITY_TOLERANCE.get(dtype, 1e-2)
+        difference, expected = _parity(source, staging, meshes)
+        tolerance = parity_tolerance(staging, expected, dtype)
         if not difference <= tolerance:
             raise ExportError(
                 f"reload parity failed: max |logit difference| {difference:.3g} (tolerance {tolerance:g}) between "
@@ -78,8 +87,9 @@ def export_laid_out(source: Path, out_dir: Path, meshes, overwrite: bool = False
 
 
 @torch.no_grad()
-def _parity(source: Path, staging: Path, meshes) -> float:
-    """The largest logit difference, over every process, between ``source`` and its staged export loaded laid out."""
+def _parity(source: Path, staging: Path, meshes) -> tuple[float, torch.Tensor]:
+    """The largest logit difference, over every process, between ``source`` and its staged export loaded laid out,
+    and the source's logits."""
     from fcsd.export.save import parity_batch, text_logits
     from fcsd.parallel.load import from_pretrained_parallel
 
@@ -91,4 +101,4 @@ def _parity(source: Path, staging: Path, meshes) -> float:
         del model
     difference = (logits[0] - logits[1]).abs().max().reshape(1)
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-    return float(difference)
+    return float(difference), logits[0]

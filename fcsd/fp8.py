@@ -1,0 +1,224 @@
+"""Block-FP8 checkpoints (design §8: DeepSeek-V3, the Qwen3 ``-FP8`` releases), read and written by fcsd itself.
+
+The hub's format: every quantized linear stores an ``e4m3`` weight and a ``weight_scale_inv`` of
+``ceil(out/B0) x ceil(in/B1)`` fp32 scales (``B = quantization_config.weight_block_size``, ``[128, 128]`` on the hub);
+the weight is ``fp8 * scale`` block by block. Norms, embeddings, the head, the router and ``modules_to_not_convert``
+carry no scale and stay as they are.
+
+Reading (:func:`dequantizing_class`): fcsd dequantizes explicitly instead of letting transformers do it, because
+transformers' own dequantization (``Fp8Dequantize``) sees a slice of a weight without its scales under shard-on-read
+(EP x FSDP2: a rank's rows of a tensor do not line up with the 128 x 128 blocks). The checkpoint's tensors reach the
+loader as lazy :class:`DequantizedSlice` objects: whatever slice a rank asks for, it reads the enclosing whole blocks
+of the weight and the matching scales, dequantizes them (transformers' ``_dequantize_fp8_weight``) and cuts the slice
+out, so one code path serves one process, expert parallelism and EP x FSDP2. The model is built without its
+``quantization_config`` (plain modules in the training dtype: fp32 master weights as for any source), and
+``config.fcsd_source_quantization`` (:data:`RECORD_KEY`) records what the source was, so that ``final/`` and the
+export know it (:mod:`fcsd.export.fp8` writes the source's format back).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import ExitStack
+
+import torch
+
+#: the largest e4m3 value: a block's scale is its largest magnitude over this (DeepSeek-V3's convention)
+FP8_MAX = 448.0
+#: config.json key recording an FP8 source's ``quantization_config`` and which of its weights carried no scale
+RECORD_KEY = "fcsd_source_quantization"
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_settings(config) -> dict | None:
+    """The ``quantization_config`` of a block-FP8 checkpoint as a plain dict (None for an unquantized config); a
+    variant fcsd cannot read (another format, per-tensor scales, static activation scales) is refused in one line."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    settings = dict(quantization) if isinstance(quantization, dict) else quantization.to_dict()
+    method = settings.get("quant_method")
+    if getattr(method, "value", method) != "fp8":
+        return None  # fcsd.loading.check_quantization refuses the other methods
+    block = settings.get("weight_block_size")
+    problem = (
+        f"format {settings.get('fmt')!r} (fmt)"
+        if settings.get("fmt", "e4m3") != "e4m3"
+        else "per-tensor scales (no weight_block_size)"
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block))
+        else f"activation_scheme {settings.get('activation_scheme')!r}"
+        if settings.get("activation_scheme", "dynamic") != "dynamic"
+        else None
+    )
+    if problem is not None:
+        raise ValueError(
+            f"FP8 checkpoint with {problem}: fcsd reads block-FP8 e4m3 checkpoints with dynamic activation scales "
+            "(the DeepSeek-V3 / Qwen3 -FP8 format); dequantize it to bf16 and save_pretrained the result"
+        )
+    settings["quant_method"] = "fp8"
+    settings["weight_block_size"] = [int(b) for b in block]
+    return settings
+
+
+def fp8_kernels_available() -> bool:
+    """Whether transformers' FP8 modules run here: a CUDA GPU of compute capability 8.9 or more (Ada, Hopper and
+    later); elsewhere transformers dequantizes to bf16 by itself."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def check_fp8_modules(settings: dict | None, name: str) -> None:
+    """Refuse, in one line, to keep FP8 modules (``teacher.dtype=fp8``) for a checkpoint that is not block-FP8 or
+    on a machine without FP8 kernels."""
+    if settings is None:
+        raise ValueError(
+            f"teacher.dtype=fp8 keeps a block-FP8 checkpoint's FP8 modules, but {name} is not FP8: use auto"
+        )
+    if not fp8_kernels_available():
+        raise ValueError(
+            "teacher.dtype=fp8 needs FP8 kernels (a CUDA GPU of compute capability >= 8.9), which this machine lacks: "
+            "use teacher.dtype=auto (the teacher dequantized) or bfloat16"
+        )
+
+
+def without_quantization(config):
+    """A copy of ``config`` without its ``quantization_config``: the model transformers builds from it has plain
+    modules, which fcsd fills with dequantized weights."""
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+class DequantizedSlice:
+    """A checkpoint tensor with block scales, read lazily as the loader reads a safetensors slice: ``get_shape()``
+    and ``[index]`` (slices of any dims, or ``...``) return the dequantized fp32 values of just that part."""
+
+    def __init__(self, weight, scale, block: list[int]):
+        self.weight, self.scale, self.block = weight, scale, block
+
+    def get_shape(self) -> list[int]:
+        return list(self.weight.get_shape())
+
+    def get_dtype(self) -> str:
+        return "F32"
+
+    def __getitem__(self, index) -> torch.Tensor:
+        from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+        shape = self.get_shape()
+        bounds, squeeze = _bounds(index, shape)
+        (r0, r1), (c0, c1) = bounds[-2:]
+        (b0, b1), (rows, cols) = self.block, shape[-2:]
+        # the whole blocks around the slice: their weight and their scales, dequantized, then the slice cut out
+        lo_r, lo_c = r0 // b0 * b0, c0 // b1 * b1
+        hi_r, hi_c = min(-(-r1 // b0) * b0, rows), min(-(-c1 // b1) * b1, cols)
+        lead = tuple(slice(a, b) for a, b in bounds[:-2])
+        weight = self.weight[(*lead, slice(lo_r, hi_r), slice(lo_c, hi_c))]
+        scale = self.scale[(*lead, slice(lo_r // b0, -(-hi_r // b0)), slice(lo_c // b1, -(-hi_c // b1)))]
+        if not scale.dtype.is_floating_point or scale.element_size() < 2:
+            raise ValueError(f"block scales stored as {scale.dtype}: fcsd reads fp32 / bf16 weight_scale_inv")
+        values = _dequantize_fp8_weight(weight, scale, self.block, torch.float32)
+        values = values[..., r0 - lo_r : r1 - lo_r, c0 - lo_c : c1 - lo_c]
+        return values[tuple(0 if dim in squeeze else slice(None) for dim in range(values.ndim))]
+
+
+def _bounds(index, shape: list[int]) -> tuple[list[tuple[int, int]], set[int]]:
+    """``(start, stop)`` of every dim that ``index`` (slices with step 1, ints, one ``...``) selects, and the dims
+    an int index drops."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if any(part is Ellipsis for part in parts):
+        at = parts.index(Ellipsis)
+        parts[at : at + 1] = [slice(None)] * (len(shape) - len(parts) + 1)
+    parts += [slice(None)] * (len(shape) - len(parts))
+    bounds, squeeze = [], set()
+    for dim, (part, size) in enumerate(zip(parts, shape, strict=True)):
+        if isinstance(part, int):
+            part, _ = slice(part % size, part % size + 1), squeeze.add(dim)
+        start, stop, step = part.indices(size)
+        if step != 1:
+            raise ValueError(f"a strided read ({part}) of a block-FP8 tensor")
+        bounds.append((start, max(start, stop)))
+    return bounds, squeeze
+
+
+def dequantized_state_dict(files: list[str], block: list[int], stack: ExitStack) -> tuple[dict, dict]:
+    """The tensors of safetensors ``files`` for transformers' loader, each weight that has a ``weight_scale_inv``
+    as a :class:`DequantizedSlice` (its scales consumed), the rest as safetensors slices; the files stay open until
+    ``stack`` closes. Also returns the record of the source's format (:data:`RECORD_KEY`)."""
+    from safetensors import safe_open
+
+    entries = {}
+    for file in files:
+        handle = stack.enter_context(safe_open(file, framework="pt"))
+        entries.update((key, handle.get_slice(key)) for key in handle.keys())
+    static = sorted(key for key in entries if key.endswith((".activation_scale", ".input_scale")))
+    if static:
+        raise ValueError(f"{static[0]}: static activation scales; fcsd reads block-FP8 with dynamic activations")
+    scaled = [key for key in entries if key.endswith(".weight" + SCALE_SUFFIX)]
+    for scale_key in scaled:
+        key = scale_key.removesuffix(SCALE_SUFFIX)
+        if key not in entries:
+            raise ValueError(f"{scale_key} has no weight {key} in the checkpoint: copy or download it again")
+        entries[key] = DequantizedSlice(entries[key], entries.pop(scale_key), block)
+    # weights without a scale that the export must leave unquantized too (embeddings, head, router, skipped modules)
+    kept = sorted(
+        key
+        for key, entry in entries.items()
+        if not isinstance(entry, DequantizedSlice) and key.endswith(".weight") and len(entry.get_shape()) >= 2
+    )
+    return entries, {"kept": kept, "quantized": len(scaled)}
+
+
+def dequantizing_class(model_class: type, settings: dict) -> type:
+    """A subclass of a transformers model class (built from a config :func:`without_quantization`) whose
+    ``from_pretrained`` reads a block-FP8 checkpoint dequantized (:func:`dequantized_state_dict`) and records the
+    source's format on the model's config (:data:`RECORD_KEY`). Works below the other loaders' subclasses
+    (:mod:`fcsd.parallel.load`): they slice what this one dequantizes."""
+
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        if state_dict is not None or not checkpoint_files or not checkpoint_files[0].endswith(".safetensors"):
+            raise ValueError("a block-FP8 checkpoint is read from its .safetensors files: copy them in")
+        if is_deepspeed_zero3_enabled():
+            raise ValueError(
+                "a block-FP8 source under DeepSpeed ZeRO-3: fcsd dequantizes FP8 as it reads slices, which ZeRO-3's "
+                "loader does not do; use recipes/accelerate's FSDP2 config or parallel.fsdp=true"
+            )
+        with ExitStack() as stack:
+            entries, found = dequantized_state_dict(checkpoint_files, settings["weight_block_size"], stack)
+            setattr(model.config, RECORD_KEY, {"quantization_config": settings, **found})
+            return model_class._load_pretrained_model(model, entries, checkpoint_files, load_config, expected_keys)
+
+    return type(model_class.__name__, (model_class,), {"_load_pretrained_model": staticmethod(_load_pretrained_model)})
+
+
+def quantize_blocks(weight: torch.Tensor, block: list[int], power_of_two: bool = False):
+    """``(e4m3 weight, fp32 weight_scale_inv)`` of ``weight`` (``(..., out, in)``) in ``block`` blocks, partial
+    blocks at the edges included: each block's scale is its largest magnitude / 448 (a power of two above it with
+    ``power_of_two``, the ``ue8m0`` scale format), an all-zero block's 1."""
+    rows, cols = weight.shape[-2:]
+    b0, b1 = block
+    padded = torch.nn.functional.pad(weight.float(), (0, -cols % b1, 0, -rows % b0))
+    blocks = padded.unflatten(-1, (-1, b1)).unflatten(-3, (-1, b0))  # (..., R, b0, C, b1)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    if power_of_two:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    quantized = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    quantized = quantized.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous()
+    return quantized, scale.contiguous()
+
+
+def e4m3_step(scale: torch.Tensor, block: list[int], shape) -> torch.Tensor:
+    """The largest rounding step of e4m3 in each block, expanded to a weight of ``shape``: 32 (the step between 256
+    and 448) times the block's scale. A dequantized weight is within half of it of the weight it was made from."""
+    step = scale.float() * 32.0
+    step = step.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return step[..., : shape[-2], : shape[-1]]
+
+
+def block_count(shape, block: list[int]) -> int:
+    """Blocks of a ``(..., out, in)`` weight (partial ones at the edges count)."""
+    return math.prod(shape[:-2]) * -(-shape[-2] // block[0]) * -(-shape[-1] // block[1])
