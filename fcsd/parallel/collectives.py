@@ -196,6 +196,7 @@ class Exchange:
         # recomputation does not send: the replay log keeps their shape alone and the recomputation gets a
         # placeholder; the node-aware dispatcher's forwarding hops)
         self.replayed = True
+        self.chain = None  # the order chain of the forward that launched it (launch_all_to_all)
 
     def start(self, send: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], phase: str):
         if phase == "forward":
@@ -208,7 +209,8 @@ class Exchange:
                 log.put(self.kind, recv, exchange=self)  # filled by the collective before anything reads it
                 self.replay_log = log  # offloaded once waited (wait_all_to_all)
             else:
-                log.put(self.kind, recompute.Shape(recv, send.requires_grad or self.chain is not None), exchange=self)
+                needs_grad = send.requires_grad or self.chain is not None
+                log.put(self.kind, recompute.Shape(recv, needs_grad), exchange=self)
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group, async_op=True)
         if LINK is not None:  # full duplex: the larger of what leaves and what arrives from other ranks
             row_bytes = send[:1].nbytes if send.shape[0] else recv[:1].nbytes
@@ -267,7 +269,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_recv, _grad_token):
         exchange = ctx.exchange
-        chain = getattr(exchange, "chain", None)
+        chain = exchange.chain
         if chain is not None:
             chain.consumed = True  # a backward runs through this chain: later exchanges start a new one
         exchange.reverse_grad, exchange.reverse_work, kept = exchange.start(

@@ -113,10 +113,10 @@ class HierarchicalDispatcher(CollectiveDispatcher):
         fan_in = exchange_counts(fan_out.reshape(-1), self.node_group, self._next()).view(per_node, 2)
         flat = torch.cat([across.t().reshape(-1), recv[:, :2].t().reshape(-1), fan_out.t().reshape(-1)])
         host = torch.cat([flat, fan_in.t().reshape(-1)]).tolist()  # the layer's one device-to-host copy
-        n, p = nodes, per_node
-        cuts = [host[:n], host[n : 2 * n], host[2 * n : 3 * n], host[3 * n : 4 * n]]
-        cuts += [host[4 * n : 4 * n + p], host[4 * n + p : 4 * n + 2 * p]]
-        cuts += [host[4 * n + 2 * p : 4 * n + 3 * p], host[4 * n + 3 * p :]]
+        cuts, start = [], 0
+        for length in [nodes] * 4 + [per_node] * 4:  # the fields of _Sizes, in order
+            cuts.append(host[start : start + length])
+            start += length
         return _Sizes(*cuts)
 
     def dispatch_async(self, x_TD, topk_ids_TK, topk_weights_TK, scale_inputs=False, needs_backward=None) -> Pending:
