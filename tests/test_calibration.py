@@ -102,6 +102,7 @@ BAD_FILES = [
     (lambda d: {**d, "latency_us": {"broadcast": {"2": 1.0}}}, "latency_us must map"),
     (lambda d: {**d, "latency_us": {"all_gather": {"two": 1.0}}}, "latency_us.all_gather"),
     (lambda d: {**d, "reduced_tflops": {"128": 0}}, "reduced_tflops"),
+    (lambda d: {**d, "overlap": 1.5}, "overlap is 1.5"),
 ]
 
 
@@ -182,6 +183,36 @@ def test_a_cluster_files_figures_price_the_step(tmp_path):
     assert priced["double"].compute_s == pytest.approx(priced["slow"].compute_s / 2, rel=1e-9)
 
 
+def test_the_measured_overlap_is_the_share_of_each_window_the_step_hides(tmp_path):
+    """combine() pools the ranks' overlap times; a file measuring no overlap (a CPU whose every core computes) prices
+    a DDP step's all-reduce whole, beside the compute instead of behind the backward, and one measuring full overlap
+    as the presets do (two thirds of the compute hide it)."""
+    from fcsd import perfmodel as pm
+    from fcsd.plan.calibrate import combine, pooled_overlap
+    from fcsd.plan.candidates import parameter_counts
+    from fcsd.plan.timing import hardware, step_time
+
+    ranks = [{"work_s": 1.0, "comm_s": 0.5, "both_s": 1.5}, {"work_s": 1.0, "comm_s": 0.5, "both_s": 1.0}]
+    assert pooled_overlap(ranks) == pytest.approx(0.5)
+    assert pooled_overlap([{"work_s": 1.0, "comm_s": 0.5, "both_s": 2.0}]) == 0.0  # slower than serial: none
+    results = [{**rank_result(0.05, 10.0, 500.0, 0.5), "overlap": r} for r in ranks]
+    assert combine(results, 2, 2, "gloo")["overlap"] == pytest.approx(0.5)
+    model_config, config, layout, estimate = ddp_estimate()
+    shape, counts = pm.model_shape(model_config), parameter_counts(model_config)
+    steps = {}
+    for overlap in (0.0, 1.0):
+        path, _ = made_up_file(tmp_path, f"overlap{overlap}.json", intra_gbps=0.05, overlap=overlap)
+        cluster = load_cluster_file(path)
+        assert cluster.overlap == overlap
+        steps[overlap] = step_time(estimate, shape, set(), cluster, config.train.batch_tokens, 128, counts)
+    comm = pm.allreduce_s(estimate.gradients, layout.processes, hardware(cluster, layout.processes))
+    assert steps[0.0].dp_allreduce_s == pytest.approx(comm)
+    assert steps[1.0].dp_allreduce_s == pytest.approx(max(0.0, comm - steps[1.0].compute_s * 2 / 3))
+    assert steps[0.0].seconds > steps[1.0].seconds
+    preset = Cluster(cluster.gpu, cluster.gpus_per_node, cluster.nodes, 1.0)  # no file: the presets' full overlap
+    assert preset.overlap == 1.0
+
+
 def test_the_calibrated_prediction_adds_the_measured_overheads(tmp_path):
     """predict_step: the time model at the file's figures plus every op at the per-op time, the elementwise bytes at
     the measured bandwidth, each collective at its latency (none for DDP here: its reducer is not simulated), and a
@@ -232,6 +263,7 @@ def test_bench_cluster_under_two_gloo_processes_writes_a_file_the_plan_reads(tmp
     assert all(set(sizes) == {"2"} for sizes in data["latency_us"].values())
     assert data["threads"] == 1 and data["assumed"] == ["inter_gbps"]
     assert {"128", "256"} == set(data["reduced_tflops"])
+    assert 0 <= data["overlap"] <= 1 and len(data["measurements"]["overlap"]) == 2  # both ranks' times
     assert all(row["tflops"] > 0 for row in data["measurements"]["gemm"])
     assert "cluster file:" in done.stdout and done.stdout.count("cluster file:") == 1  # rank 0 alone reports
     cluster = load_cluster_file(out)

@@ -20,6 +20,8 @@ core), and rank 0 writes the file:
   (what FSDP2's collectives and the gradient all-reduce move, at the node's size), the all-to-all's own beside it.
 - The host link: pinned host-device copies, each way, every local rank copying (on a CPU there is no link: a
   memcpy, said so in the file).
+- How much of a collective hides behind compute beside it (:func:`measure_overlap`), the share of each window the
+  time model hides.
 - Costs the time model leaves out and that dominate small steps on a CPU: the time one tensor op takes to dispatch
   (Python, dispatcher, autograd: a tiny network's forward, backward and AdamW, divided by the ops it dispatches)
   and elementwise memory bandwidth.
@@ -340,27 +342,27 @@ def _collective(kind: str, total: int, group, ranks: int, device: torch.device, 
     return (lambda: dist.all_reduce(whole, group=group)), 2 * elements * size * share
 
 
+def _median_seconds(call, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _time_collective(call, repeats: int, device: torch.device, work=None) -> float:
     """Median seconds of ``repeats`` calls, after one warm-up; with ``work`` (the same local work on every rank)
     each call follows it, and the median of the work alone is taken out: the collective's cost where a step makes
     it, after compute, every rank arriving when its share of the machine lets it."""
     call()
     _barrier(device)
-
-    def median(function) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            function()
-            _sync(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
     if work is None:
-        return median(call)
-    alone = median(work)
+        return _median_seconds(call, repeats, device)
+    alone = _median_seconds(work, repeats, device)
     _barrier(device)
-    both = median(lambda: (work(), call()))
+    both = _median_seconds(lambda: (work(), call()), repeats, device)
     return max(both - alone, 1e-7)
 
 
@@ -403,6 +405,57 @@ def measure_collectives(device: torch.device, dtype: torch.dtype) -> list[dict]:
                 {"scope": scope, "kind": kind, "ranks": ranks, "latency_us": latency * 1e6, "gbps": bus / seconds / 1e9}
             )
     return rows
+
+
+def measure_overlap(device: torch.device, dtype: torch.dtype) -> dict:
+    """How much of a collective hides behind compute running beside it, every rank at once (what the time model's
+    windows assume: :attr:`fcsd.plan.cluster.Cluster.overlap`): an all-gather of the bandwidth message over all
+    ranks, alone (``t_comm``); GEMMs of about as long, alone (``t_work``); the all-gather launched asynchronously, the
+    GEMMs run, then its wait (``t_both``), medians of a few repeats. The share (:func:`pooled_overlap`) is
+    ``(t_work + t_comm - t_both) / min(t_work, t_comm)`` in [0, 1]: 1 when the pair takes as long as the longer of
+    the two, 0 when it takes their sum (a CPU whose every core computes: the collective's copies take cores from the
+    GEMMs)."""
+    repeats = REPEATS[device.type][1]
+    world = dist.get_world_size()
+    size = torch.tensor([], dtype=dtype).element_size()
+    elements = LARGE_BYTES[device.type] // size // world * world
+    whole = torch.zeros(elements, device=device, dtype=dtype)
+    part = torch.zeros(elements // world, device=device, dtype=dtype)
+
+    def comm(async_op: bool = False):
+        return dist.all_gather_into_tensor(whole, part, async_op=async_op)
+
+    n = 4096 if device.type == "cuda" else 256
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    comm()
+    _barrier(device)
+    t_comm = _median_seconds(comm, repeats, device)
+    one = _median_seconds(lambda: a @ b, repeats, device)
+    count = max(1, round(t_comm / max(one, 1e-9)))
+
+    def work():
+        for _ in range(count):
+            a @ b
+
+    _barrier(device)
+    t_work = _median_seconds(work, repeats, device)
+    _barrier(device)
+
+    def both():
+        pending = comm(async_op=True)
+        work()
+        pending.wait()
+
+    t_both = _median_seconds(both, repeats, device)
+    return {"comm_s": t_comm, "work_s": t_work, "both_s": t_both}
+
+
+def pooled_overlap(ranks: list[dict]) -> float:
+    """The overlap share of :func:`measure_overlap` from every rank's three times pooled (sums over the ranks: one
+    rank's share alone swings with what else its core ran)."""
+    work, comm, both = (sum(r[key] for r in ranks) for key in ("work_s", "comm_s", "both_s"))
+    shorter = sum(min(r["work_s"], r["comm_s"]) for r in ranks)
+    return min(1.0, max(0.0, (work + comm - both) / max(shorter, 1e-9)))
 
 
 # -- the host link ----------------------------------------------------------------------------------------------------
@@ -454,6 +507,9 @@ def measure_rank(model: str, tokens: int | None, device: torch.device, quick: bo
     result["host"] = host_link(device, seconds)
     _barrier(device)
     result["collectives"] = measure_collectives(device, dtype)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        _barrier(device)
+        result["overlap"] = measure_overlap(device, dtype)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if cuda:
         result["memory_gib"] = torch.cuda.get_device_properties(device).total_memory / GIB
@@ -552,11 +608,13 @@ def combine(results: list[dict], world: int, local: int, backend: str) -> dict:
         "latency_us": latency,
         "reduced_tflops": reduced,
         "assumed": assumed,
+        **({"overlap": pooled_overlap([r["overlap"] for r in results])} if "overlap" in first else {}),
         "measurements": {
             "gemm_tokens": first["tokens"],
             "gemm": first["gemm"]["shapes"],
             "collectives": sorted(collectives.values(), key=lambda r: (r["scope"], r["ranks"], r["kind"])),
             "host_link": first["host"],
+            "overlap": [r["overlap"] for r in results if "overlap" in r],
             "ops_per_tiny_step": first["ops_per_step"],
             "processes": world,
             "torch": torch.__version__,
@@ -604,6 +662,8 @@ def format_cluster(data: dict) -> str:
         f"host link  {figure(data['host_gbps'], 'GB/s')} ({data['measurements']['host_link'].get('what', 'pinned')})",
         f"per op     {data['op_us']:.3g} us dispatch, {figure(data['memory_gbps'], 'GB/s')} elementwise",
     ]
+    if "overlap" in data:
+        lines.append(f"overlap    {data['overlap']:.0%} of a collective hides behind compute beside it")
     for kind, sizes in data["latency_us"].items():
         lines.append(f"latency    {kind}: " + ", ".join(f"{us:.0f} us over {n}" for n, us in sizes.items()))
     if data["assumed"]:

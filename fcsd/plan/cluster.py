@@ -58,7 +58,10 @@ class Calibration:
     ``((kind, ranks, microseconds), ...)``), the all-to-all bus bandwidths (``alltoall_intra_gbps`` /
     ``alltoall_inter_gbps``), the GEMM rate at the reduced shapes ``fcsd plan --measure`` runs
     (``reduced_tflops``: ``((tokens, TFLOP/s), ...)``), and where it was measured (``device``, ``backend``,
-    ``threads``: torch's intra-op threads per process, ``model``)."""
+    ``threads``: torch's intra-op threads per process, ``model``), and how much of a collective hides behind
+    compute running at the same time (``overlap``: 1 where the GPU's copy engines and NICs move the bytes beside its
+    compute, about 0 on a CPU whose every core computes, where the collective's copies take cores from the
+    compute; the time model hides only this share of each window: :attr:`Cluster.overlap`)."""
 
     op_us: float = 0.0
     memory_gbps: float | None = None  # None: no elementwise term
@@ -71,6 +74,7 @@ class Calibration:
     threads: int = 0
     model: str = ""
     assumed: tuple = ()  # the cluster fields not measured (kept from a preset), e.g. inter_gbps on one node
+    overlap: float = 1.0  # the share of a collective's time that hides behind compute running beside it
 
     def latency(self, kind: str, ranks: int) -> float:
         """Seconds of latency of one ``kind`` collective over ``ranks`` ranks: the measured group size nearest above
@@ -117,6 +121,12 @@ class Cluster:
 
     def with_nodes(self, nodes: int) -> Cluster:
         return replace(self, nodes=nodes)
+
+    @property
+    def overlap(self) -> float:
+        """The share of a collective's time that can hide behind compute beside it: measured in a cluster file,
+        1 (all of it, the presets' assumption) otherwise."""
+        return self.calibration.overlap if self.calibration is not None else 1.0
 
     def bandwidth(self, ranks: int) -> float:
         """Bus bandwidth (GB/s) of a collective over ``ranks`` consecutive GPUs: inside a node, or between nodes."""
@@ -265,6 +275,9 @@ def check_cluster_data(data, path: str = "FILE") -> None:
             continue
         if not _positive(value) and not (key == "op_us" and value == 0):
             raise ValueError(f"{where}: {key} is {value!r}, not a number above 0; {REMEASURE}")
+    overlap = data.get("overlap", 1.0)
+    if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0 <= overlap <= 1:
+        raise ValueError(f"{where}: overlap is {overlap!r}, not a share between 0 and 1; {REMEASURE}")
     latency = data.get("latency_us", {})
     if not isinstance(latency, dict) or any(kind not in COLLECTIVES for kind in latency):
         raise ValueError(f"{where}: latency_us must map {', '.join(COLLECTIVES)} to {{ranks: us}}; {REMEASURE}")
@@ -307,6 +320,7 @@ def cluster_from_data(data: dict, margin: float = 0.1) -> Cluster:
         threads=int(data.get("threads", 0) or 0),
         model=str(data.get("model", "")),
         assumed=tuple(data.get("assumed", ())),
+        overlap=float(data.get("overlap", 1.0)),
     )
     return Cluster(gpu, data["gpus_per_node"], data["nodes"], 1.0, margin=margin, calibration=calibration)
 

@@ -33,6 +33,10 @@ GPU's peak, plus the communication the step cannot hide (:class:`StepTime` keeps
   of the backward, except the first layer's), over the host link (``host_gbps``); under the node-aware dispatcher
   the rows are its own (:func:`replay_scale`).
 
+Each "hidden behind the compute" above hides :attr:`~fcsd.plan.cluster.Cluster.overlap` of it: all of it on the
+presets' GPUs, the measured share with a cluster file (on a CPU whose every core computes, about none: a collective's
+copies there take the cores the compute runs on).
+
 Per-layer compute times come from :func:`fcsd.perfmodel.prefill_layer_times` at ``peak x mfu``, bandwidths from the
 cluster: bus bandwidths, an all-to-all at 5/6 of them (perfmodel's 300 vs 400 GB/s). Model FLOPs utilisation
 (:func:`model_flops_per_token`) counts ``6 x active parameters`` per token for the student and ``2 x active`` for
@@ -146,7 +150,7 @@ def ep_breakdown(
         times = pm.prefill_layer_times(shape, layer, max(1, tokens // seq_len), seq_len, 1, 1, hw)
         passes = 2 + (1 if teacher else 0)  # forward, backward, the teacher's forward
         if index in converted:
-            window = times.compute - times.routed - times.gate
+            window = (times.compute - times.routed - times.gate) * cluster.overlap
             shown = max(0.0, one.hideable - window) + max(0.0, one.hideable - 2 * window)
             shown += one.hideable if teacher else 0.0
         else:
@@ -338,11 +342,11 @@ def step_time(
         dp = pm.allreduce_s(grad_bytes, processes, hardware(cluster, processes))
     elif layout.strategy in ("ep_fsdp", "fsdp2"):
         intra, inter = fsdp_parts(layout, counts, cluster, estimate.accumulation)
-        behind = compute - (a2a.hidden_inter if inter else 0.0)  # the NICs carry the hidden all-to-alls too
+        behind = compute * cluster.overlap - (a2a.hidden_inter if inter else 0.0)  # the NICs carry those too
         fsdp = max(0.0, intra + inter - max(0.0, behind))
     elif layout.strategy == "ddp":
         comm = pm.allreduce_s(grad_bytes, processes, hardware(cluster, processes))
-        dp = max(0.0, comm - compute * 2 / 3)  # overlapped with the backward (two thirds of the compute)
+        dp = max(0.0, comm - compute * 2 / 3 * cluster.overlap)  # overlapped with the backward (2/3 of the compute)
     if layout.offload:
         rows = estimate.host * replay_scale(layout, cluster, reach)
         backward = compute * estimate.flops.get("backward", 0.0) / max(sum(estimate.flops.values()), 1.0)
@@ -364,10 +368,10 @@ def offload_exposure(
     while it recomputes this one, so each layer's copy hides behind a layer's share of ``backward_compute`` (the
     backward with its recomputation), except the first one's; without, every copy back is exposed."""
     copy = host_bytes / (cluster.gpu.host_gbps * 1e9)
-    out = max(0.0, copy - micro_batch_compute / 4)
+    out = max(0.0, copy - micro_batch_compute / 4 * cluster.overlap)
     if layers < 1:
         return out + copy
-    return out + copy / layers + max(0.0, copy - backward_compute) * (layers - 1) / layers
+    return out + copy / layers + max(0.0, copy - backward_compute * cluster.overlap) * (layers - 1) / layers
 
 
 def replay_scale(layout, cluster: Cluster, reach) -> float:
