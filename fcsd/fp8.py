@@ -19,7 +19,6 @@ export know it (:mod:`fcsd.export.fp8` writes the source's format back).
 from __future__ import annotations
 
 import copy
-import math
 from contextlib import ExitStack
 
 import torch
@@ -217,8 +216,3 @@ def e4m3_step(scale: torch.Tensor, block: list[int], shape) -> torch.Tensor:
     step = scale.float() * 32.0
     step = step.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return step[..., : shape[-2], : shape[-1]]
-
-
-def block_count(shape, block: list[int]) -> int:
-    """Blocks of a ``(..., out, in)`` weight (partial ones at the edges count)."""
-    return math.prod(shape[:-2]) * -(-shape[-2] // block[0]) * -(-shape[-1] // block[1])

@@ -164,8 +164,9 @@ def test_fp8_export_is_the_source_format_within_one_e4m3_step(fp8_runs, run):
 
 def test_fp8_export_loads_with_fcsd_transformers_and_remote_code(fp8_runs, tmp_path):
     """The FP8 export loads with fcsd.from_pretrained (dequantized by fcsd) and, through its remote code, in
-    transformers (which dequantizes on a CPU by itself, partial blocks of MLA refused there: checked on Qwen3-MoE
-    below): the same logits; `fcsd export --format bf16` writes the bf16 weights without quantization_config."""
+    transformers (which dequantizes on a CPU by itself; it refuses DeepSeek-V3's real 576-row MLA projection with
+    5 row blocks, so this is checked on Qwen3-MoE): the same logits; `fcsd export --format bf16` writes the bf16
+    weights without quantization_config."""
     from transformers import AutoModelForCausalLM
 
     from fcsd.cli import main
