@@ -312,6 +312,49 @@ def test_step_checkpoints_export_with_the_expert_shards_consolidated(parallel_ru
     assert "| steps | 2 |" in (tmp_path / "ep" / "README.md").read_text()
 
 
+def test_a_sharded_checkpoint_with_overwritten_bytes_is_refused_by_resume_and_export(parallel_runs, tmp_path, capsys):
+    """The issue's reproduction: 4 KiB of one process's shards (``__1_0.distcp`` of an expert-parallel run's last
+    checkpoint) overwritten with 0xFF, size kept, made `--resume` train NaN. Every file has its SHA-256 in the
+    trainer state (the processes hashed their shares); --resume and `fcsd export` refuse it in one line naming the
+    file and the older sound checkpoint."""
+    from fcsd.distill.preflight import check_output_dir
+    from fcsd.ownership import FolderError
+
+    run = tmp_path / "ep"
+    shutil.copytree(parallel_runs / "ep", run, ignore=shutil.ignore_patterns("final", "export", "run_summary.json"))
+    checkpoint = run / "checkpoints" / "step-2"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert set(state["sha256"]) == set(state["files"]) >= {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+    shard = checkpoint / "__1_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(b"\xff" * 4096)
+    assert shard.stat().st_size == size
+    config = saved_config(run)
+    config.train.resume = True
+    with pytest.raises(FolderError) as refused:
+        check_output_dir(run, True, False, config)
+    message = str(refused.value)
+    assert "checkpoints/step-2 is damaged (__1_0.distcp changed since it was written" in message, message
+    assert "continue from step-1: `" in message and message.endswith("train.resume_step=1`"), message
+    assert main(["export", str(checkpoint), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "__1_0.distcp changed since it was written" in err and "step-1" in err, err
+
+
+def saved_config(run: Path):
+    """The run config saved in ``run``, as the typed object a command composes, with ``output_dir`` = ``run``."""
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.config import FCSDConfig
+
+    saved = OmegaConf.merge(OmegaConf.structured(FCSDConfig), OmegaConf.load(run / "fcsd_config.yaml"))
+    config = OmegaConf.to_object(saved)
+    config.output_dir = str(run)
+    return config
+
+
 def test_an_export_is_a_training_source(parallel_runs, assets, tmp_path):
     """An exported farskip_* folder trains like any checkpoint: the teacher is the export as it is (FarSkip on its
     recorded layers), so a student converted on the same layers starts at zero held-out KL."""
