@@ -109,9 +109,24 @@ def command_line(*extra: str, replace: dict[str, str] | None = None) -> str:
     ``replace`` replaced by its value): what a message tells the user to run again."""
     import shlex
 
-    argv = _COMMAND if _COMMAND is not None else sys.argv[1:]
-    argv = [(replace or {}).get(arg, arg) for arg in argv]
+    argv = [(replace or {}).get(arg, arg) for arg in command_argv()]
     return shlex.join([*launcher(), *argv, *extra])
+
+
+def command_argv() -> list[str]:
+    """The arguments of the fcsd command being run (after ``fcsd``)."""
+    return list(_COMMAND if _COMMAND is not None else sys.argv[1:])
+
+
+def torchrun_line(nproc: int, settings: dict[str, str] | None = None) -> str:
+    """The command being run as a ``torchrun`` launch of ``nproc`` processes on this node, ``settings``
+    (``{"parallel.ep_size": "2"}``) replacing the command's own values of those keys."""
+    import shlex
+
+    settings = settings or {}
+    argv = [arg for arg in command_argv() if arg.split("=", 1)[0] not in settings]
+    extra = [f"{key}={value}" for key, value in settings.items()]
+    return shlex.join(["torchrun", "--nproc_per_node", str(nproc), "-m", "fcsd.cli", *argv, *extra])
 
 
 def launcher() -> list[str]:

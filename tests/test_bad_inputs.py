@@ -263,6 +263,34 @@ CASES = [
         "was written by a run without parallel.ep_size / parallel.fsdp",
         None,
     ),
+    # a progressive schedule whose stage converts fewer layers than an earlier one (issue 38)
+    (
+        "progressive_stage_drops_layers",
+        lambda w: run_convert(
+            w,
+            f"output_dir={w / 'runs/progressive'}",
+            "recovery=schedule_free",
+            "recovery.progressive=[all,last:50%]",
+            "recovery.progressive_shares=[0.3,0.3]",
+        ),
+        "stage 2 (last:50%) converts fewer layers than stage 1 (all) (it drops layer(s) 0-1 of the model's 4)",
+        None,
+    ),
+    # a parallel layout in one plain process: the torchrun line, not torch's "Default process group ..." (issue 38)
+    (
+        "expert_parallel_without_a_launcher",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/no_launcher'}", "parallel.ep_size=2"),
+        "parallel.ep_size=2 lays the model out over several processes, which a launcher starts, and this is one plain "
+        "process: launch it with `torchrun --nproc_per_node 2 -m fcsd.cli convert ",
+        None,
+    ),
+    (
+        "fsdp_without_a_launcher",
+        lambda w: run_convert(w, f"output_dir={w / 'runs/no_launcher'}", "parallel.fsdp=true"),
+        "parallel.fsdp=true lays the model out over several processes, which a launcher starts, and this is one plain "
+        "process: launch it with `torchrun --nproc_per_node 2 -m fcsd.cli convert ",
+        None,
+    ),
     # 12. each command replaces only a folder of its own kind, and never what fcsd did not write (issue 19)
     (
         "output_dir_is_an_export",
@@ -1854,3 +1882,52 @@ def test_a_run_with_non_finite_weights_writes_no_final_export_or_summary(env, tm
     expected = "the loss was not finite in each of the last 3 steps" if steps == 4 else "hold non-finite values"
     assert expected in err and "nothing was written from them (no final/, export or summary)" in err, err
     assert not any((out / name).exists() for name in ("final", "export", "run_summary.json"))
+
+
+def test_a_resume_records_the_recipe_it_trains_with(env, tmp_path, monkeypatch, capsys):
+    """A warm-start run resumed with `recovery=plain` on its command line (its recovery.warm_share kept, so the resume
+    check lets it through) trains the warm start, as it should; its fcsd_config.yaml said `recovery.name: plain`.
+    Now the run keeps recording the recipe it trains with, with a note."""
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", "train.max_steps=4", "train.save_every=1", "export=false")
+    argv += ["recovery=warm_start", "recovery.warm_share=0.5"]
+    with monkeypatch.context() as patch:
+        _stop_after_checkpoint(patch, 1)
+        assert main(argv) == 130
+    capsys.readouterr()
+    assert main([*argv, "--resume", "recovery=plain"]) == 0
+    assert "note: --resume continues the run's recovery recipe 'warm_start'" in capsys.readouterr().out
+    stages = {r["step"]: r["train/stage"] for r in RunFolder(out).records() if "train/stage" in r}
+    assert stages == {1: "warm_start", 2: "warm_start", 3: "kl", 4: "kl"}
+    for config in (out / CONFIG, out / "final" / CONFIG):
+        recorded = OmegaConf.load(config).recovery
+        assert (recorded.name, recorded.warm_share) == ("warm_start", 0.5), config
+
+
+def test_the_resume_of_a_sharded_checkpoint_in_one_process_names_the_torchrun_line_that_resumes_it(
+    env, tmp_path, capsys
+):
+    """A run whose checkpoint an EP 2 run wrote (DCP shards), resumed in one plain process: the refusal's advice was
+    "resume it with parallel.ep_size > 1 (any process count)", which in one process died with torch's "Default
+    process group has not been initialized"; now it names the torchrun line, and that line's settings are the
+    layout."""
+    import shlex
+
+    run = tmp_path / "run"
+    shutil.copytree(env / "runs" / "unfinished", run)
+    state_file = run / "checkpoints" / "step-4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["layout"] = {"format": "torch.distributed.checkpoint", "world": 2, "ep": 2, "fsdp": False}
+    state_file.write_text(json.dumps(state))
+    argv = [*run_convert(env, f"output_dir={run}", "train.max_steps=9"), "--resume"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds the sharded checkpoint of a" in err, err
+    line = shlex.split(err.split("`")[1])
+    assert line[:5] == ["torchrun", "--nproc_per_node", "2", "-m", "fcsd.cli"], line
+    overrides = [word for word in line[7:] if word != "--resume"]
+    assert "--resume" in line[7:]
+    config = to_config(compose([*overrides, f"model.name={line[6]}", "train.resume=true"]))
+    assert (config.parallel.ep_size, config.parallel.fsdp, config.output_dir) == (2, False, str(run))

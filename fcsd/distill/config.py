@@ -575,6 +575,37 @@ def _check_progressive(config: FCSDConfig) -> None:
         raise ValueError("recovery.progressive cannot be combined with recovery.warm_share yet: choose one")
 
 
+def check_progressive_layers(config: FCSDConfig, num_layers: int) -> None:
+    """Each stage of ``recovery.progressive`` (then ``farskip.layers``, the last) converts every layer the stages
+    before it converted: a stage that converted fewer would turn layers back to stock wiring mid-run, which no
+    progressive schedule means. Refused in one line with the model's layer count (``num_layers``) known."""
+    from fcsd.connectivity.layer_spec import converted_layers
+
+    specs = [*map(str, config.recovery.progressive), str(config.farskip.layers)]
+    names = [f"stage {i + 1} ({spec})" for i, spec in enumerate(specs[:-1])] + [f"farskip.layers ({specs[-1]})"]
+    layers = [set(converted_layers(spec, num_layers, "recovery.progressive")) for spec in specs]
+    for later in range(1, len(specs)):
+        for earlier in range(later):
+            dropped = sorted(layers[earlier] - layers[later])
+            if dropped:
+                raise ValueError(
+                    f"recovery.progressive={list(map(str, config.recovery.progressive))}: {names[later]} converts "
+                    f"fewer layers than {names[earlier]} (it drops layer(s) {_ranges(dropped)} of the model's "
+                    f"{num_layers}); each stage must keep the layers of the stages before it, e.g. "
+                    "recovery.progressive=[last:50%,last:75%] before farskip.layers=all"
+                )
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    parts, start = [], indices[0]
+    for previous, current in zip(indices, [*indices[1:], None]):
+        if current != previous + 1:
+            parts.append(str(start) if start == previous else f"{start}-{previous}")
+            start = current
+    return ",".join(parts)
+
+
 def layer_stages(config: FCSDConfig) -> list[tuple[int, str]]:
     """``(first step, layer spec)`` of each progressive-conversion stage, the last being ``farskip.layers``."""
     starts = [0, *stage_ends(config.recovery.progressive_shares, schedule_steps(config.train))]

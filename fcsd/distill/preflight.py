@@ -45,11 +45,38 @@ def preflight(config: FCSDConfig, is_main: bool = True) -> Checked:
         check_output_dir(run.root, config.train.resume, config.overwrite, config)
         check_export_dir(config)
         check_data_cache_dir(config)
+    if config.train.resume:  # what the resumed run trains with, as its fcsd_config.yaml will say
+        from fcsd.distill.resume import continued_config
+
+        config = continued_config(run, config, is_main)
     model = resolve_model(config.model.name)
     model_config = check_model_config(config, model)
     data = resolve_data(config.data.path)
     eval_data = resolve_data(config.data.eval_path) if config.data.eval_path else None
+    check_launcher(config)  # last: what the command would be refused for under torchrun is said first
     return Checked(config, run, model, model_config, data, eval_data)
+
+
+def check_launcher(config) -> None:
+    """``parallel.ep_size > 1`` and ``parallel.fsdp=true`` lay the model out over processes that a launcher starts
+    (``torchrun``, ``accelerate launch``): in one plain process torch would fail later with "Default process group
+    has not been initialized". Refused in one line with the ``torchrun`` line that runs the same command."""
+    import os
+
+    parallel = config.parallel
+    if not (parallel.ep_size > 1 or parallel.fsdp) or "WORLD_SIZE" in os.environ:
+        return
+    import torch
+
+    nproc = parallel.ep_size if parallel.ep_size > 1 else max(2, torch.cuda.device_count())
+    asked = " and ".join(
+        [f"parallel.ep_size={parallel.ep_size}"] * (parallel.ep_size > 1) + ["parallel.fsdp=true"] * parallel.fsdp
+    )
+    raise ValueError(
+        f"{asked} lays the model out over several processes, which a launcher starts, and this is one plain process: "
+        f"launch it with `{ownership.torchrun_line(nproc)}` (one process per GPU; parallel.ep_size must divide their "
+        "number), or drop the parallel settings to train in one process"
+    )
 
 
 def run_inputs(config) -> dict:
@@ -201,6 +228,10 @@ def check_model_config(config: FCSDConfig, source: str | None = None):
     family_for_config(model_config)
     decoder = text_config(model_config)
     converted_layers(config.farskip.layers, decoder.num_hidden_layers, "farskip.layers")
+    if config.recovery.progressive:
+        from fcsd.distill.config import check_progressive_layers
+
+        check_progressive_layers(config, decoder.num_hidden_layers)
     limit = getattr(decoder, "max_position_embeddings", None)
     if limit and config.data.seq_len > limit:
         raise ValueError(

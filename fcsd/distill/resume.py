@@ -9,6 +9,7 @@ inputs by fingerprints recorded in every checkpoint's trainer state (:func:`inpu
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -132,6 +133,31 @@ def resume_command(step: int) -> str:
 def checkpoint_state(problems: list[str]) -> str:
     """``incomplete`` when a file is missing or cut short, ``damaged`` when only their bytes changed."""
     return "damaged" if all(" changed since " in problem for problem in problems) else "incomplete"
+
+
+def continued_config(run: RunFolder, config, is_main: bool = True):
+    """The config a resumed run trains with, as its ``fcsd_config.yaml`` will record it. :func:`check_resume` holds
+    every setting of the recovery recipe to the run's (:data:`RESUME_KEYS`, :data:`SCHEDULE_KEYS`), so a resume
+    continues the run's recipe whatever recipe name it is given: ``recovery=plain`` on the resume of a warm-start run
+    (with its ``recovery.warm_share``) trains the warm start, and records its name, ``warm_start``, with a note."""
+    from omegaconf import OmegaConf
+
+    if not config.train.resume or not run.config.exists():
+        return config
+    try:
+        name = OmegaConf.select(OmegaConf.load(run.config), "recovery.name")
+    except (OSError, ValueError):
+        return config
+    if not name or name == config.recovery.name:
+        return config
+    if is_main:
+        print(
+            f"note: --resume continues the run's recovery recipe {name!r} (its settings are the run's); "
+            f"recovery.name={config.recovery.name!r} would only rename it, so the run keeps recording {name!r}"
+        )
+    config = copy.deepcopy(config)
+    config.recovery.name = name
+    return config
 
 
 def _saved_value(saved, key: str):

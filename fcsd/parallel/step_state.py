@@ -133,9 +133,13 @@ def check_resumable(record: dict | None, checkpoint: Path, layout: str | None) -
     and ``fsdp``)."""
     record = record or {}
     if record.get("format") == FORMAT and layout is None:
+        from fcsd.ownership import torchrun_line
+
+        settings = {"parallel.ep_size": str(record["ep"]), "parallel.fsdp": str(bool(record["fsdp"])).lower()}
         raise ValueError(
-            f"--resume: {checkpoint} holds the sharded checkpoint of a {_describe(record)} run: resume it with "
-            "parallel.ep_size > 1 or parallel.fsdp=true (any process count), or export it with `fcsd export`"
+            f"--resume: {checkpoint} holds the sharded checkpoint of a {_describe(record)} run: resume it on processes "
+            f"a launcher starts, with its layout or another (any process count parallel.ep_size divides): "
+            f"`{torchrun_line(max(record['ep'], 2), settings)}`; or export it with `fcsd export`"
         )
     if record.get("format") != FORMAT and layout is not None:
         raise ValueError(
