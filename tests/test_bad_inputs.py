@@ -1931,3 +1931,23 @@ def test_the_resume_of_a_sharded_checkpoint_in_one_process_names_the_torchrun_li
     assert "--resume" in line[7:]
     config = to_config(compose([*overrides, f"model.name={line[6]}", "train.resume=true"]))
     assert (config.parallel.ep_size, config.parallel.fsdp, config.output_dir) == (2, False, str(run))
+
+
+def test_eval_of_a_chat_suite_on_a_model_without_a_chat_template_is_refused_before_it_loads(env, tmp_path, capsys):
+    """`fcsd eval --suite demo` (its tasks use the chat template) on a model whose tokenizer has none ran ~40 s, the
+    model loaded and lm-eval's requests built, before transformers' own "chat_template is not set"; now one line
+    before any weights load, naming the suite's tasks and the fixes."""
+    model = tmp_path / "no_template"
+    shutil.copytree(env / "model", model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert transformers.AutoTokenizer.from_pretrained(model).chat_template is None
+    capsys.readouterr()
+    assert main(["eval", str(model), "--suite", "demo", "--output", str(tmp_path / "report")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Loading weights" not in err and len(err.splitlines()) == 1, err
+    expected = "suite 'demo' renders the prompts of fcsd_demo_gen, fcsd_demo_choice with the tokenizer's chat template"
+    assert f"{expected}, and {model} has none" in err, err
+    assert not (tmp_path / "report").exists()

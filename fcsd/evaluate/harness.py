@@ -67,6 +67,28 @@ def check_code_execution(suite: SuiteConfig, allowed: bool, manager=None) -> Non
         )
 
 
+def check_chat_template(refs: dict[str, str], suite: SuiteConfig) -> None:
+    """Refuse, before any model is loaded, a suite whose tasks render their prompts with the chat template
+    (``apply_chat_template``) for a model whose tokenizer has none: lm-eval would load the model and build its
+    requests before transformers' own "chat_template is not set" (about 40 s for the demo). ``refs``: what is
+    evaluated, ``{role: checkpoint}``; only tokenizers are read."""
+    chat = [spec.task for spec in suite.tasks if spec.apply_chat_template]
+    if not chat:
+        return
+    from fcsd.loading import tokenizer_from_pretrained
+    from fcsd.sources import resolve_checkpoint
+
+    for ref in dict.fromkeys(refs.values()):
+        if getattr(tokenizer_from_pretrained(resolve_checkpoint(ref)), "chat_template", None):
+            continue
+        what = f"--tasks {','.join(chat)}" if suite.name == CUSTOM_SUITE else f"suite {suite.name!r}"
+        raise ValueError(
+            f"{what} renders the prompts of {', '.join(chat)} with the tokenizer's chat template, and {ref} has none "
+            "(no chat_template in its tokenizer_config.json, no chat_template.jinja): evaluate a chat model, give its "
+            "tokenizer a chat template, or choose tasks without one (--tasks NAME, without --chat-template)"
+        )
+
+
 def task_manager(suite: SuiteConfig, include_paths: list[str] = ()):
     """lm-eval's task index with the suite's and the user's include paths; unknown task names are an error."""
     from lm_eval.tasks import TaskManager

@@ -133,9 +133,10 @@ def evaluate_and_report(
     from fcsd.parallel.processes import is_main_process
 
     refs = {"original": compare, "converted": model} if compare else {"converted": model}
-    from fcsd.evaluate.harness import check_code_execution
+    from fcsd.evaluate.harness import check_chat_template, check_code_execution
 
     check_code_execution(suite, options.get("allow_code_execution", False))  # the refusal comes before any warning
+    check_chat_template(refs, suite)  # tokenizers only: seconds, where lm-eval would find out after the model loads
     warn_if_not_converted(model)
     out = Path(output).expanduser() if output else default_output(model)
     if not is_main_process():
