@@ -192,3 +192,15 @@ def test_a_replayed_exchange_that_received_no_rows_comes_back_from_host_memory()
         assert back.shape == shape and back.dtype == torch.bfloat16 and back.requires_grad
     rows = torch.randn(4, 3)
     assert torch.equal(HostCopy(rows).back(), rows)
+
+
+def test_an_fsdp2_step_emits_no_view_warning(tmp_path):
+    """FSDP2 warned on every step of a run that asks for hidden states (the default guided recipe): "FSDP2-wrapped
+    module (...ForCausalLM) returned a view tensor ... can produce wrong gradients". The view is the first decoder
+    layer's input as FSDP2's own pre-forward hook hands it on, recorded as ``hidden_states[0]``; fcsd changes no
+    output in place, so it was noise, and the root's outputs are now copies where they were views. Under FSDP 2 and
+    EP 2 x FSDP 1, one training step warns nothing; without the copy (planted) the warning is caught."""
+    worker = Path(__file__).parent / "workers" / "fsdp_views.py"
+    for result in worker_results(2, worker, tmp_path / "out", timeout=600):
+        assert result["fsdp2"] == [] and result["ep2xfsdp1"] == [], result
+        assert any("ForCausalLM) returned a view tensor" in message for message in result["planted"]), result

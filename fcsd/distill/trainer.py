@@ -199,6 +199,10 @@ class TrainingSession:
             self.model, self.optimizer = accelerator.prepare(student, self.optimizer)
         if not deepspeed:
             fuse_on_gpu(self.optimizer)
+        if accelerator.distributed_type == DistributedType.FSDP:  # accelerate's FSDP2: as fcsd's own layout does
+            from fcsd.parallel.layout import without_views
+
+            self.model.register_forward_hook(without_views, prepend=True)
         sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
         self.head_in_forward = sharded or config.parallel.fsdp
         accelerator.register_for_checkpointing(self.scheduler)

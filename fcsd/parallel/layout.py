@@ -266,12 +266,34 @@ def shard_fully(model: nn.Module, layout: Layout, compute_dtype=None, column_exp
     tail = [m for m in (_final_norm(model), None if tied else head) if m is not None]
     unit(tail if len(tail) > 1 else tail[0])
     unit(model)
+    if student:  # before FSDP2's own post-forward hook, which warns about the views it would register on
+        model.register_forward_hook(without_views, prepend=True)
     _prefetch(per_layer)
     if not student:
         model.requires_grad_(False)
         model.register_forward_hook(lambda module, args, output: _reshard(units))
     model.fcsd_fsdp_units = units
     layout.units = units
+
+
+def without_views(module, args, output):
+    """The root's output with every view that requires a gradient replaced by a copy.
+
+    ``output_hidden_states`` records the first decoder layer's input as FSDP2's own pre-forward hook handed it on: a
+    view of the embeddings (its autograd function returns its input). FSDP2 then warns on every step that the root
+    "returned a view tensor" whose pre-backward hook an in-place op would drop. fcsd never changes an output in place
+    (and its hidden-state losses skip that entry), so the warning was noise; a copy of one ``(B, T, d)`` tensor per
+    micro-batch removes it at the source and makes the outputs safe for a caller that does."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._base is not None and output.requires_grad else output
+    if isinstance(output, dict):  # transformers' ModelOutput: replaced key by key, the object kept
+        for key, value in list(output.items()):
+            output[key] = without_views(module, args, value)
+        return output
+    if isinstance(output, tuple | list):
+        values = [without_views(module, args, value) for value in output]
+        return type(output)(values) if isinstance(output, list) or type(output) is tuple else output
+    return output
 
 
 def _final_norm(model):
