@@ -321,8 +321,11 @@ def register_schemas() -> None:
 
 
 def recipes_dir() -> Path:
-    """``$FCSD_RECIPES``, else the ``recipes/`` folder of the source tree."""
-    return Path(os.environ.get("FCSD_RECIPES", Path(__file__).resolve().parents[2] / "recipes"))
+    """``$FCSD_RECIPES``, else the recipes shipped in the package (:mod:`fcsd.recipe_files`: a checkout's
+    ``recipes/`` folder, or ``fcsd/recipes/`` of an installed fcsd)."""
+    from fcsd.recipe_files import recipes_dir as found
+
+    return found()
 
 
 def presets() -> dict[str, str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from fcsd import ownership
 from fcsd.distill.config import FCSDConfig, hydra_override
 from fcsd.distill.preflight import run_inputs
+from fcsd.recipe_files import recipe_file
 from fcsd.run_folder import RunFolder
 from fcsd.stopping import run_child
 
@@ -61,7 +62,8 @@ def run_job(config: FCSDConfig, run_dir: Path, overrides: list[str]) -> str:
         return "crashed"
     try:
         if config.model.accelerate_config and torch.cuda.device_count() > 1:
-            command = ["accelerate", "launch", "--config_file", config.model.accelerate_config, "-m", "fcsd.cli"]
+            launch = recipe_file(config.model.accelerate_config)
+            command = ["accelerate", "launch", "--config_file", launch, "-m", "fcsd.cli"]
             run_child([*command, "convert", *overrides])
         else:
             from fcsd.distill.convert import convert
@@ -188,7 +190,8 @@ def final_command(config: FCSDConfig, overrides: list[str], selection: dict) -> 
     kept.append(hydra_override("output_dir", Path(config.output_dir) / "fcsd"))  # beside the sweep/ folder
     launcher = "fcsd"
     if config.model.accelerate_config:
-        launcher = f"accelerate launch --config_file {config.model.accelerate_config} -m fcsd.cli"
+        launch = shlex.quote(recipe_file(config.model.accelerate_config))  # the shipped one outside a checkout
+        launcher = f"accelerate launch --config_file {launch} -m fcsd.cli"
     return " ".join([launcher, "convert", *(shlex.quote(arg) for arg in [*kept, *chosen])])
 
 

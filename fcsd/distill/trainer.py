@@ -104,7 +104,9 @@ class TrainingSession:
         from accelerate.utils.environment import parse_flag_from_env
 
         from fcsd.distill.teacher_cache import TeacherCache, cache_dir, run_meta
+        from fcsd.recipe_files import resolve_deepspeed_config
 
+        resolve_deepspeed_config()  # a shipped DeepSpeed config names recipes/...: outside a checkout, the shipped copy
         config = checked.config
         self.config, train_cfg = config, config.train
         self.run = checked.run

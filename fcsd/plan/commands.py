@@ -3,8 +3,8 @@ run, under a parallel layout), the training launch with the accelerate config fo
 multi-process launch for the layouts fcsd lays out itself: ``parallel.ep_size``, ``parallel.fsdp=true``), and
 serving the export.
 
-The accelerate configs are ``recipes/accelerate/`` of the source tree, shipped inside the package as
-``fcsd/accelerate/`` (package data; in the source tree a link to ``recipes/accelerate``): the launch line names the
+The accelerate configs are ``recipes/accelerate/`` of the source tree, shipped inside the package with the other
+recipes as ``fcsd/recipes/`` (package data; in the source tree a link to ``recipes/``): the launch line names the
 installed file (:func:`accelerate_config`), so it runs as printed after ``pip install`` too.
 
 Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes and
@@ -15,7 +15,6 @@ the context the plan checked (:mod:`fcsd.plan.serving`) to the plugin's own comm
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 
 from fcsd.plan.cluster import Cluster
 from fcsd.plan.run import LAID_OUT, Layout
@@ -91,15 +90,15 @@ def launch_prefix(layout: Layout, cluster: Cluster) -> list[str]:
 
 
 def accelerate_config(name: str) -> str:
-    """The path of the shipped accelerate config ``name`` (``fcsd/accelerate/`` of the installed package): relative
-    to the working directory when it lies below it (a source checkout), else absolute."""
-    path = Path(__file__).resolve().parents[1] / "accelerate" / name
+    """The path of the shipped accelerate config ``name`` (``recipes/accelerate/`` shipped in the package,
+    :func:`fcsd.recipe_files.shipped_recipes`): relative to the working directory when it lies below it (a source
+    checkout's root: ``recipes/accelerate/NAME``), else absolute."""
+    from fcsd.recipe_files import display_path, shipped_recipes
+
+    path = shipped_recipes() / "accelerate" / name
     if not path.is_file():
         raise FileNotFoundError(f"{path}: the accelerate config is missing from this fcsd install; reinstall fcsd")
-    try:
-        return str(path.relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
+    return display_path(path)
 
 
 def serve_line(export_dir: str, model_type: str, fit=None, max_context: int | None = None) -> str | None:
