@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ALGORITHM = "sha256"
+CHUNK = 8 * 2**20  # bytes read at a time
 _KNOWN: dict[tuple, str] = {}  # (path, inode, size, mtime_ns) -> digest, this process's
 
 
@@ -26,8 +27,11 @@ def file_digest(path: str | Path) -> str:
     stat = path.stat()
     key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
     if key not in _KNOWN:
-        with open(path, "rb") as handle:
-            _KNOWN[key] = hashlib.file_digest(handle, ALGORITHM).hexdigest()
+        digest = hashlib.new(ALGORITHM)
+        with open(path, "rb") as handle:  # hashlib.file_digest needs Python 3.11; fcsd runs on 3.10
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+        _KNOWN[key] = digest.hexdigest()
     return _KNOWN[key]
 
 
