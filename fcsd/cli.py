@@ -155,7 +155,9 @@ def _export(args) -> int:
     from fcsd.serving.vllm.families import serve_command
 
     ownership.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
-    out = export_checkpoint(args.source, args.out_dir, overwrite=args.overwrite, export_format=args.format)
+    out = export_checkpoint(
+        args.source, args.out_dir, overwrite=args.overwrite, export_format=args.format, text_only=args.text_only
+    )
     print(f"exported {out} (reload parity checked); load it with fcsd.from_pretrained or trust_remote_code=True")
     command = serve_command(str(out), json.loads((out / "config.json").read_text())["model_type"])
     if command:
@@ -339,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="source",
         help="source (default): a model trained from a block-FP8 checkpoint is written in that FP8 format, any "
         "other in its dtype; bf16: the weights as they are, without quantization",
+    )
+    p.add_argument(
+        "--text-only",
+        action="store_true",
+        help="a run trained from a multimodal checkpoint (Llama-4 Scout) is exported whole by default, its vision "
+        "tower and projector copied from the run's source; this writes the trained text model alone",
     )
     p.set_defaults(func=_export)
 

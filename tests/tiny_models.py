@@ -79,9 +79,11 @@ CONFIGS = {
         transformers.Llama4ForConditionalGeneration,
         transformers.Llama4Config(
             text_config=_llama4_text().to_dict(),
+            # a vision tower that runs: pixel shuffle (ratio 0.5) of 2 x 2 patches of 8 px makes 1 image token of
+            # 4 x 16 = 64 features, the adapter's input (intermediate_size)
             vision_config=dict(
                 hidden_size=16,
-                intermediate_size=32,
+                intermediate_size=64,
                 num_hidden_layers=1,
                 num_attention_heads=2,
                 image_size=16,

@@ -203,6 +203,8 @@ class FCSDConfig:
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
     export: bool = True  # run that export (remote code, reload-parity check)
     export_format: str = "source"  # source: a block-FP8 source's own FP8 format (else its dtype) | bf16
+    # a multimodal source (Llama-4 Scout): true exports the trained text model alone, without its vision tower
+    export_text_only: bool = False
     push_to_hub: str | None = None  # hub repository to push the export to at the end (needs a token)
     overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
     progress: bool = True  # progress bars

@@ -31,7 +31,9 @@ def convert(config: FCSDConfig) -> RunResult:
 
             export_dir = Path(config.export_dir or checked.run.export)
             source = result.best_dir or result.final_dir
-            export_laid_out(source, export_dir, run_meshes(config, state), True, config.export_format)
+            export_laid_out(
+                source, export_dir, run_meshes(config, state), True, config.export_format, config.export_text_only
+            )
             if state.is_main_process:
                 print(f"exported {source.name}/ to {export_dir} (reload parity checked, laid out)")
         elif config.export and state.is_main_process:  # after the summary: the export's model card reads it
@@ -42,7 +44,9 @@ def convert(config: FCSDConfig) -> RunResult:
             # the run's own export/ is the run's to replace; an explicit export_dir only with overwrite=true (checked
             # before training, and again under its lock at the rename: another command may have written it since)
             overwrite = config.overwrite or not config.export_dir
-            export_checkpoint(source, export_dir, overwrite=overwrite, export_format=config.export_format)
+            export_checkpoint(
+                source, export_dir, overwrite, export_format=config.export_format, text_only=config.export_text_only
+            )
             print(f"exported {source.name}/ to {export_dir} (reload parity checked)")
         if config.export and config.push_to_hub and state.is_main_process:
             from fcsd.export.push import push

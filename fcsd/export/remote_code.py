@@ -105,7 +105,10 @@ def write_remote_code(folder: Path, config, model_class: type) -> dict:
     }
     (folder / "configuration_farskip.py").write_text(CONFIGURATION.format(**values))
     (folder / "modeling_farskip.py").write_text(MODELING.format(**values))
-    return {
+    auto_map = {
         "AutoConfig": "configuration_farskip.FarSkipConfig",
         "AutoModelForCausalLM": "modeling_farskip.FarSkipForCausalLM",
     }
+    if model_class.__name__.endswith("ForConditionalGeneration"):  # a multimodal composite: its image-text auto class
+        auto_map["AutoModelForImageTextToText"] = "modeling_farskip.FarSkipForCausalLM"
+    return auto_map

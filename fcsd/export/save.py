@@ -31,6 +31,7 @@ def export(
     overwrite: bool = False,
     source: str | Path | None = None,
     export_format: str = "source",
+    composite: tuple[str, str | None] | None = None,
 ) -> Path:
     """Write ``model`` (FarSkip layers applied) and ``tokenizer`` to ``out_dir`` atomically and check reload parity.
 
@@ -40,7 +41,9 @@ def export(
     written into. The export is a folder of its own in fcsd's ownership model (:mod:`fcsd.ownership`): one writer
     holds its lock from before staging to the rename, which checks the target again (:func:`fcsd.staging.atomic_dir`).
     A model trained from a block-FP8 source is written in that format unless ``export_format="bf16"``
-    (:mod:`fcsd.export.fp8`).
+    (:mod:`fcsd.export.fp8`). ``composite`` (``(source, revision)``, :func:`fcsd.export.composite.composite_source`):
+    ``model`` is the text tower of that multimodal checkpoint, and the export is the whole composite with its vision
+    tower and projector copied from the source's files (:func:`fcsd.export.composite.compose`).
     """
     from fcsd.export.fp8 import check_format, finish_config, quantize_folder, source_quantization
     from fcsd.staging import atomic_dir
@@ -54,7 +57,12 @@ def export(
     with atomic_dir(out_dir, kind="export", replace=overwrite, what="OUT_DIR") as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        farskip = complete_export(staging, model.config, type(model), source, model.dtype)
+        config, model_class = model.config, type(model)
+        if composite is not None:
+            from fcsd.export.composite import compose
+
+            config, model_class = compose(staging, *composite)
+        farskip = complete_export(staging, config, model_class, source, model.dtype)
         if record is not None:
             quantize_folder(staging, record)
         finish_config(staging, record)
@@ -162,12 +170,19 @@ def parity_tolerance(folder: Path, expected: torch.Tensor, dtype: torch.dtype) -
 
 
 def export_checkpoint(
-    run_or_checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False, export_format: str = "source"
+    run_or_checkpoint: str | Path,
+    out_dir: str | Path,
+    overwrite: bool = False,
+    export_format: str = "source",
+    text_only: bool = False,
 ) -> Path:
     """``fcsd export``: export a run folder (its ``best/`` when MBPP+ early stopping kept one, else ``final/``), a
     converted checkpoint folder, or a run's step checkpoint (``checkpoints/step-N``, expert-parallel shards
     consolidated: the state of a run that never reached ``final/``) to ``out_dir``; ``export_format``: ``source``
-    (a block-FP8 source's own format, else the checkpoint's dtype) or ``bf16``."""
+    (a block-FP8 source's own format, else the checkpoint's dtype) or ``bf16``. The text tower of a multimodal
+    checkpoint (Llama-4 Scout) is exported as that composite, its vision tower and projector copied from the run's
+    source (:mod:`fcsd.export.composite`); ``text_only`` writes the text model alone and says so in one line."""
+    from fcsd.export.composite import composite_source
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.run_folder import is_step_checkpoint
     from fcsd.staging import restore_stale_siblings
@@ -181,6 +196,7 @@ def export_checkpoint(
         )
     run_root = RunFolder.of_checkpoint(source).root
     check_export_target(out_dir, overwrite, [source], run_root=run_root)  # before loading anything
+    composite = composite_source(source, text_only)
     target = Path(out_dir).expanduser().resolve()
     with ownership.folder_lock(target, "OUT_DIR", beside=True):  # one export at a time, from now to the rename
         if restore_stale_siblings(target):  # what a killed export left is back: check the target as it is now
@@ -191,4 +207,12 @@ def export_checkpoint(
             model, tokenizer = load_step_checkpoint(source)
         else:
             model, tokenizer = from_pretrained(str(source), dtype="auto"), tokenizer_from_pretrained(str(source))
-        return export(model, tokenizer, out_dir, overwrite=overwrite, source=source, export_format=export_format)
+        return export(
+            model,
+            tokenizer,
+            out_dir,
+            overwrite=overwrite,
+            source=source,
+            export_format=export_format,
+            composite=composite,
+        )

@@ -24,13 +24,20 @@ COPIED = ("*.safetensors", INDEX, "config.json", "generation_config.json")
 
 
 def export_laid_out(
-    source: Path, out_dir: Path, meshes, overwrite: bool = False, export_format: str = "source"
+    source: Path,
+    out_dir: Path,
+    meshes,
+    overwrite: bool = False,
+    export_format: str = "source",
+    text_only: bool = False,
 ) -> Path:
     """Export ``source`` (a parallel run's ``final/`` or ``best/``) to ``out_dir``; a collective: every process.
     From a block-FP8 source, the main process rewrites the copied files in that format one at a time unless
-    ``export_format="bf16"`` (:mod:`fcsd.export.fp8`)."""
+    ``export_format="bf16"`` (:mod:`fcsd.export.fp8`). The text tower of a multimodal source is exported as that
+    composite unless ``text_only`` (:mod:`fcsd.export.composite`: the main process copies the vision tower's bytes)."""
     import gc
 
+    from fcsd.export.composite import compose, composite_source
     from fcsd.export.fp8 import check_format, finish_config, quantize_folder, source_quantization
     from fcsd.export.save import (
         ExportError,
@@ -48,6 +55,7 @@ def export_laid_out(
     source, out_dir = Path(source), Path(out_dir).resolve()
     main = dist.get_rank() == 0
     check_export_target(out_dir, overwrite, [source], run_root=RunFolder.of_checkpoint(source).root)  # everywhere
+    composite = composite_source(source, text_only, say=print if main else lambda line: None)
     config = load_config(str(source))
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype or torch.float32
     record = source_quantization(config) if check_format(export_format) == "source" else None
@@ -65,7 +73,10 @@ def export_laid_out(
                 for path in sorted(source.glob(pattern)):
                     shutil.copy2(path, staging / path.name)
             tokenizer_from_pretrained(str(source)).save_pretrained(staging)
-            farskip = [complete_export(staging, config, concrete_class(str(source), True, config), source, dtype)]
+            model_config, model_class = config, concrete_class(str(source), True, config)
+            if composite is not None:
+                model_config, model_class = compose(staging, *composite)
+            farskip = [complete_export(staging, model_config, model_class, source, dtype)]
             if record is not None:
                 quantize_folder(staging, record)
             finish_config(staging, record)
@@ -96,7 +107,9 @@ def _parity(source: Path, staging: Path, meshes) -> tuple[float, torch.Tensor]:
     device = torch.device(meshes.device_type if meshes.device_type != "cuda" else f"cuda:{torch.cuda.current_device()}")
     logits = []
     for folder in (source, staging):
-        model = from_pretrained_parallel(str(folder), meshes, "teacher", device=device, dtype="auto").eval()
+        # text_only: a composite export's text tower, as the source (a text model) is
+        model = from_pretrained_parallel(str(folder), meshes, "teacher", text_only=True, device=device, dtype="auto")
+        model.eval()
         logits.append(text_logits(model, parity_batch(model).to(device)))
         del model
     difference = (logits[0] - logits[1]).abs().max().reshape(1)

@@ -1,0 +1,239 @@
+"""Exports of composite checkpoints: a text MoE tower inside a multimodal model (Llama-4 Scout and Maverick ship as
+``Llama4ForConditionalGeneration``: vision model, multimodal projector, text MoE; design §8).
+
+FCSD trains only the text tower (teacher and student are text models, the vision tower is never loaded), so a run's
+``final/`` is a text model. Its export puts it back into the composite the run started from: the text tensors under
+the composite's names, every other tensor of the source (vision tower, projector) copied byte for byte from the
+source's safetensors files (a header rewritten and byte ranges copied: no tensor is ever in memory), the source's
+composite ``config.json`` with the trained text config as its ``text_config`` and fcsd's ``farskip`` block on top,
+and ``architectures`` ``FarSkip<composite class>``. ``export_text_only=true`` / ``fcsd export --text-only`` writes the
+text model alone instead, and says so in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+from fcsd.connectivity.families import text_config
+from fcsd.connectivity.patch import CONFIG_KEY
+
+CHUNK_BYTES = 64 * 2**20  # byte ranges are copied in pieces of at most this size
+INDEX = "model.safetensors.index.json"
+#: the source's processor files an image-text export needs beside the tokenizer (copied when the source has them)
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
+SINGLE_TEXT_FILE = "model-00001-of-00001.safetensors"
+DROPPED_NOTE = (
+    "text-only export: the vision tower and projector of {source} ({count} tensors) are left out; the export loads "
+    "as {text_class} (drop export_text_only / --text-only to keep them)"
+)
+# keys of the text model's saved config that describe the saved checkpoint, not the text tower
+_NOT_TEXT_CONFIG = ("architectures", "auto_map", "transformers_version", "_name_or_path", CONFIG_KEY)
+
+
+class CompositeError(ValueError):
+    """A composite export that cannot be assembled from the run's source."""
+
+
+def run_source(checkpoint: str | Path) -> tuple[str, str | None] | None:
+    """``(model.name, model.revision)`` of the ``fcsd convert`` run that wrote ``checkpoint`` (its ``final/``,
+    ``best/`` or a step checkpoint), from the run config saved with it; None for a checkpoint no run wrote."""
+    from omegaconf import OmegaConf
+
+    from fcsd.run_folder import CONFIG, RunFolder
+
+    paths = (Path(checkpoint) / CONFIG, RunFolder.of_checkpoint(checkpoint).config)
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        return None
+    model = OmegaConf.to_container(OmegaConf.load(path)).get("model") or {}
+    return (model["name"], model.get("revision")) if model.get("name") else None
+
+
+def composite_source(checkpoint: str | Path, text_only: bool = False, say=print) -> tuple[str, str | None] | None:
+    """The composite checkpoint (``(folder or hub id, revision)``) whose vision tower the export of ``checkpoint``
+    puts back, None when ``checkpoint`` is no text tower trained from one. With ``text_only`` it is None, and
+    ``say`` gets the one line telling that the vision tower is dropped. A source that cannot be read any more is
+    refused in one line (its vision tower would be lost silently), unless ``text_only``."""
+    from fcsd.loading import load_config
+    from fcsd.sources import resolve_model
+
+    own = (
+        json.loads((Path(checkpoint) / "config.json").read_text())
+        if (Path(checkpoint) / "config.json").is_file()
+        else {}
+    )
+    if isinstance(own.get("text_config"), dict):
+        return None  # a composite already: it exports whole
+    own_class = (own.get("architectures") or ["the text model"])[0]
+    found = run_source(checkpoint)
+    if found is None:
+        return None
+    name, revision = found
+    try:
+        source = resolve_model(name)
+        config = load_config(source, revision)
+    except (OSError, ValueError) as error:
+        if text_only:
+            return None
+        raise CompositeError(
+            f"the run's source {name} (model.name) cannot be read ({str(error).splitlines()[0][:120]}), so its "
+            "vision tower cannot be put back into the export: restore it, or export the text model alone with "
+            "--text-only (export_text_only=true)"
+        ) from None
+    if text_config(config) is config:
+        return None
+    if text_only:
+        say(DROPPED_NOTE.format(source=name, count=_dropped(checkpoint, source, revision), text_class=own_class))
+        return None
+    return source, revision
+
+
+def _dropped(checkpoint, source: str, revision: str | None) -> int | str:
+    """How many of the source's tensors a text-only export of ``checkpoint`` leaves out ("its" when unknown)."""
+    trained = sorted(Path(checkpoint).glob("*.safetensors"))
+    try:
+        return len(split_source(set(_keys(trained)), _keys(source_files(source, revision)))[1]) if trained else "its"
+    except CompositeError:
+        return "its"
+
+
+def source_folder(source: str, revision: str | None = None) -> Path:
+    """The folder of checkpoint ``source``: itself, or a hub id's cached snapshot of its weights and JSON files
+    (downloaded once; the run has read them already)."""
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(source, revision=revision, allow_patterns=["*.safetensors", "*.json", "*.jinja"]))
+
+
+def source_files(source: str, revision: str | None = None) -> list[Path]:
+    """The safetensors files of checkpoint ``source`` (:func:`source_folder`)."""
+    files = sorted(source_folder(source, revision).glob("*.safetensors"))
+    if not files:
+        raise CompositeError(f"{source} holds no safetensors files to copy the vision tower from")
+    return files
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """``(offset of the data, header)`` of a safetensors file."""
+    with open(path, "rb") as handle:
+        length = struct.unpack("<Q", handle.read(8))[0]
+        return 8 + length, json.loads(handle.read(length))
+
+
+def copy_tensors(items: list[tuple[Path, str, str]], out: Path, metadata: dict | None = None) -> int:
+    """Write the safetensors file ``out`` holding, for each ``(file, name, new name)``, that tensor of ``file`` byte
+    for byte under its new name: the header is rebuilt and the data copied in byte ranges, nothing is decoded.
+    Returns the bytes of tensor data written."""
+    headers: dict[Path, tuple[int, dict]] = {}
+    entries, ranges, offset = {}, [], 0
+    for file, name, new in items:
+        start, header = headers.setdefault(file, read_header(file))
+        info = header[name]
+        begin, end = info["data_offsets"]
+        entries[new] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + end - begin]}
+        ranges.append((file, start + begin, end - begin))
+        offset += end - begin
+    head = json.dumps({"__metadata__": metadata or {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(out, "wb") as sink:
+        sink.write(struct.pack("<Q", len(head)) + head)
+        for file, position, size in ranges:
+            with open(file, "rb") as source:
+                source.seek(position)
+                while size:
+                    piece = source.read(min(size, CHUNK_BYTES))
+                    sink.write(piece)
+                    size -= len(piece)
+    return offset
+
+
+def _keys(files: list[Path]) -> dict[str, Path]:
+    return {key: file for file in files for key in read_header(file)[1] if key != "__metadata__"}
+
+
+def text_prefix(text_keys: set[str], source_keys: set[str]) -> str:
+    """The prefix under which the composite source stores its text tower (``language_model.`` in Llama-4's files):
+    the one that maps every tensor of the text model onto a tensor of the source."""
+    probe = min(text_keys)
+    candidates = {key[: len(key) - len(probe)] for key in source_keys if key.endswith("." + probe)}
+    fitting = sorted(p for p in candidates if all(p + key in source_keys for key in text_keys))
+    if len(fitting) != 1:
+        raise CompositeError(
+            f"the source's tensors do not hold the trained text model under one prefix ({len(fitting)} fit): it is "
+            "not the checkpoint this run was trained from; export the text model alone with --text-only"
+        )
+    return fitting[0]
+
+
+def split_source(text_keys: set[str], original: dict[str, Path]) -> tuple[str, list[str]]:
+    """``(prefix of the text tower, the source's other tensors)`` for a text model's tensor names and the source's
+    (name -> file); refuses a source whose text tower holds tensors the text model lacks."""
+    prefix = text_prefix(text_keys, set(original))
+    leftover = sorted(key for key in original if key.startswith(prefix) and key[len(prefix) :] not in text_keys)
+    if leftover:
+        raise CompositeError(
+            f"the source's text tower holds {len(leftover)} tensors the trained model lacks ({leftover[0]}, ...): "
+            "export the text model alone with --text-only"
+        )
+    return prefix, sorted(key for key in original if not key.startswith(prefix))
+
+
+def compose(staging: Path, source: str, revision: str | None = None) -> tuple[object, type]:
+    """Turn the staged export of a text model (``staging``: its safetensors and ``config.json``) into the export of
+    the composite ``source`` it was trained from; returns the composite's config and class (for
+    :func:`fcsd.export.save.complete_export`). The text files are rewritten under the composite's names (one file at
+    a time, atomically), the source's other tensors are copied next to them (one output file per source file that
+    holds any), and ``model.safetensors.index.json`` lists them all; the source's processor files
+    (:data:`PROCESSOR_FILES`) are copied too."""
+    from fcsd.fp8 import RECORD_KEY
+    from fcsd.loading import hub_config_file, load_config, model_class_for
+    from fcsd.staging import atomic_file
+
+    staged_config = json.loads((staging / "config.json").read_text())
+    if staged_config.get(RECORD_KEY) or staged_config.get("quantization_config"):
+        raise CompositeError(
+            "a composite export of a block-FP8 source is not supported: export the text model alone with --text-only"
+        )
+    staged = _keys(sorted(staging.glob("*.safetensors")))
+    files = source_files(source, revision)
+    original = _keys(files)
+    prefix, extra = split_source(set(staged), original)
+    placed, total = {}, 0
+    for path in sorted(staging.glob("*.safetensors")):
+        _, header = read_header(path)
+        names = [(path, key, prefix + key) for key in header if key != "__metadata__"]
+        # transformers reads a model.safetensors alone, ignoring any index beside it: the text goes to a numbered file
+        target = path.with_name(SINGLE_TEXT_FILE) if path.name == "model.safetensors" else path
+        with atomic_file(target) as partial:
+            total += copy_tensors(names, partial, header.get("__metadata__"))
+        if target != path:
+            path.unlink()
+        placed.update((new, target.name) for _, _, new in names)
+    holders = sorted({original[key] for key in extra})
+    for number, file in enumerate(holders, 1):
+        name = f"composite-{number:05d}-of-{len(holders):05d}.safetensors"
+        chosen = [(file, key, key) for key in extra if original[key] == file]
+        total += copy_tensors(chosen, staging / name)
+        placed.update((key, name) for _, key, _ in chosen)
+    for name in PROCESSOR_FILES:  # image preprocessing as the source does it; the trained tokenizer's files stay
+        found = source_folder(source, revision) / name
+        if found.is_file() and not (staging / name).exists():
+            shutil.copyfile(found, staging / name)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(placed.items()))}
+    (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    local = Path(source).expanduser() / "config.json"
+    values = json.loads((local if local.is_file() else hub_config_file(source, revision)).read_text())
+    sub = {k: v for k, v in staged_config.items() if k not in _NOT_TEXT_CONFIG}
+    values["text_config"] = {**(values.get("text_config") or {}), **sub}
+    values[CONFIG_KEY] = staged_config[CONFIG_KEY]
+    values["dtype"] = staged_config.get("dtype", values.get("dtype"))
+    (staging / "config.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    config = load_config(source, revision)
+    return config, model_class_for(source, False, config, revision)

@@ -1,0 +1,144 @@
+"""Composite checkpoints (Llama-4 Scout as the hub ships it, ``Llama4ForConditionalGeneration``): fcsd convert trains
+the text tower and exports the composite, its vision tower and projector copied byte for byte from the source, the
+text tower the trained student's; it loads and generates from text and from an image with fcsd and through the
+remote code; ``--text-only`` drops the vision tower and says so; a source that went away is refused in one line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_recipes import compose, to_config
+from test_trainer import FAST
+from tiny_models import CONFIGS
+
+import fcsd
+from fcsd.cli import main
+from fcsd.distill.convert import convert
+from fcsd.distill.synthetic import make_dataset, write_jsonl
+from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.export.composite import CompositeError
+from fcsd.export.save import export_checkpoint
+from fcsd.serving.vllm.families import BY_ARCHITECTURE
+
+
+def tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            out.update((key, handle.get_tensor(key)) for key in handle.keys())
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.fixture(scope="module")
+def scout(tmp_path_factory):
+    """A tiny Llama-4 composite in bf16 (vision tower, projector, text MoE) converted by fcsd convert: 2 steps."""
+    root = tmp_path_factory.mktemp("scout")
+    rows = make_dataset(80, seed=3)
+    tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=200)
+    cls, config = CONFIGS["llama4_multimodal"]()
+    config.text_config.vocab_size = len(tokenizer)
+    config.image_token_index = len(tokenizer) - 1
+    torch.manual_seed(0)
+    cls(config).to(torch.bfloat16).save_pretrained(root / "source")
+    tokenizer.save_pretrained(root / "source")
+    (root / "source" / "preprocessor_config.json").write_text('{"image_processor_type": "Llama4ImageProcessorFast"}')
+    write_jsonl(rows, root / "chat.jsonl")
+    overrides = [f"model.name={root / 'source'}", f"data.path={root / 'chat.jsonl'}", *FAST, "train.max_steps=2"]
+    result = convert(to_config(compose([*overrides, f"output_dir={root / 'run'}"])))
+    return {"root": root, "source": root / "source", "run": root / "run", "final": result.final_dir, "config": config}
+
+
+def image_inputs(config):
+    """Text with one image token and a random image of the vision config's size (no processor needed)."""
+    vision = config.vision_config
+    generator = torch.Generator().manual_seed(1)
+    pixel_values = torch.randn(1, 3, vision.image_size, vision.image_size, generator=generator).to(torch.bfloat16)
+    image = torch.tensor([[1, 5, config.image_token_index, 7, 9]])
+    return {"text": torch.tensor([[1, 5, 7, 9, 11, 13]]), "image": image, "pixel_values": pixel_values}
+
+
+def test_the_export_is_the_composite_with_the_source_vision_tower_and_the_trained_text_tower(scout):
+    export = scout["run"] / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["FarSkipLlama4ForConditionalGeneration"]
+    assert BY_ARCHITECTURE["FarSkipLlama4ForConditionalGeneration"].architecture == "Llama4ForConditionalGeneration"
+    assert config["model_type"] == "farskip_llama4" and config["text_config"]["model_type"] == "llama4_text"
+    assert config["vision_config"] == json.loads((scout["source"] / "config.json").read_text())["vision_config"]
+    final_config = json.loads((scout["final"] / "config.json").read_text())
+    assert config["farskip"]["layers"] == final_config["farskip"]["layers"]
+    assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_farskip.FarSkipForCausalLM"
+    processor = "preprocessor_config.json"
+    assert (export / processor).read_text() == (scout["source"] / processor).read_text()
+
+    exported, source, final = tensors(export), tensors(scout["source"]), tensors(scout["final"])
+    vision = [key for key in source if not key.startswith("language_model.")]
+    assert any(k.startswith("vision_model.") for k in vision) and any(k.startswith("multi_modal_") for k in vision)
+    assert all(same_bits(exported[key], source[key]) for key in vision)  # bit for bit, bf16 as the source
+    assert sorted(exported) == sorted(vision + [f"language_model.{key}" for key in final])
+    assert all(same_bits(exported[f"language_model.{key}"], final[key]) for key in final)
+    trained = [key for key in final if not torch.equal(final[key], source[f"language_model.{key}"])]
+    assert trained  # the text tower is the trained student, not the source's
+    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(index) == sorted(exported)
+
+
+@torch.no_grad()
+def test_the_composite_export_generates_from_text_and_an_image_with_fcsd_and_remote_code(scout, tmp_path):
+    export = scout["run"] / "export"
+    model = fcsd.from_pretrained(str(export)).eval()
+    assert type(model).__name__ == "Llama4ForConditionalGeneration"
+    student = fcsd.from_pretrained(str(scout["final"])).eval()
+    assert fcsd.farskip_layers(model) == fcsd.farskip_layers(student) != []
+    inputs = image_inputs(scout["config"])
+    text = model(input_ids=inputs["text"]).logits
+    torch.testing.assert_close(text, student(input_ids=inputs["text"]).logits, rtol=0, atol=0)
+    image = model(input_ids=inputs["image"], pixel_values=inputs["pixel_values"]).logits
+    other = torch.zeros_like(inputs["pixel_values"])
+    assert not torch.equal(image, model(input_ids=inputs["image"], pixel_values=other).logits)  # the image counts
+    generated = model.generate(
+        input_ids=inputs["image"], pixel_values=inputs["pixel_values"], max_new_tokens=4, do_sample=False
+    )
+    assert generated.shape == (1, inputs["image"].shape[1] + 4)
+    assert model.generate(input_ids=inputs["text"], max_new_tokens=3, do_sample=False).shape[1] == 9
+
+    torch.save(inputs, tmp_path / "inputs.pt")
+    worker = Path(__file__).parent / "workers" / "composite_remote_code.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, str(worker), str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"), str(export)]
+    subprocess.run(command, env=env, check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    remote = torch.load(tmp_path / "out.pt")
+    assert remote["class"] == "Llama4ForConditionalGeneration"
+    torch.testing.assert_close(remote["text"], text)
+    torch.testing.assert_close(remote["image"], image)
+    assert torch.equal(remote["generated"], generated)
+
+
+def test_text_only_export_drops_the_vision_tower_and_says_so(scout, tmp_path, capsys):
+    assert main(["export", str(scout["run"]), str(tmp_path / "text"), "--text-only"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "vision tower" in line]
+    assert len(said) == 1 and "text-only export" in said[0] and "Llama4ForCausalLM" in said[0], said
+    config = json.loads((tmp_path / "text" / "config.json").read_text())
+    assert config["architectures"] == ["FarSkipLlama4ForCausalLM"] and "vision_config" not in config
+    assert not [key for key in tensors(tmp_path / "text") if "vision" in key or "multi_modal" in key]
+
+
+def test_a_composite_export_whose_source_went_away_is_refused_in_one_line(scout, tmp_path):
+    moved = scout["root"] / "moved"
+    shutil.move(scout["source"], moved)
+    try:
+        with pytest.raises(CompositeError, match="--text-only") as caught:
+            export_checkpoint(scout["run"], tmp_path / "out")
+        assert "\n" not in str(caught.value)
+        assert not (tmp_path / "out").exists()
+    finally:
+        shutil.move(moved, scout["source"])
