@@ -287,6 +287,28 @@ def test_the_plugin_imports_nothing_of_fcsd_but_itself():
     assert done.stdout.strip().splitlines()[-1] == "['fcsd']", done.stdout
 
 
+def test_the_plugin_maps_the_composite_llama4_export_to_vllms_multimodal_class():
+    """A composite export (``FarSkipLlama4ForConditionalGeneration``, fcsd.export.composite) names a class the plugin
+    registers, built on the stock class vLLM itself registers for ``Llama4ForConditionalGeneration``. Not served on
+    CPU here: vLLM's mllama4 imports transformers' Llama-4 image processor, which needs torchvision, and serve-env
+    drops torchvision (PyPI's wheel is built for the CUDA torch; with the CPU torch its operators fail to register);
+    behind that, vLLM's CPU fused MoE lacks Llama-4's router weight on the input (docs/serving.md)."""
+    from fcsd.serving.vllm.families import BY_ARCHITECTURE
+
+    family = BY_ARCHITECTURE["FarSkipLlama4ForConditionalGeneration"]
+    script = (
+        "import json, fcsd.serving.vllm as plugin; plugin.register(); from vllm import ModelRegistry; "
+        "m = ModelRegistry.models; print(json.dumps({a: [m[a].module_name, m[a].class_name] for a in "
+        "('FarSkipLlama4ForConditionalGeneration', 'Llama4ForConditionalGeneration')}))"
+    )
+    done = subprocess.run([vllm_python(), "-c", script], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    registered = json.loads(done.stdout.strip().splitlines()[-1])
+    farskip = ["fcsd.serving.vllm.models", "FarSkipLlama4ForConditionalGeneration"]
+    assert registered["FarSkipLlama4ForConditionalGeneration"] == farskip
+    assert registered["Llama4ForConditionalGeneration"] == [family.module, family.architecture]
+
+
 @pytest.mark.parametrize("mode", ["overlapped", "blocking"])
 def test_the_routed_all_reduce_is_waited_after_the_next_attention(mode):
     """The order the overlap promises (Sec. 4.2), on stub sub-blocks: layer k's routed all-reduce starts at the end
