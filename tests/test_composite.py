@@ -53,9 +53,13 @@ def scout(tmp_path_factory):
     tokenizer.save_pretrained(root / "source")
     (root / "source" / "preprocessor_config.json").write_text('{"image_processor_type": "Llama4ImageProcessorFast"}')
     write_jsonl(rows, root / "chat.jsonl")
-    overrides = [f"model.name={root / 'source'}", f"data.path={root / 'chat.jsonl'}", *FAST, "train.max_steps=2"]
-    result = convert(to_config(compose([*overrides, f"output_dir={root / 'run'}"])))
+    result = convert(run_config(root / "source", root / "run", root / "chat.jsonl", "train.max_steps=2"))
     return {"root": root, "source": root / "source", "run": root / "run", "final": result.final_dir, "config": config}
+
+
+def run_config(source: Path, output_dir: Path, data: Path, *overrides: str):
+    names = [f"model.name={source}", f"data.path={data}", f"output_dir={output_dir}"]
+    return to_config(compose([*names, *FAST, *overrides]))
 
 
 def image_inputs(config):
@@ -142,3 +146,19 @@ def test_a_composite_export_whose_source_went_away_is_refused_in_one_line(scout,
         assert not (tmp_path / "out").exists()
     finally:
         shutil.move(moved, scout["source"])
+
+
+def test_convert_with_export_text_only_says_so_and_a_composite_export_converts_again(scout, tmp_path, capsys):
+    data = scout["root"] / "chat.jsonl"
+    convert(run_config(scout["source"], tmp_path / "text", data, "train.max_steps=1", "export_text_only=true"))
+    said = [line for line in capsys.readouterr().out.splitlines() if "vision tower" in line]
+    assert len(said) == 1 and "text-only export" in said[0], said
+    assert json.loads((tmp_path / "text" / "export" / "config.json").read_text())["model_type"] == "farskip_llama4_text"
+
+    export = scout["run"] / "export"  # a composite FarSkip export as the source of another run
+    convert(run_config(export, tmp_path / "again", data, "train.max_steps=1"))
+    config = json.loads((tmp_path / "again" / "export" / "config.json").read_text())
+    assert config["architectures"] == ["FarSkipLlama4ForConditionalGeneration"]
+    assert config["farskip"]["base_architectures"] == ["Llama4ForConditionalGeneration"]
+    again, first = tensors(tmp_path / "again" / "export"), tensors(export)
+    assert all(same_bits(again[key], first[key]) for key in first if not key.startswith("language_model."))

@@ -17,7 +17,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from fcsd.connectivity.families import text_config
+from fcsd.connectivity.families import base_model_type, text_config
 from fcsd.connectivity.patch import CONFIG_KEY
 
 CHUNK_BYTES = 64 * 2**20  # byte ranges are copied in pieces of at most this size
@@ -230,6 +230,10 @@ def compose(staging: Path, source: str, revision: str | None = None) -> tuple[ob
 
     local = Path(source).expanduser() / "config.json"
     values = json.loads((local if local.is_file() else hub_config_file(source, revision)).read_text())
+    if isinstance(values.get(CONFIG_KEY), dict):  # the source is an export itself: its stock form underneath
+        values["architectures"] = values[CONFIG_KEY].get("base_architectures")
+        values["model_type"] = base_model_type(values["model_type"])
+        values.pop("auto_map", None)
     sub = {k: v for k, v in staged_config.items() if k not in _NOT_TEXT_CONFIG}
     values["text_config"] = {**(values.get("text_config") or {}), **sub}
     values[CONFIG_KEY] = staged_config[CONFIG_KEY]
