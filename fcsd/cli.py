@@ -438,7 +438,22 @@ def build_parser() -> argparse.ArgumentParser:
     from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
 
     add_routes_parser(sub)
+    p = sub.add_parser(
+        "launch",
+        help="run a torchrun / accelerate launch line of fcsd with one voice: an error or a stop is said once, "
+        "with its own exit status (2, 130, 143), and no launcher traceback",
+        description="Put `fcsd launch` in front of a launch line: fcsd launch torchrun --nproc_per_node 2 -m "
+        "fcsd.cli convert demo",
+    )
+    p.add_argument("line", nargs=argparse.REMAINDER, help="the launch line: torchrun ... or accelerate launch ...")
+    p.set_defaults(func=_launch)
     return parser
+
+
+def _launch(args) -> int:
+    from fcsd.launch import launch
+
+    return launch(args.line)
 
 
 def _bench(args) -> int:
@@ -610,13 +625,28 @@ def _quiet_hub_retries() -> None:
 
 
 # the commands that import torch anyway: imported first, a stop deferred until it is complete (stopping.import_torch)
-TORCH_COMMANDS = {"convert", "cache-teacher", "sweep", "export", "eval", "probe", "plan", "bench", "routes"}
+TORCH_COMMANDS = {"convert", "cache-teacher", "sweep", "export", "eval", "probe", "plan", "bench", "routes", "launch"}
+
+
+def parse_command(argv: list[str]) -> argparse.Namespace:
+    """The parsed ``fcsd argv`` (a usage error: argparse's message and ``SystemExit(2)``)."""
+    if argv[:1] == ["launch"] and argv[1:2] not in ([], ["-h"], ["--help"]):  # the launch line, word for word
+        return argparse.Namespace(command="launch", line=argv[1:], func=_launch, argv=argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(_joined_option_values(parser, argv))
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides += extra  # key=value after a flag (`fcsd convert M --resume train.lr=1e-5`)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = argv
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """The ``fcsd`` command (``argv``: its arguments; None: this process's own, and then a stop ends the process
     with its status at once, see :func:`_exit_stopped`). Bad input: one line, status 2; Ctrl-C: 130; SIGTERM: 143."""
     from fcsd import stopping
+    from fcsd.launch import say
 
     previous = stopping.install()  # first of all: a stop while fcsd imports or loads is one line too
     whole_process = argv is None
@@ -627,13 +657,7 @@ def main(argv: list[str] | None = None) -> int:
 
         quiet.install()
         _quiet_hub_retries()
-        parser = build_parser()
-        args, extra = parser.parse_known_args(_joined_option_values(parser, argv))
-        if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
-            args.overrides += extra  # key=value after a flag (`fcsd convert M --resume train.lr=1e-5`)
-        elif extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.argv = argv
+        args = parse_command(argv)
         ownership.set_command(argv)
         if args.command in TORCH_COMMANDS:
             stopping.import_torch()
@@ -646,12 +670,12 @@ def main(argv: list[str] | None = None) -> int:
         if code is not None:
             stopping.ignore_further_stops()  # a second Ctrl-C (or SIGTERM) while the stop is reported is the same stop
             how = "terminated (SIGTERM)" if code == 143 else "interrupted"
-            print(f"fcsd {name}: {how}{_resume_hint(args)}", file=sys.stderr)
+            say(f"fcsd {name}: {how}{_resume_hint(args)}", code)
             if whole_process:
                 _exit_stopped(code)
             return code
         if isinstance(error, _input_errors()) or _is_symlink_loop(error):
-            print(f"fcsd {name}: error: {_one_line(error)}", file=sys.stderr)
+            say(f"fcsd {name}: error: {_one_line(error)}", 2)
             return 2
         raise
     finally:

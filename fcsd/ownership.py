@@ -119,29 +119,34 @@ def command_argv() -> list[str]:
 
 
 def torchrun_line(nproc: int, settings: dict[str, str] | None = None) -> str:
-    """The command being run as a ``torchrun`` launch of ``nproc`` processes on this node, ``settings``
-    (``{"parallel.ep_size": "2"}``) replacing the command's own values of those keys."""
+    """The command being run as a ``torchrun`` launch of ``nproc`` processes on this node (behind ``fcsd launch``),
+    ``settings`` (``{"parallel.ep_size": "2"}``) replacing the command's own values of those keys."""
     import shlex
 
     settings = settings or {}
     argv = [arg for arg in command_argv() if arg.split("=", 1)[0] not in settings]
     extra = [f"{key}={value}" for key, value in settings.items()]
-    return shlex.join(["torchrun", "--nproc_per_node", str(nproc), "-m", "fcsd.cli", *argv, *extra])
+    return shlex.join(["fcsd", "launch", "torchrun", "--nproc_per_node", str(nproc), "-m", "fcsd.cli", *argv, *extra])
 
 
 def launcher() -> list[str]:
     """How this command was started, as the first words of a command line that runs it again: ``fcsd``, or for a
     rank of ``torchrun`` / ``accelerate launch`` with several processes the launcher with the same process counts
-    (a resume of a parallel run must run with as many processes)."""
+    (a resume of a parallel run must run with as many processes), behind ``fcsd launch`` when it ran under it."""
+    from fcsd.launch import launch_prefix
+
+    launched = launch_prefix()
+    if launched is not None:  # the launch line as the user wrote it (fcsd launch torchrun ... -m fcsd.cli)
+        return launched
     environ = os.environ
     world, local = environ.get("WORLD_SIZE", "1"), environ.get("LOCAL_WORLD_SIZE", "1")
     if environ.get("TORCHELASTIC_RUN_ID") is None or not world.isdigit() or int(world) <= 1 or not local.isdigit():
         return ["fcsd"]
     nodes = [] if world == local else ["--nnodes", str(int(world) // max(int(local), 1))]
     if any(name.startswith("ACCELERATE_") for name in environ):
-        return ["accelerate", "launch", *(["--num_machines", nodes[1]] if nodes else []), "--num_processes", world,
-                "-m", "fcsd.cli"]  # fmt: skip
-    return ["torchrun", *nodes, "--nproc_per_node", local, "-m", "fcsd.cli"]
+        machines = ["--num_machines", nodes[1]] if nodes else []
+        return ["fcsd", "launch", "accelerate", "launch", *machines, "--num_processes", world, "-m", "fcsd.cli"]
+    return ["fcsd", "launch", "torchrun", *nodes, "--nproc_per_node", local, "-m", "fcsd.cli"]
 
 
 def kind_name(kind: str) -> str:

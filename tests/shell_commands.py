@@ -1,7 +1,8 @@
 """Shell command lines checked without running their job (tests/test_docs.py: every example in docs/ and README.md;
 tests/test_plan.py: the commands a plan prints).
 
-- ``fcsd ...``, also behind ``accelerate launch ...``, ``torchrun ...`` or ``python -m fcsd.cli ...``: fcsd's own
+- ``fcsd ...``, also behind ``accelerate launch ...``, ``torchrun ...`` (with ``fcsd launch`` in front or not) or
+  ``python -m fcsd.cli ...``: fcsd's own
   :func:`fcsd.cli.main` runs, parser and checks included, up to the point where the command's job would start
   (:data:`JOBS`: the trainer, the demo, lm-eval, the export, the first model or routes file it loads, ...), which
   raises :class:`Reached` instead. The launcher's own parser (accelerate's, torchrun's) reads its part, and an
@@ -112,6 +113,8 @@ def check_words(words: list[str], cwd: Path | None = None) -> Checked:
     program = words[0]
     if program == "make":
         return _check_make(words, cwd)
+    if program == "fcsd" and words[1:2] == ["launch"]:  # fcsd launch LAUNCH-LINE: the launch line is checked
+        return check_words(words[2:], cwd)
     if program == "fcsd":
         return check_fcsd(words, words[1:], cwd)
     if program == "accelerate" and words[1:2] == ["launch"]:

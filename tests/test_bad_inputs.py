@@ -281,14 +281,14 @@ CASES = [
         "expert_parallel_without_a_launcher",
         lambda w: run_convert(w, f"output_dir={w / 'runs/no_launcher'}", "parallel.ep_size=2"),
         "parallel.ep_size=2 lays the model out over several processes, which a launcher starts, and this is one plain "
-        "process: launch it with `torchrun --nproc_per_node 2 -m fcsd.cli convert ",
+        "process: launch it with `fcsd launch torchrun --nproc_per_node 2 -m fcsd.cli convert ",
         None,
     ),
     (
         "fsdp_without_a_launcher",
         lambda w: run_convert(w, f"output_dir={w / 'runs/no_launcher'}", "parallel.fsdp=true"),
         "parallel.fsdp=true lays the model out over several processes, which a launcher starts, and this is one plain "
-        "process: launch it with `torchrun --nproc_per_node 2 -m fcsd.cli convert ",
+        "process: launch it with `fcsd launch torchrun --nproc_per_node 2 -m fcsd.cli convert ",
         None,
     ),
     # 12. each command replaces only a folder of its own kind, and never what fcsd did not write (issue 19)
@@ -1630,7 +1630,7 @@ def test_ranks_of_a_killed_torchrun_stop_and_name_the_torchrun_command_that_resu
         assert not alive, [p.pid for p in alive]
     err = log.read_text()
     assert "fcsd convert: terminated (SIGTERM)" in err, err
-    assert "continue with `torchrun --nproc_per_node 2 -m fcsd.cli convert" in err, err
+    assert "continue with `fcsd launch torchrun --nproc_per_node 2 -m fcsd.cli convert" in err, err
     assert not (out / ".fcsd-lock").exists()  # released by the rank that held it
 
 
@@ -1926,10 +1926,10 @@ def test_the_resume_of_a_sharded_checkpoint_in_one_process_names_the_torchrun_li
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds the sharded checkpoint of a" in err, err
     line = shlex.split(err.split("`")[1])
-    assert line[:5] == ["torchrun", "--nproc_per_node", "2", "-m", "fcsd.cli"], line
-    overrides = [word for word in line[7:] if word != "--resume"]
-    assert "--resume" in line[7:]
-    config = to_config(compose([*overrides, f"model.name={line[6]}", "train.resume=true"]))
+    assert line[:7] == ["fcsd", "launch", "torchrun", "--nproc_per_node", "2", "-m", "fcsd.cli"], line
+    overrides = [word for word in line[9:] if word != "--resume"]
+    assert "--resume" in line[9:]
+    config = to_config(compose([*overrides, f"model.name={line[8]}", "train.resume=true"]))
     assert (config.parallel.ep_size, config.parallel.fsdp, config.output_dir) == (2, False, str(run))
 
 

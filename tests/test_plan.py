@@ -408,7 +408,7 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     extra = ["data.path=chats.jsonl"]
     commands, _ = plan_commands(str(tmp_path / "model"), layout, "all", config, defaults, cluster, extra, ("x", None))
     train = accepted_by_convert(commands["train"])
-    assert commands["train"].startswith("accelerate launch") and "--num_machines 2" in commands["train"]
+    assert commands["train"].startswith("fcsd launch accelerate launch") and "--num_machines 2" in commands["train"]
     assert train.parallel.ep_size == 4 and train.parallel.fsdp and train.teacher.mode == "cache"
     cache = check_command(commands["cache_teacher"])
     assert cache.job == "fcsd.distill.teacher_cache.cache_teacher", cache.job

@@ -18,6 +18,7 @@ import torch
 
 from fcsd import checksums, ownership
 from fcsd.distill.config import FCSDConfig
+from fcsd.parallel.processes import print_once
 from fcsd.run_folder import CHECKPOINT_RECORD, CONFIG, TRAINER_STATE, RunFolder
 from fcsd.staging import atomic_dir, disk_full_reported
 
@@ -75,7 +76,7 @@ def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: 
     none. :func:`fcsd.distill.resume.check_resume` checked it is complete."""
     checkpoint = run.resume_checkpoint(step)
     if checkpoint is None:
-        accelerator.print(f"--resume: {run.root} holds no checkpoint yet, so the run starts at step 0")
+        print_once(f"--resume: {run.root} holds no checkpoint yet, so the run starts at step 0")
         return None
     from fcsd.parallel import step_state
 
@@ -85,7 +86,7 @@ def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: 
     accelerator.load_state(str(checkpoint))
     if expert_parallel is not None:
         step_state.load(*expert_parallel, checkpoint)
-    accelerator.print(f"resuming from {checkpoint}")
+    print_once(f"resuming from {checkpoint}")
     return trainer_state
 
 

@@ -176,8 +176,12 @@ def set_aside_newer_checkpoints(run: RunFolder, step: int) -> None:
             shutil.rmtree(target)
         checkpoint.rename(target)
     if newer:
+        from fcsd.parallel.processes import print_once
+
         names = ", ".join(c.name for c in newer)
-        print(f"resuming from step-{step}: set aside the later checkpoints {names} as checkpoints/abandoned-step-*")
+        print_once(
+            f"resuming from step-{step}: set aside the later checkpoints {names} as checkpoints/abandoned-step-*"
+        )
 
 
 def check_data_cache_dir(config) -> None:

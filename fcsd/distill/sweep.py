@@ -191,7 +191,7 @@ def final_command(config: FCSDConfig, overrides: list[str], selection: dict) -> 
     launcher = "fcsd"
     if config.model.accelerate_config:
         launch = shlex.quote(recipe_file(config.model.accelerate_config))  # the shipped one outside a checkout
-        launcher = f"accelerate launch --config_file {launch} -m fcsd.cli"
+        launcher = f"fcsd launch accelerate launch --config_file {launch} -m fcsd.cli"  # one voice (fcsd.launch)
     return " ".join([launcher, "convert", *(shlex.quote(arg) for arg in [*kept, *chosen])])
 
 

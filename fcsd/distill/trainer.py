@@ -42,6 +42,7 @@ from fcsd.distill.preflight import Checked
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
 from fcsd.distill.warm_start import average_gradients, layer_local_loss
+from fcsd.parallel.processes import print_once
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,7 @@ def train(checked: Checked) -> RunResult:
         if train_cfg.eval_every and done % train_cfg.eval_every == 0 and not last:
             s.evaluate(done)
         if s.early is not None and done % s.early.config.every == 0 and s.early_stop_check(done):
-            s.accelerator.print(
-                f"early stop at step {done}: the best MBPP+ checkpoint is step {s.early.rule.best_step}"
-            )
+            print_once(f"early stop at step {done}: the best MBPP+ checkpoint is step {s.early.rule.best_step}")
             break
         if train_cfg.save_every and done % train_cfg.save_every == 0 and not last:
             s.save_checkpoint(done)
@@ -151,7 +150,7 @@ class TrainingSession:
             )
         self.announce_ramp()
         if self.plan.micro_batch_size != train_cfg.micro_batch_size:
-            accelerator.print(
+            print_once(
                 f"train.micro_batch_size={train_cfg.micro_batch_size} does not divide this process's "
                 f"{self.plan.per_process} sequences of a step: micro-batches of "
                 f"{self.plan.micro_batch_size}"
@@ -229,7 +228,7 @@ class TrainingSession:
         self.show_progress = config.progress and accelerator.is_main_process
         self.eval_before = saved["eval_before"] or self.evaluate(0)
         if saved["eval_before"] is None:
-            accelerator.print(
+            print_once(
                 f"step 0 (converted, before training): {kl_name(self.eval_before)} {kl_of(self.eval_before):.4f}"
             )
         if self.early is not None and not self.early.scores:  # the baseline: step 0, or a resume without this state
@@ -256,7 +255,7 @@ class TrainingSession:
         if spec != self.layers:
             apply_farskip(self.unwrapped, spec)
             self.layers = spec
-            self.accelerator.print(f"step {step}: FarSkip on layers {spec}")
+            print_once(f"step {step}: FarSkip on layers {spec}")
             return True
         return False
 
@@ -268,7 +267,7 @@ class TrainingSession:
             lowered = f" (not {split}: this process holds {held} sequences of a step)" if fitted != split else ""
             parts.append(f"steps {start + 1}-{end} in {fitted} updates{lowered}")
         if parts:
-            self.accelerator.print(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")
+            print_once(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")
 
     def optimizer_steps(self, step: int) -> tuple[float, float, dict, bool]:
         """Train on step ``step``'s rows: one optimizer update, or several sharing the rows in a batch ramp
@@ -285,7 +284,7 @@ class TrainingSession:
             if reason:
                 where = f"step {step + 1}" + (f" (update {update + 1} of {split})" if split > 1 else "")
                 log.warning("%s not applied: %s", where, reason)
-                accelerator.print(f"{where} not applied: {reason}")
+                print_once(f"{where} not applied: {reason}")
             self.optimizer.zero_grad(set_to_none=True)
             for name, value in {"loss": loss, **terms}.items():
                 totals[name] = totals.get(name, 0.0) + value * count
@@ -382,7 +381,7 @@ class TrainingSession:
             decision = early.evaluate(accelerator, self.unwrapped, self.tokenizer, step, synced)
         scores = early.scores[str(step)]
         self.metrics.log({"step": step, "early_stop/mbpp_plus": scores["plus"], "early_stop/mbpp_base": scores["base"]})
-        accelerator.print(
+        print_once(
             f"step {step}: MBPP+ pass@1 {scores['plus']:.1f} (base {scores['base']:.1f}); best "
             f"{early.rule.best_score:.1f} at step {early.rule.best_step}; "
             f"{early.rule.evals_without_improvement}/{early.config.patience} evaluations without a gain > "
@@ -423,7 +422,7 @@ class TrainingSession:
         if self.early is not None and not self.early.evaluated(done):
             self.early_stop_check(done)  # the final score (it may be the best)
         eval_after = self.evaluate(done)
-        accelerator.print(
+        print_once(
             f"final: {kl_name(eval_after)} {kl_of(eval_after):.4f} (step 0: {kl_of(self.eval_before):.4f}), "
             f"NLL {eval_after['eval/nll']:.4f}"
         )

@@ -25,6 +25,13 @@ def is_main_process() -> bool:
     return process_rank() == 0
 
 
+def print_once(*args, **kwargs) -> None:
+    """``print`` on the main process (global rank 0) alone: a run's messages are said once, not once per node as
+    ``accelerator.print`` (its local main processes) says them."""
+    if is_main_process():
+        print(*args, **kwargs)
+
+
 @contextmanager
 def main_process_first():
     """The main process runs the block first (e.g. building a cache), the others after it; yields whether this is

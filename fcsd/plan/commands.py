@@ -75,7 +75,7 @@ def launch_prefix(layout: Layout, cluster: Cluster) -> list[str]:
     the process counts that differ from it (several nodes: run it on every node with its rank)."""
     if layout.processes == 1:
         return ["fcsd"]
-    args = ["accelerate", "launch"]
+    args = ["fcsd", "launch", "accelerate", "launch"]  # fcsd launch: an error or a stop said once (fcsd.launch)
     configs = ACCELERATE_CONFIGS.get(layout.strategy)
     if configs is not None:
         args += ["--config_file", accelerate_config(configs[cluster.nodes > 1])]
