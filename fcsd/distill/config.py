@@ -17,6 +17,8 @@ from omegaconf import MISSING
 
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model.dtype
+TEACHER_DTYPES = (*MODEL_DTYPES, "fp8")  # teacher.dtype: fp8 keeps a block-FP8 source's FP8 modules
 SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
 EP_DISPATCHERS = ("plain", "dedup", "hierarchical")
@@ -644,6 +646,11 @@ def to_config(cfg) -> FCSDConfig:
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
         (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
+        (config.model.dtype in MODEL_DTYPES, f"model.dtype={config.model.dtype!r}: choose one of {MODEL_DTYPES}"),
+        (
+            config.teacher.dtype in TEACHER_DTYPES,
+            f"teacher.dtype={config.teacher.dtype!r}: choose one of {TEACHER_DTYPES}",
+        ),
         (config.teacher.mode == "online" or cache_refusal(train) is None, cache_refusal(train)),
         (train.lr > 0, f"train.lr={train.lr}: it must be > 0 (e.g. train.lr=2e-5)"),
         (0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio={train.min_lr_ratio}: it must lie in [0, 1]"),

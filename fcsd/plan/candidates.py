@@ -126,15 +126,15 @@ def held_parameters(layout: Layout, counts: Counts) -> int:
     }.get(layout.strategy, counts.total)
 
 
-def static_floor(layout: Layout, counts: Counts) -> int:
+def static_floor(layout: Layout, counts: Counts, fp8_teacher: bool = False) -> int:
     """A lower bound of a candidate's static bytes per GPU, from parameter counts alone: its share of the student's
     fp32 weights (4 bytes per parameter), gradients and AdamW moments (12 more, embeddings left out in case they
-    are frozen), DDP's buckets, and its share of a bf16 online teacher. Only used to skip candidates that cannot
-    fit; every other one is simulated."""
+    are frozen), DDP's buckets, and its share of a bf16 online teacher (``fp8_teacher``: one byte a parameter).
+    Only used to skip candidates that cannot fit; every other one is simulated."""
     held = held_parameters(layout, counts)
     trained = max(0, held - counts.embeddings * held // counts.total)
     floor = 4 * held + 12 * trained + (4 * trained if layout.strategy == "ddp" else 0)
-    return floor + (2 * held if layout.teacher == "online" else 0)
+    return floor + ((1 if fp8_teacher else 2) * held if layout.teacher == "online" else 0)
 
 
 def cache_teacher_bytes(layout: Layout, counts: Counts) -> int:
@@ -183,7 +183,7 @@ def search(
 
     pricing = Pricing(model_config, fcsd_config, cluster, counts, shape, set(converted or ()))
     decided: dict[Layout, Candidate] = {}
-    screened = [_screen(layouts, cluster, counts, cache_ok) for layouts in groups]
+    screened = [_screen(layouts, cluster, counts, cache_ok, fcsd_config) for layouts in groups]
     bounds = [min((pricing.bound(c.layout) for c in found if c.status == "open"), default=None) for found in screened]
     best: Candidate | None = None
     order = sorted(range(len(groups)), key=lambda i: (bounds[i] is None, bounds[i] or 0.0))
@@ -223,12 +223,14 @@ def lighter(a: Layout, b: Layout) -> bool:
     )
 
 
-def _screen(layouts: list[Layout], cluster: Cluster, counts: Counts, cache_ok: bool | str) -> list[Candidate]:
+def _screen(layouts: list[Layout], cluster: Cluster, counts: Counts, cache_ok: bool | str, config) -> list[Candidate]:
     """``layouts`` decided where no simulation is needed (``invalid``, ``static``); the others ``open``."""
+    from fcsd.plan.teacher_dtype import fp8_teacher
+
     budget = cluster.budget
     found = []
     for layout in layouts:
-        floor = static_floor(layout, counts)
+        floor = static_floor(layout, counts, fp8_teacher(config, layout))
         if layout.teacher == "cache" and cache_ok is not True:
             found.append(Candidate(layout, "invalid", note=cache_ok))
         elif layout.teacher == "cache" and cache_teacher_bytes(layout, counts) > budget:
@@ -286,7 +288,7 @@ def _decide(model_config, fcsd_config, layouts: list[Layout], cluster: Cluster, 
     """Decide ``layouts`` (one strategy, fastest first): the heaviest and the lightest are simulated first, then
     every candidate not implied by a simulated one (a lighter one fits when a heavier one does, a heavier one does
     not when a lighter one does not)."""
-    decided = {c.layout: c for c in _screen(layouts, cluster, counts, cache_ok) if c.status != "open"}
+    decided = {c.layout: c for c in _screen(layouts, cluster, counts, cache_ok, fcsd_config) if c.status != "open"}
     pending = [layout for layout in layouts if layout not in decided]
     for layout in pending[:1] + pending[-1:] + pending[1:-1]:  # heaviest, lightest, then the fastest first
         if layout in decided:

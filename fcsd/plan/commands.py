@@ -23,6 +23,10 @@ PLAIN = ("ep8_1node.yaml", "ep8_1node.yaml")  # a plain multi-process launch
 ACCELERATE_CONFIGS = {"ep": PLAIN, "ep_fsdp": PLAIN, "fsdp2": PLAIN}  # strategy -> (one node, several nodes)
 CONFIG_PROCESSES = 8  # the shipped one-node configs launch 8 processes
 CACHE_DIR = "teacher-cache"
+REPLACED = {  # why the plan replaced a user's override, by key (None: any other)
+    None: "the plan chooses it (the fastest way that fits)",
+    "teacher.dtype": "fcsd keeps FP8 modules on one process or DDP only (its parallel layouts do not shard them)",
+}
 
 
 def convert_overrides(
@@ -31,6 +35,7 @@ def convert_overrides(
     """``fcsd convert`` arguments for ``layout``: the model, the layer spec, the candidate's settings, and every
     setting the plan changed from the resolved recipe (``defaults``)."""
     from fcsd.distill.config import hydra_override
+    from fcsd.plan.teacher_dtype import runnable_teacher_dtype
 
     args = [model, f"farskip.layers={spec}" if "," not in spec else hydra_override("farskip.layers", spec)]
     args += parallel_overrides(layout, gpus_per_node)
@@ -42,6 +47,7 @@ def convert_overrides(
         "train.max_tokens": config.train.max_tokens,
         "train.warmup_steps": config.train.warmup_steps,
         "data.seq_len": config.data.seq_len,
+        "teacher.dtype": runnable_teacher_dtype(config, layout),  # fp8 only where the run keeps FP8 modules
     }
     current = {
         "train.micro_batch_size": defaults.train.micro_batch_size,
@@ -51,6 +57,7 @@ def convert_overrides(
         "train.max_tokens": defaults.train.max_tokens,
         "train.warmup_steps": defaults.train.warmup_steps,
         "data.seq_len": defaults.data.seq_len,
+        "teacher.dtype": defaults.teacher.dtype,
     }
     args += [f"{key}={value}" for key, value in settings.items() if current[key] != value]
     if layout.teacher == "cache":
@@ -132,7 +139,7 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
     train = convert_overrides(model, layout, spec, config, output_dir, defaults, cluster.gpus_per_node)
     ours = dict(a.split("=", 1) for a in train[1:])
     notes = [
-        f"{key}={value} replaced by the plan's {key}={ours[key]}: the plan chooses it (the fastest way that fits)"
+        f"{key}={value} replaced by the plan's {key}={ours[key]}: {REPLACED.get(key, REPLACED[None])}"
         for key, value in given.items()
         if key in ours and key != "output_dir" and ours[key] != value
     ]
@@ -144,7 +151,8 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
             for a in train[1:]
             if a.split("=")[0] in ("data.seq_len", "train.batch_tokens", "train.max_tokens", "train.warmup_steps")
         ]
-        others = [a for a in extra if a.split("=")[0] != "output_dir"]
+        others = [a for a in extra if a.split("=")[0] not in ("output_dir", "teacher.dtype")]
+        others += [a for a in train[1:] if a.startswith("teacher.dtype=")]  # as the training run loads it
         cache = ["cache-teacher", model, *keep, *others, f"teacher.cache_dir={output_dir}/{CACHE_DIR}"]
         if layout.strategy in LAID_OUT:  # on the run's processes, the teacher laid out as the run's
             cache = [*launch_prefix(layout, cluster), *cache, *parallel_overrides(layout, cluster.gpus_per_node)]

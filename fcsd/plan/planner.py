@@ -97,6 +97,11 @@ def make_plan(
     shape = pm.model_shape(source.config)  # a dense or unsupported model is refused here, in one line
     config, defaults, notes = run_config(source, overrides or [], tokens, cluster)
     serving = plan_serving(source.config, cluster, serve_context, serve_sequences, config)  # bad input: at once
+    if config.teacher.dtype == "fp8":  # refused where no candidate could run it; else what it saves, and where
+        from fcsd.plan.teacher_dtype import check_fp8_teacher, fp8_note
+
+        check_fp8_teacher(config, source.config, cluster)
+        notes.append(fp8_note(source.config))
     tokens = float(config.train.max_tokens)
     given = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("farskip.layers=")]
     specs = specs or given[-1:] or DEFAULT_SPECS  # the user's farskip.layers is the one spec planned

@@ -12,6 +12,7 @@ from __future__ import annotations
 from fcsd.plan.candidates import why_none_fits
 from fcsd.plan.cluster import GIB
 from fcsd.plan.simulate import CATEGORIES
+from fcsd.plan.teacher_dtype import priced_teacher
 from fcsd.plan.units import duration, time_unit
 
 STATUS = {
@@ -202,6 +203,7 @@ def format_plan(plan) -> str:
         "",
         f"-> {chosen.layout.name}: peak {chosen.estimate.peak / GIB:.1f} GiB per GPU "
         f"(at the {chosen.estimate.peak_phase} phase)",
+        f"           teacher priced as {priced_teacher(plan.config, chosen.layout)}",
         "time       FLOPs per token: "
         + ", ".join(f"{PHASES.get(phase, phase)} {_flops(value)}" for phase, value in plan.flops.items())
         + f"; at {plan.cluster.mfu:.0%} of {plan.cluster.gpu.tflops:g} TFLOP/s",
@@ -256,6 +258,7 @@ def plan_dict(plan) -> dict:
             "candidates": [c.to_dict() for c in plan.fallback.candidates],
         },
         "chosen": None if chosen is None else chosen.to_dict(),
+        "teacher_priced": None if chosen is None else priced_teacher(plan.config, chosen.layout),
         "layouts_timed": [c.to_dict() for c in _searched(plan).timed],
         "layout_reason": plan.layout_reason,
         "why_nothing_fits": [] if chosen is not None else why_none_fits(plan.fallback or plan.search, plan.counts),

@@ -267,7 +267,9 @@ def build_run(model_config, fcsd_config, layout: Layout, target: str, meshes=Non
     mixed = ("bf16" if cuda else "no") if mixed == "auto" else mixed
     teacher = None
     if layout.teacher == "online":
-        dtype = _dtype(config.teacher.dtype, cuda, torch.float32, torch.bfloat16)
+        # an FP8 teacher is built in bf16 (fake tensors cannot run FP8 kernels); fcsd.plan.teacher_dtype prices it
+        name = "bfloat16" if config.teacher.dtype == "fp8" else config.teacher.dtype
+        dtype = _dtype(name, cuda, torch.float32, torch.bfloat16)
         teacher = _text_model(model_config, dtype, config, subset=subset).eval().requires_grad_(False)
     dtype = _dtype(config.model.dtype, cuda, torch.float32, torch.float32)
     student = _text_model(model_config, dtype, config, config.farskip.layers, subset)

@@ -160,9 +160,9 @@ def serving_model(model_config, bf16: bool = False) -> ServingModel:
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     fp8 = set()  # parameters stored in FP8: linear weights (not the head, not routers) and routed experts' matrices
     if block is not None:
-        skip = set(_not_converted(model_config))
+        skip = _not_converted(model_config)
         for module_name, module in model.named_modules():
-            if isinstance(module, nn.Linear) and module.weight is not head and module_name.split(".")[-1] not in skip:
+            if isinstance(module, nn.Linear) and module.weight is not head and not _kept(module_name, skip):
                 fp8.add(id(module.weight))
         fp8 = (fp8 | experts) - routers
     layers = [[0, 0, 0] for _ in range(text.num_hidden_layers)]
@@ -221,7 +221,13 @@ def _not_converted(model_config) -> list[str]:
     """Module names the FP8 source keeps unquantized beyond the head and the routers (``modules_to_not_convert``)."""
     quantization = model_config.quantization_config
     values = quantization if isinstance(quantization, dict) else quantization.to_dict()
-    return [name.split(".")[-1] for name in values.get("modules_to_not_convert") or []]
+    return list(values.get("modules_to_not_convert") or [])
+
+
+def _kept(module_name: str, skip: list[str]) -> bool:
+    """Whether ``modules_to_not_convert`` (``skip``: full names, or a last part such as ``lm_head`` for every module
+    so named) keeps ``module_name`` unquantized."""
+    return any(module_name == name or module_name.endswith("." + name) for name in skip)
 
 
 def stage_layers(num_layers: int, pp: int) -> list[int]:

@@ -326,6 +326,7 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     layers of the stack (:mod:`fcsd.plan.depth`), in worker processes inside
     :func:`fcsd.plan.workers.simulation_workers`."""
     config = step_config(fcsd_config, layout, layout.processes)
+    from fcsd.plan.teacher_dtype import fp8_teacher, with_fp8_teacher
     from fcsd.plan.workers import results
 
     plan = reduction_for(model_config, fcsd_config, layout)
@@ -334,7 +335,10 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     combined = {key: plan.combine([m[key] for m in measured]) for key in keys}
     phases = {name for m in measured for name in m["phases"]}
     combined["phases"] = {name: plan.combine([m["phases"].get(name, {}) for m in measured]) for name in phases}
-    return _estimate(combined, layout, layout.micro_batch * config.data.seq_len, accumulation_steps(config, layout))
+    estimate = _estimate(combined, layout, layout.micro_batch * config.data.seq_len, accumulation_steps(config, layout))
+    if fp8_teacher(config, layout):  # simulated with a bf16 teacher: the bytes FP8 saves (fcsd.plan.teacher_dtype)
+        estimate = with_fp8_teacher(estimate, model_config)
+    return estimate
 
 
 _REDUCTIONS: dict[tuple, tuple] = {}  # (id of the model config, layer spec) -> (the config, its Reduction)
