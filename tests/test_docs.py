@@ -213,7 +213,7 @@ def test_the_collector_finds_the_examples():
     assert {"README.md", "docs/converting.md", "docs/scale-out.md", "docs/serving.md"} <= pages
     assert len(SHELL) > 40 and len(PYTHON) >= 3
     assert any(e.text == "make install && make demo" for e in SHELL)
-    assert any(e.text.startswith("accelerate launch") for e in SHELL)
+    assert any(e.text.startswith("fcsd launch accelerate launch") for e in SHELL)
 
 
 def test_a_broken_command_is_caught(sandbox):
