@@ -7,7 +7,10 @@ Three fields name a FarSkip checkpoint, and they must agree:
 - ``model_type``: ``farskip_<stock type>`` in an export (stock transformers refuses it instead of loading it with
   regular connectivity), the stock type in an fcsd checkpoint that is not an export (a run's ``final/``);
 - the ``farskip`` block: which layers are converted (``layers``, a non-empty list of layer indices);
-- ``architectures``: ``FarSkip<stock class>`` in an export, the class fcsd's vLLM plugin serves it with.
+- ``architectures``: ``FarSkip<stock class>`` in an export, the class fcsd's vLLM plugin serves it with: the one of
+  the export's own family (its model type; ``FarSkipLlama4ForConditionalGeneration`` for a composite ``llama4``),
+  since vLLM builds its model from this field. ``FarSkipForCausalLM`` (what exports of fcsd 0.1 named, family-less)
+  still loads with fcsd; vLLM's plugin refuses it when it builds it.
 
 :func:`identify` tells ``stock`` (no FarSkip field at all), ``converted`` (the stock model type and class with a
 ``farskip`` block: loads with :func:`fcsd.from_pretrained`, but a serving engine would run it with stock wiring) and
@@ -16,7 +19,12 @@ Three fields name a FarSkip checkpoint, and they must agree:
 
 from __future__ import annotations
 
-from fcsd.serving.vllm.families import ARCHITECTURE_PREFIX, EXPORTED_PREFIX, farskip_architecture
+from fcsd.serving.vllm.families import (
+    ARCHITECTURE_PREFIX,
+    EXPORTED_PREFIX,
+    UNSERVED_ARCHITECTURE,
+    farskip_architecture,
+)
 
 CONFIG_KEY = "farskip"  # fcsd.connectivity.patch.CONFIG_KEY
 PARITY_RECORD = "fcsd_export.json"  # fcsd.export.save.PARITY_RECORD: written by `fcsd export` with the farskip block
@@ -53,12 +61,19 @@ def identify(values: dict, where: str = "config.json") -> str:
                 f"{where}: model type {model_type!r} but `{CONFIG_KEY}.base_model_type` is "
                 f"{record['base_model_type']!r}; {REEXPORT}"
             )
-        expected = farskip_architecture(base) or f"{ARCHITECTURE_PREFIX}ForCausalLM"
+        expected = farskip_architecture(base) or UNSERVED_ARCHITECTURE
         if not farskip_classes:
             named = f"architectures {architectures} names the stock class" if architectures else "no architectures"
             raise IdentityError(
                 f"{where}: {named}, but model type {model_type!r} and the `{CONFIG_KEY}` block say FarSkip (a serving "
                 f'engine would run it with stock wiring); set "architectures": ["{expected}"], or {REEXPORT}'
+            )
+        foreign = [a for a in farskip_classes if a not in (expected, UNSERVED_ARCHITECTURE)]
+        if foreign:  # a serving engine builds its model from this field: another family's class, other weights
+            raise IdentityError(
+                f"{where}: architectures {architectures} names a FarSkip class of another family, not "
+                f"{expected!r}, the one of model type {model_type!r} (a serving engine builds its model from that "
+                f'field); set "architectures": ["{expected}"], or {REEXPORT}'
             )
         others = [a for a in architectures if not a.startswith(ARCHITECTURE_PREFIX)]
         if others:  # a serving engine builds the first class it knows: a stock one beside the FarSkip one may win

@@ -150,6 +150,54 @@ def test_an_export_whose_identity_was_edited_is_refused_wherever_it_loads(tmp_pa
         AutoModelForCausalLM.from_pretrained(tmp_path / "no_block", trust_remote_code=True)
 
 
+def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused(tmp_path, tokenizer, capsys):
+    """Issue 38: `architectures` naming another family's FarSkip class (vLLM builds its model from it) loaded with fcsd
+    and the remote code; a folder whose model type and class were both set back to stock (the `farskip` block and
+    `auto_map` kept) loaded as FarSkip with the remote code. Each is refused naming the field; the composite and the
+    family-less class of fcsd 0.1 still pass."""
+    from transformers import AutoModelForCausalLM
+
+    from fcsd.cli import main
+    from fcsd.identity import identify
+
+    folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    other = "names a FarSkip class of another family, not 'FarSkipQwen3MoeForCausalLM', the one of model type"
+    edits = {  # name: config.json, what fcsd (loader, push) says, what the shipped remote code says
+        "other_family": (
+            {**config, "architectures": ["FarSkipDeepseekV2ForCausalLM"]},
+            other,
+            "names ['FarSkipDeepseekV2ForCausalLM'], not 'FarSkipQwen3MoeForCausalLM', the FarSkip class of model type",
+        ),
+        "all_stock": (
+            {**config, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+            "say an fcsd checkpoint that is not an export, but fcsd_export.json beside it records",
+            "\"model_type\" is 'qwen3_moe', not 'farskip_qwen3_moe', so it declares a stock model",
+        ),
+    }
+    capsys.readouterr()
+    for name, (values, message, remote_message) in edits.items():
+        edited = tmp_path / name
+        shutil.copytree(folder, edited)
+        (edited / "config.json").write_text(json.dumps(values))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fcsd.from_pretrained(str(edited))
+        assert main(["push", str(edited), "me/model", "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        with pytest.raises(ValueError, match=re.escape(remote_message)):
+            AutoModelForCausalLM.from_pretrained(edited, trust_remote_code=True)
+    (edited / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3MoeForCausalLM"]}))
+    with pytest.raises(ValueError, match=re.escape("names ['Qwen3MoeForCausalLM'], not 'FarSkipQwen3MoeForCausalLM'")):
+        AutoModelForCausalLM.from_pretrained(edited, trust_remote_code=True)  # the class alone, from the config
+    composite = {"model_type": "farskip_llama4", "farskip": {"layers": [1]}}
+    assert identify({**composite, "architectures": ["FarSkipLlama4ForConditionalGeneration"]}) == "export"
+    composite_other = "of another family, not 'FarSkipLlama4ForConditionalGeneration', the one of model type"
+    with pytest.raises(ValueError, match=re.escape(composite_other)):  # the text model's class on the composite
+        identify({**composite, "architectures": ["FarSkipLlama4ForCausalLM"]})
+    assert identify({**config, "architectures": ["FarSkipForCausalLM"]}) == "export"  # vLLM refuses it by name
+
+
 def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     from fcsd.cli import main
 

@@ -269,6 +269,33 @@ def test_vllm_serve_of_an_export_without_its_farskip_block_is_one_line(tokenizer
     assert text.strip().splitlines()[-1].startswith("vllm serve: error: ") and "`farskip` block" in text, text[-2000:]
 
 
+def test_an_export_naming_another_familys_class_is_refused_where_vllm_loads_its_config(tokenizer, tmp_path):
+    """Issue 38: vLLM builds its model from `architectures`; an export of Qwen3-MoE naming FarSkip DeepSeek-V2's class
+    passed the plugin's check. Now vLLM's own config loader (the plugin's seam) refuses it, naming the field and the
+    family's class, and still loads the export as written. No engine starts (a refusal costs nothing to serve)."""
+    folder = export(fcsd.apply_farskip(build("qwen3_moe", len(tokenizer)), "all"), tokenizer, tmp_path / "export")
+    other = shutil.copytree(folder, tmp_path / "other")
+    config = json.loads((folder / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "architectures": ["FarSkipDeepseekV2ForCausalLM"]}))
+    script = (
+        "import json, sys, fcsd.serving.vllm as plugin; plugin.register(); import vllm.config.model as m\n"
+        "def load(folder):\n"
+        "    try:\n"
+        "        return m.get_config(folder, False).to_dict()['architectures']\n"
+        "    except Exception as error:\n"
+        "        return f'{type(error).__name__}: {error}'\n"
+        "print(json.dumps([load(folder) for folder in sys.argv[1:]]))"
+    )
+    command = [vllm_python(), "-c", script, str(folder), str(other)]
+    done = subprocess.run(command, capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written, edited = json.loads(done.stdout.strip().splitlines()[-1])
+    assert written == ["FarSkipQwen3MoeForCausalLM"]
+    assert edited.startswith("FarSkipServingError: ") and len(edited.splitlines()) == 1, edited
+    message = "names a FarSkip class of another family, not 'FarSkipQwen3MoeForCausalLM', the one of model type"
+    assert message in edited and 'set "architectures": ["FarSkipQwen3MoeForCausalLM"]' in edited, edited
+
+
 def test_without_the_plugin_vllm_refuses_the_export(served):
     # VLLM_PLUGINS=none: vLLM without fcsd's plugin; never the stock wiring
     assert "trust_remote_code" in served["results"]["absent"].get("error", ""), served["results"]["absent"]

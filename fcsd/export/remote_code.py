@@ -5,7 +5,10 @@ The connectivity modules of fcsd are copied next to the weights with their impor
 copies a remote-code file together with the files it imports relatively); a generated configuration and modeling
 file subclass the stock transformers classes under the model type ``farskip_<stock type>``, which stock
 transformers does not know: loading without ``trust_remote_code`` fails loudly instead of silently running the
-regular connectivity.
+regular connectivity. The generated model class checks the export's identity as :mod:`fcsd.identity` does, without
+fcsd: ``architectures`` must name the FarSkip class of the export's own family (vLLM builds its model from it) and,
+for a local folder, ``config.json``'s model type must be ``farskip_<stock type>``; a folder declared stock or another
+family is refused in one line instead of loading as FarSkip.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import fcsd
 from fcsd.connectivity.families import EXPORTED_PREFIX
+from fcsd.serving.vllm.families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 CONNECTIVITY_MODULES = ("layer_spec", "adapters", "families", "patch")
 
@@ -62,10 +66,51 @@ def _recorded_layers(config):
         return None
 
 
+MODEL_TYPE = "{model_type}"  # what config.json must say this export is
+ARCHITECTURE = "{architecture}"  # the FarSkip class of this family, the one a serving engine builds
+GENERIC_ARCHITECTURE = "{generic_architecture}"  # family-less (exports of fcsd 0.1)
+REEXPORT = "export it again with `fcsd export RUN_OR_CHECKPOINT OUT_DIR`"
+
+
+def _config_file(config):
+    """The ``config.json`` values beside the weights (when the folder is local), or None."""
+    import json
+    import os
+
+    path = os.path.join(str(getattr(config, "_name_or_path", "") or ""), "config.json")
+    try:
+        with open(path) as handle:
+            values = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return values if isinstance(values, dict) else None
+
+
+def _check_identity(config):
+    """Refuse a config that declares itself stock or another family (fcsd.identity, without fcsd): it would be
+    loaded here as FarSkip but served (or loaded by stock transformers) as what it says."""
+    values = _config_file(config) or {{}}
+    model_type = values.get("model_type", MODEL_TYPE)
+    if model_type != MODEL_TYPE:
+        raise ValueError(
+            f'config.json: "model_type" is {{model_type!r}}, not {{MODEL_TYPE!r}}, so it declares a stock model that '
+            f'stock transformers loads with stock wiring; set "model_type": "{{MODEL_TYPE}}", or {{REEXPORT}}'
+        )
+    architectures = list(getattr(config, "architectures", None) or [])
+    wrong = [a for a in architectures if a not in (ARCHITECTURE, GENERIC_ARCHITECTURE)]
+    if wrong:
+        raise ValueError(
+            f"config.json: architectures {{architectures}} names {{wrong}}, not {{ARCHITECTURE!r}}, the FarSkip class "
+            f"of model type {{MODEL_TYPE!r}} (a serving engine builds its model from that field, as stock or another "
+            f'family); set "architectures": ["{{ARCHITECTURE}}"], or {{REEXPORT}}'
+        )
+
+
 class FarSkipForCausalLM({model_class}):
     config_class = FarSkipConfig
 
     def __init__(self, config):
+        _check_identity(config)
         record = getattr(config, "farskip", None)
         layers = record.get("layers") if isinstance(record, dict) else None
         if not isinstance(layers, list) or not layers:
@@ -97,6 +142,8 @@ def write_remote_code(folder: Path, config, model_class: type) -> dict:
         (folder / f"farskip_{name}.py").write_text(text)
     base_type = config.model_type.removeprefix(EXPORTED_PREFIX)
     values = {
+        "architecture": farskip_architecture(base_type) or UNSERVED_ARCHITECTURE,
+        "generic_architecture": UNSERVED_ARCHITECTURE,
         "base_type": base_type,
         "model_type": EXPORTED_PREFIX + base_type,
         "config_class": type(config).__name__,
