@@ -333,3 +333,45 @@ def test_a_step_checkpoint_of_a_bf16_source_exports(tmp_path, capsys):
     assert step_model.model.rotary_emb.inv_freq.dtype == exported.model.rotary_emb.inv_freq.dtype == torch.float32
     batch = torch.randint(3, 200, (2, 64))
     assert torch.equal(text_logits(step_model, batch), text_logits(exported, batch))  # the same model, bit for bit
+
+
+def test_a_tied_model_writes_one_set_of_files_in_one_process_and_laid_out(tmp_path):
+    """Issue 38: a bf16 checkpoint with `tie_word_embeddings=true` trained one step in one process wrote
+    `lm_head.weight` (a cast copy of the embeddings, no longer sharing their storage) into final/, while the same run
+    under FSDP2 on 2 processes (streamed) left it out, as `save_pretrained` does: two sets of files for one run. Now
+    final/ and the export hold the same keys either way (no `lm_head.weight`), and load equal and tied."""
+    from launch import torchrun
+    from safetensors import safe_open
+    from tiny_models import CONFIGS
+
+    from fcsd.cli import main
+    from fcsd.distill.synthetic import make_dataset, write_jsonl
+
+    data = make_dataset(40, seed=3)
+    chat = train_tokenizer((m["content"] for r in data for m in r["messages"]), vocab_size=280)
+    model_class, config = CONFIGS["qwen3_moe"]()
+    config.update({"tie_word_embeddings": True, "vocab_size": len(chat)})
+    torch.manual_seed(0)
+    model_class(config).to(torch.bfloat16).save_pretrained(tmp_path / "tied")
+    chat.save_pretrained(tmp_path / "tied")
+    write_jsonl(data, tmp_path / "train.jsonl")
+    args = ["convert", str(tmp_path / "tied"), f"data.path={tmp_path / 'train.jsonl'}"]
+    args += ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=128", "train.micro_batch_size=2"]
+    args += ["train.max_steps=1", "train.warmup_steps=0", "progress=false", "early_stop.enabled=false"]
+    args += [f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main([*args, f"output_dir={tmp_path / 'one'}"]) == 0
+    torchrun(2, "-m", "fcsd.cli", *args, "parallel.fsdp=true", f"output_dir={tmp_path / 'two'}", timeout=600)
+
+    def keys(folder: Path) -> list[str]:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+            return sorted(handle.keys())
+
+    for part in ("final", "export"):
+        one, two = tmp_path / "one" / part, tmp_path / "two" / part
+        assert keys(one) == keys(two) == keys(tmp_path / "tied"), part  # the keys save_pretrained wrote the source with
+        assert "model.embed_tokens.weight" in keys(one) and "lm_head.weight" not in keys(one), part
+        first, second = fcsd.from_pretrained(str(one)), fcsd.from_pretrained(str(two))
+        assert first.lm_head.weight is first.model.embed_tokens.weight  # tied again on load
+        assert second.lm_head.weight is second.model.embed_tokens.weight
+        for (name, x), (_, y) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
+            torch.testing.assert_close(x, y, msg=name, atol=1e-6, rtol=2**-7)  # bf16: one rounding apart at most

@@ -111,7 +111,10 @@ def save_model(
         if state_dict is None:
             stream_save.write_weights(student, staging, dtype)
             stream_save.save_config(student, staging)
-        else:
+        else:  # tied copies left out as the streamed layout leaves them (a cast copy no longer shares storage)
+            from fcsd.parallel.stream_save import stock_keys
+
+            state_dict = {k: state_dict[k] for k in stock_keys(student, state_dict)}
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
             student.save_pretrained(staging, state_dict=state_dict)
         set_saved_dtype(staging, dtype)
