@@ -93,7 +93,8 @@ def main() -> None:
         print(
             f"round {round_}: GEMM {data['tflops'] * 1e3:.1f} GFLOP/s (reduced shapes {data['reduced_tflops']}), "
             f"all-gather/reduce-scatter {data['intra_gbps']:.3f} GB/s, all-to-all {data['alltoall_intra_gbps']:.3f} "
-            f"GB/s, {data['op_us']:.1f} us per op, elementwise {data['memory_gbps']:.1f} GB/s, latency over "
+            f"GB/s, overlap {data.get('overlap', 1.0):.2f}, {data['op_us']:.1f} us per op, elementwise "
+            f"{data['memory_gbps']:.1f} GB/s, latency over "
             f"{PROCESSES} (us) {json.dumps({k: round(v) for k, v in latency.items() if v})}"
         )
     print("| round | reduced layout, 4 gloo processes | measured ms | predicted ms | predicted / measured | parts ms |")
@@ -104,6 +105,8 @@ def main() -> None:
             f"| {r['round']} | {r['layout']} | {r['measured_s'] * 1e3:.0f} | {r['predicted_s'] * 1e3:.0f} | "
             f"{r['ratio']:.2f} | {parts} |"
         )
+    inside = [r for r in rows if 0.75 <= r["ratio"] <= 1.25]
+    print(f"within 25%: {len(inside)} of {len(rows)} (predicted / measured in [0.75, 1.25])")
     for note in dict.fromkeys(n for r in rows for n in r["notes"]):
         print(f"note: {note}")
     print(f"(calibrated and measured in {time.perf_counter() - start:.0f} s)")

@@ -422,8 +422,10 @@ def measure_overlap(device: torch.device, dtype: torch.dtype) -> dict:
     whole = torch.zeros(elements, device=device, dtype=dtype)
     part = torch.zeros(elements // world, device=device, dtype=dtype)
 
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
     def comm(async_op: bool = False):
-        return dist.all_gather_into_tensor(whole, part, async_op=async_op)
+        return gather(whole, part, async_op=async_op)
 
     n = 4096 if device.type == "cuda" else 256
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -431,12 +433,14 @@ def measure_overlap(device: torch.device, dtype: torch.dtype) -> dict:
     _barrier(device)
     t_comm = _median_seconds(comm, repeats, device)
     one = _median_seconds(lambda: a @ b, repeats, device)
-    count = max(1, round(t_comm / max(one, 1e-9)))
+    count = [max(1, round(t_comm / max(one, 1e-9)))]
 
     def work():
-        for _ in range(count):
+        for _ in range(count[0]):
             a @ b
 
+    t_work = _median_seconds(work, repeats, device)
+    count[0] = max(1, round(count[0] * t_comm / max(t_work, 1e-9)))  # a lone GEMM runs faster than many in a row
     _barrier(device)
     t_work = _median_seconds(work, repeats, device)
     _barrier(device)
