@@ -22,7 +22,7 @@ from fcsd.cli import main
 from fcsd.distill.convert import convert
 from fcsd.distill.synthetic import make_dataset, write_jsonl
 from fcsd.distill.tokenizer import train_tokenizer
-from fcsd.export.composite import CompositeError
+from fcsd.export.composite import SOURCE_KEY, CompositeError
 from fcsd.export.save import export_checkpoint
 from fcsd.serving.vllm.families import BY_ARCHITECTURE
 
@@ -80,6 +80,8 @@ def test_the_export_is_the_composite_with_the_source_vision_tower_and_the_traine
     assert config["vision_config"] == json.loads((scout["source"] / "config.json").read_text())["vision_config"]
     final_config = json.loads((scout["final"] / "config.json").read_text())
     assert config["farskip"]["layers"] == final_config["farskip"]["layers"]
+    assert final_config[SOURCE_KEY] == "Llama4ForConditionalGeneration"  # recorded by fcsd convert
+    assert SOURCE_KEY not in config and SOURCE_KEY not in config["text_config"]
     assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_farskip.FarSkipForCausalLM"
     processor = "preprocessor_config.json"
     assert (export / processor).read_text() == (scout["source"] / processor).read_text()
@@ -131,9 +133,28 @@ def test_text_only_export_drops_the_vision_tower_and_says_so(scout, tmp_path, ca
     assert main(["export", str(scout["run"]), str(tmp_path / "text"), "--text-only"]) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if "vision tower" in line]
     assert len(said) == 1 and "text-only export" in said[0] and "Llama4ForCausalLM" in said[0], said
+    vision = [k for k in tensors(scout["source"]) if not k.startswith("language_model.")]
+    assert f"({len(vision)} tensors)" in said[0]  # counted from the source's headers at hand
     config = json.loads((tmp_path / "text" / "config.json").read_text())
     assert config["architectures"] == ["FarSkipLlama4ForCausalLM"] and "vision_config" not in config
     assert not [key for key in tensors(tmp_path / "text") if "vision" in key or "multi_modal" in key]
+
+
+def test_a_text_only_export_needs_no_source_and_downloads_nothing(scout, tmp_path, capsys, monkeypatch):
+    """--text-only of a composite run whose source went away: the one-line note without the tensor count (which
+    comes only from files at hand: nothing is downloaded), and the export is written."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("downloads the source"))
+    moved = scout["root"] / "moved-away"
+    shutil.move(scout["source"], moved)
+    try:
+        assert main(["export", str(scout["run"]), str(tmp_path / "text"), "--text-only"]) == 0
+    finally:
+        shutil.move(moved, scout["source"])
+    said = [line for line in capsys.readouterr().out.splitlines() if "vision tower" in line]
+    assert len(said) == 1 and "text-only export" in said[0] and "tensors" not in said[0], said
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["architectures"] == ["FarSkipLlama4ForCausalLM"]
 
 
 def test_a_composite_export_whose_source_went_away_is_refused_in_one_line(scout, tmp_path):

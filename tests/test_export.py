@@ -375,3 +375,30 @@ def test_a_tied_model_writes_one_set_of_files_in_one_process_and_laid_out(tmp_pa
         assert second.lm_head.weight is second.model.embed_tokens.weight
         for (name, x), (_, y) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
             torch.testing.assert_close(x, y, msg=name, atol=1e-6, rtol=2**-7)  # bf16: one rounding apart at most
+
+
+def test_a_text_model_run_exports_after_its_source_went_away(tmp_path, capsys):
+    """A Qwen3-MoE run's final/ exports without its source (moved away after the run, as a relative path seen from
+    another folder or a hub id offline would be): only a run trained from a composite reads its source at export
+    (to put its vision tower back); fcsd convert records which (none here)."""
+    from fcsd.cli import main
+    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.export.composite import SOURCE_KEY
+
+    data = make_dataset(40, seed=3)
+    chat = train_tokenizer((m["content"] for r in data for m in r["messages"]), vocab_size=280)
+    model = build("qwen3_moe")
+    model.resize_token_embeddings(len(chat), mean_resizing=False)
+    model.save_pretrained(tmp_path / "source")
+    chat.save_pretrained(tmp_path / "source")
+    write_jsonl(data, tmp_path / "train.jsonl")
+    run = tmp_path / "run"
+    args = ["convert", str(tmp_path / "source"), f"data.path={tmp_path / 'train.jsonl'}", f"output_dir={run}"]
+    args += ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=128", "train.max_steps=1"]
+    args += ["train.warmup_steps=0", "progress=false", "early_stop.enabled=false", "export=false", "recovery=plain"]
+    args += [f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(args) == 0
+    assert SOURCE_KEY not in json.loads((run / "final" / "config.json").read_text())
+    shutil.move(tmp_path / "source", tmp_path / "moved")
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0, capsys.readouterr().err
+    assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "export"))) != []

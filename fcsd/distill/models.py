@@ -82,10 +82,13 @@ def load_models(
         teacher = teacher_load(path, dtype=dtype, **common, **fp8)
         teacher.eval().requires_grad_(False).to(device)
     if need_student:
-        source_dtype = load_config(path, revision=config.model.revision).dtype  # an export's: its stock config
+        from fcsd.export.composite import record_source
+
+        source_config = load_config(path, revision=config.model.revision)  # an export's: its stock config
         dtype = _dtype(config.model.dtype, cuda, "float32", "float32")
         student = student_load(path, layers=config.farskip.layers, dtype=dtype, **common)
-        student.config.dtype = source_dtype
+        student.config.dtype = source_config.dtype
+        record_source(student.config, source_config)  # final/ says whether its export puts a vision tower back
     if teacher is not None and student is not None:
         vocab = student.get_output_embeddings().out_features
         losses.check_vocabularies(vocab, teacher.get_output_embeddings().out_features)

@@ -19,18 +19,23 @@ from pathlib import Path
 
 from fcsd.connectivity.families import base_model_type, text_config
 from fcsd.connectivity.patch import CONFIG_KEY
+from fcsd.weight_files import INDEX, WEIGHTS, folder_tensor_names, read_header, tensor_names, write_index
 
 CHUNK_BYTES = 64 * 2**20  # byte ranges are copied in pieces of at most this size
-INDEX = "model.safetensors.index.json"
 #: the source's processor files an image-text export needs beside the tokenizer (copied when the source has them)
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 SINGLE_TEXT_FILE = "model-00001-of-00001.safetensors"
 DROPPED_NOTE = (
-    "text-only export: the vision tower and projector of {source} ({count} tensors) are left out; the export loads "
+    "text-only export: the vision tower and projector of {source}{count} are left out; the export loads "
     "as {text_class} (drop export_text_only / --text-only to keep them)"
 )
+#: config key of a text model trained from a composite: the composite's class (``fcsd convert`` records it)
+SOURCE_KEY = "fcsd_composite_source"
+#: model types of composites' text towers: a ``final/`` of one without :data:`SOURCE_KEY` (written before fcsd
+#: recorded it) reads its source to find out
+TEXT_TOWERS = ("llama4_text",)
 # keys of the text model's saved config that describe the saved checkpoint, not the text tower
-_NOT_TEXT_CONFIG = ("architectures", "auto_map", "transformers_version", "_name_or_path", CONFIG_KEY)
+_NOT_TEXT_CONFIG = ("architectures", "auto_map", "transformers_version", "_name_or_path", CONFIG_KEY, SOURCE_KEY)
 
 
 class CompositeError(ValueError):
@@ -52,26 +57,43 @@ def run_source(checkpoint: str | Path) -> tuple[str, str | None] | None:
     return (model["name"], model.get("revision")) if model.get("name") else None
 
 
+def record_source(model_config, source_config) -> None:
+    """Record on the config of a model trained from ``source_config`` (the student's, saved into ``final/``) the
+    composite class its text tower came from (:data:`SOURCE_KEY`), when the source is a composite; nothing
+    otherwise. The export reads the source only for checkpoints that carry it (:func:`composite_source`)."""
+    if text_config(source_config) is not source_config:
+        architectures = getattr(source_config, "architectures", None) or [source_config.model_type]
+        setattr(model_config, SOURCE_KEY, architectures[0])
+
+
 def composite_source(checkpoint: str | Path, text_only: bool = False, say=print) -> tuple[str, str | None] | None:
     """The composite checkpoint (``(folder or hub id, revision)``) whose vision tower the export of ``checkpoint``
-    puts back, None when ``checkpoint`` is no text tower trained from one. With ``text_only`` it is None, and
-    ``say`` gets the one line telling that the vision tower is dropped. A source that cannot be read any more is
-    refused in one line (its vision tower would be lost silently), unless ``text_only``."""
+    puts back, None when ``checkpoint`` is no text tower trained from one. Only a checkpoint whose config records a
+    composite source (:data:`SOURCE_KEY`, written by ``fcsd convert``), a ``final/`` written before fcsd recorded it
+    whose model type is a composite's text tower (:data:`TEXT_TOWERS`), or a step checkpoint (rebuilt from the
+    source anyway) reads the run's source: a text model's export never needs it. With ``text_only`` it is None, and
+    ``say`` (None: silent) gets the one line telling that the vision tower is dropped. A composite source that
+    cannot be read any more is refused in one line (its vision tower would be lost silently), unless ``text_only``."""
     from fcsd.loading import load_config
     from fcsd.sources import resolve_model
 
-    own = (
-        json.loads((Path(checkpoint) / "config.json").read_text())
-        if (Path(checkpoint) / "config.json").is_file()
-        else {}
-    )
-    if isinstance(own.get("text_config"), dict):
-        return None  # a composite already: it exports whole
-    own_class = (own.get("architectures") or ["the text model"])[0]
+    path = Path(checkpoint) / "config.json"
+    own = json.loads(path.read_text()) if path.is_file() else None
+    recorded = (own or {}).get(SOURCE_KEY)
+    if own is not None:
+        if isinstance(own.get("text_config"), dict):
+            return None  # a composite already: it exports whole
+        if not recorded and base_model_type(own.get("model_type", "")) not in TEXT_TOWERS:
+            return None  # a text model: its export never reads the source
+    own_class = ((own or {}).get("architectures") or ["the text model"])[0]
     found = run_source(checkpoint)
     if found is None:
         return None
     name, revision = found
+    if text_only and recorded:
+        if say is not None:
+            say(_dropped_note(checkpoint, name, revision, own_class))
+        return None
     try:
         source = resolve_model(name)
         config = load_config(source, revision)
@@ -86,18 +108,33 @@ def composite_source(checkpoint: str | Path, text_only: bool = False, say=print)
     if text_config(config) is config:
         return None
     if text_only:
-        say(DROPPED_NOTE.format(source=name, count=_dropped(checkpoint, source, revision), text_class=own_class))
+        if say is not None:
+            say(_dropped_note(checkpoint, name, revision, own_class))
         return None
     return source, revision
 
 
-def _dropped(checkpoint, source: str, revision: str | None) -> int | str:
-    """How many of the source's tensors a text-only export of ``checkpoint`` leaves out ("its" when unknown)."""
+def _dropped_note(checkpoint, name: str, revision: str | None, text_class: str) -> str:
+    """The line of a text-only export: which source's vision tower is left out, with how many tensors when the
+    source's file list is at hand without downloading anything."""
+    count = _dropped(checkpoint, name, revision)
+    return DROPPED_NOTE.format(source=name, count="" if count is None else f" ({count} tensors)", text_class=text_class)
+
+
+def _dropped(checkpoint, name: str, revision: str | None) -> int | None:
+    """How many of the source's tensors a text-only export of ``checkpoint`` leaves out, from the source's index or
+    headers as they are on this machine (a local folder, or a hub id's cached files: nothing is downloaded); None
+    when they are not at hand."""
+    from fcsd.sources import resolve_model
+
     trained = sorted(Path(checkpoint).glob("*.safetensors"))
     try:
-        return len(split_source(set(_keys(trained)), _keys(source_files(source, revision)))[1]) if trained else "its"
-    except CompositeError:
-        return "its"
+        names = local_tensor_names(resolve_model(name), revision)
+        if not trained or names is None:
+            return None
+        return len(split_source(set(tensor_names(trained)), dict.fromkeys(names))[1])
+    except (OSError, ValueError):  # CompositeError included: the note goes without its count
+        return None
 
 
 def source_folder(source: str, revision: str | None = None) -> Path:
@@ -119,11 +156,20 @@ def source_files(source: str, revision: str | None = None) -> list[Path]:
     return files
 
 
-def read_header(path: Path) -> tuple[int, dict]:
-    """``(offset of the data, header)`` of a safetensors file."""
-    with open(path, "rb") as handle:
-        length = struct.unpack("<Q", handle.read(8))[0]
-        return 8 + length, json.loads(handle.read(length))
+def local_tensor_names(source: str, revision: str | None = None) -> list[str] | None:
+    """The tensor names of checkpoint ``source`` from what this machine holds (a local folder, or a hub id's cached
+    index or single weights file; nothing is downloaded), None when they are not at hand."""
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        return folder_tensor_names(folder)
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in (INDEX, WEIGHTS):
+        found = try_to_load_from_cache(source, name, revision=revision)
+        if isinstance(found, str):
+            path = Path(found)
+            return sorted(json.loads(path.read_text())["weight_map"]) if name == INDEX else sorted(tensor_names([path]))
+    return None
 
 
 def copy_tensors(items: list[tuple[Path, str, str]], out: Path, metadata: dict | None = None) -> int:
@@ -151,10 +197,6 @@ def copy_tensors(items: list[tuple[Path, str, str]], out: Path, metadata: dict |
                     sink.write(piece)
                     size -= len(piece)
     return offset
-
-
-def _keys(files: list[Path]) -> dict[str, Path]:
-    return {key: file for file in files for key in read_header(file)[1] if key != "__metadata__"}
 
 
 def text_prefix(text_keys: set[str], source_keys: set[str]) -> str:
@@ -200,9 +242,9 @@ def compose(staging: Path, source: str, revision: str | None = None) -> tuple[ob
         raise CompositeError(
             "a composite export of a block-FP8 source is not supported: export the text model alone with --text-only"
         )
-    staged = _keys(sorted(staging.glob("*.safetensors")))
+    staged = tensor_names(sorted(staging.glob("*.safetensors")))
     files = source_files(source, revision)
-    original = _keys(files)
+    original = tensor_names(files)
     prefix, extra = split_source(set(staged), original)
     placed, total = {}, 0
     for path in sorted(staging.glob("*.safetensors")):
@@ -225,8 +267,7 @@ def compose(staging: Path, source: str, revision: str | None = None) -> tuple[ob
         found = source_folder(source, revision) / name
         if found.is_file() and not (staging / name).exists():
             shutil.copyfile(found, staging / name)
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(placed.items()))}
-    (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    write_index(staging, placed, total)
 
     local = Path(source).expanduser() / "config.json"
     values = json.loads((local if local.is_file() else hub_config_file(source, revision)).read_text())

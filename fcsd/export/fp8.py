@@ -38,11 +38,14 @@ def check_format(export_format: str) -> str:
 
 
 def finish_config(folder: Path, record: dict | None) -> None:
-    """The export's ``config.json`` without fcsd's source record, with the source's ``quantization_config`` when
-    the weights were written in FP8 (``record``)."""
+    """The export's ``config.json`` without fcsd's source records (FP8, composite), with the source's
+    ``quantization_config`` when the weights were written in FP8 (``record``)."""
+    from fcsd.export.composite import SOURCE_KEY
+
     path = folder / "config.json"
     config = json.loads(path.read_text())
     config.pop(RECORD_KEY, None)
+    config.pop(SOURCE_KEY, None)
     if record is not None:
         config["quantization_config"] = record["quantization_config"]
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

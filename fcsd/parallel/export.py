@@ -55,7 +55,7 @@ def export_laid_out(
     source, out_dir = Path(source), Path(out_dir).resolve()
     main = dist.get_rank() == 0
     check_export_target(out_dir, overwrite, [source], run_root=RunFolder.of_checkpoint(source).root)  # everywhere
-    composite = composite_source(source, text_only, say=print if main else lambda line: None)
+    composite = composite_source(source, text_only, say=print if main else None)  # the note: rank 0 alone
     config = load_config(str(source))
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype or torch.float32
     record = source_quantization(config) if check_format(export_format) == "source" else None
