@@ -189,3 +189,28 @@ def test_a_small_models_plan_prints_no_zero_seconds_and_a_checked_serve_line(tmp
         assert re.search(r"as fast as .*\([0-9.]+ (ms|us)\)", text), text
     assert re.search(r"^serving    .* TP 1 on 1 node: per GPU .* of weights \+ .* KV cache", text, re.M), text
     assert re.search(r"^  vllm serve \S+/export$", text, re.M), text
+
+
+def test_the_serve_line_is_checked_on_the_cluster_the_commands_target(tmp_path):
+    """When nothing fits the cluster asked for, the commands target the larger one the plan falls back to, and so
+    does the serving check: here 1 x 1 GPU trains nothing and serves nothing (its KV cache needs PP 2), 2 x 1 trains
+    FSDP2 / DDP and serves the export with PP 2 across the 2 nodes (before, the check on 1 x 1 dropped the line)."""
+    from tiny_models import save_chat_model
+
+    from fcsd.plan.planner import make_plan
+
+    chat = [{"messages": [{"role": "user", "content": "add 1 and 1"}, {"role": "assistant", "content": "2"}]}]
+    save_chat_model(tmp_path / "model", chat * 8, vocab_size=120)
+    per_sequence = check_serving(load_model_config(str(tmp_path / "model")).config, make_cluster("h100"), 32).fit
+    memory = 1.1e6  # bytes a GPU holds: 1 GPU's static bytes are ~1.4 MB, 2 GPUs' lightest step peaks at ~0.9 MB
+    sequences = math.ceil(1.5 * memory / per_sequence.kv_cache)  # a KV cache that needs two pipeline stages
+    gpu = GPU("small", memory / GPU_MEMORY_UTILIZATION / GIB, 100.0, 100.0, 10.0)
+    cluster = Cluster(gpu, gpus_per_node=1, nodes=1, reserve_gib=0)
+    overrides = ["data.seq_len=32", "train.batch_tokens=128"]
+    plan = make_plan(
+        str(tmp_path / "model"), cluster, 1e4, overrides=overrides, serve_context=32, serve_sequences=sequences
+    )
+    assert not plan.fits and plan.fallback.cluster.nodes == 2 and plan.chosen is not None
+    assert plan.serving.cluster == plan.fallback.cluster and (plan.serving.fit.tp, plan.serving.fit.pp) == (1, 2)
+    assert "--pipeline-parallel-size 2 --distributed-executor-backend ray" in plan.commands["serve"]
+    assert "--num_machines 2" in plan.commands["train"], plan.commands["train"]

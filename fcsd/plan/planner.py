@@ -17,7 +17,7 @@ from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, se
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
 from fcsd.plan.models import ModelSource, load_model_config
-from fcsd.plan.serving import plan_serving
+from fcsd.plan.serving import plan_serving, serving_on
 from fcsd.plan.units import duration, time_unit
 from fcsd.plan.workers import simulation_workers
 
@@ -45,7 +45,7 @@ class Plan:
     commands: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     counts: object = None  # candidates.Counts of the model
-    serving: object = None  # serving.ServingCheck on the cluster asked for (None: vLLM lacks the family)
+    serving: object = None  # serving.ServingCheck on the cluster the commands target (None: vLLM lacks the family)
 
     @property
     def chosen(self) -> Candidate | None:
@@ -139,6 +139,8 @@ def make_plan(
         from fcsd.connectivity.families import text_config
 
         target = fallback.cluster if fallback is not None else cluster
+        if serving is not None and target is not cluster:  # the serve line is checked where the commands run
+            serving = serving_on(serving, target)
         plan.serving, model_type = serving, text_config(source.config).model_type
         plan.commands, replaced = plan_commands(
             source.name, chosen.layout, choice.spec, config, defaults, target, extra, (model_type, serving)

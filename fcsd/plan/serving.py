@@ -308,6 +308,17 @@ def check_serving(
             f"--serve-context {context}: the model takes at most {model.max_context} tokens "
             f"(max_position_embeddings); give at most --serve-context {model.max_context}"
         )
+    return _check_settings(model, cluster, context, sequences)
+
+
+def serving_on(check: ServingCheck, cluster: Cluster) -> ServingCheck:
+    """``check`` (the same export, context and sequences) made again on ``cluster``: the plan's commands target the
+    larger cluster it falls back to when nothing fits the one asked for, so the serve line is checked there."""
+    return _check_settings(check.model, cluster, check.largest.context, check.largest.sequences)
+
+
+def _check_settings(model: ServingModel, cluster: Cluster, context: int, sequences: int) -> ServingCheck:
+    """The settings of ``cluster`` tried smallest first (see the module docstring) and the answer of the check."""
     sizes = tp_sizes(cluster.gpus_per_node, model.heads, model.kv_heads, model.experts) or [1]
     settings = [(tp, 1) for tp in sizes]
     most = min(len(model.layers), MAX_NODES * cluster.gpus_per_node // sizes[-1])
