@@ -166,7 +166,28 @@ def dequantized_state_dict(files: list[str], block: list[int], stack: ExitStack)
         for key, entry in entries.items()
         if not isinstance(entry, DequantizedSlice) and key.endswith(".weight") and len(entry.get_shape()) >= 2
     )
-    return entries, {"kept": kept, "quantized": len(scaled)}
+    return entries, {"kept": kept, "scaled": sorted(key.removesuffix(SCALE_SUFFIX) for key in scaled)}
+
+
+def dropped_on_load(keys, unexpected, model) -> set[str]:
+    """The checkpoint ``keys`` a model did not take: those its class ignores
+    (``_keys_to_ignore_on_load_unexpected``) and those transformers reported ``unexpected``, which it names after
+    its own conversions (a layer's per-expert weights as the one fused ``...mlp.experts.gate_up_proj``: every key
+    under the module of an unexpected key counts)."""
+    import re
+
+    patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    modules = tuple(key.rsplit(".", 1)[0] + "." for key in unexpected)
+    return {k for k in keys if k in unexpected or k.startswith(modules) or any(p.search(k) for p in patterns)}
+
+
+def scaled_record(names) -> dict:
+    """How the record names the weights a source quantized: their count and the SHA-256 of their sorted names
+    (DeepSeek-V3 scales ~45,000 weights: the names themselves would make ``config.json`` megabytes long)."""
+    import hashlib
+
+    names = sorted(names)
+    return {"quantized": len(names), "scaled_sha256": hashlib.sha256("\n".join(names).encode()).hexdigest()}
 
 
 def dequantizing_class(model_class: type, settings: dict) -> type:
@@ -187,8 +208,13 @@ def dequantizing_class(model_class: type, settings: dict) -> type:
             )
         with ExitStack() as stack:
             entries, found = dequantized_state_dict(checkpoint_files, settings["weight_block_size"], stack)
-            setattr(model.config, RECORD_KEY, {"quantization_config": settings, **found})
-            return model_class._load_pretrained_model(model, entries, checkpoint_files, load_config, expected_keys)
+            loaded = model_class._load_pretrained_model(model, entries, checkpoint_files, load_config, expected_keys)
+        # only the scaled weights the model took: transformers drops some on load (DeepSeek-V3's multi-token
+        # prediction layer, model.layers.61, _keys_to_ignore_on_load_unexpected), and the export never writes them
+        dropped = dropped_on_load(found["scaled"], loaded[0].unexpected_keys, model)
+        scaled = scaled_record(key for key in found["scaled"] if key not in dropped)
+        setattr(model.config, RECORD_KEY, {"quantization_config": settings, "kept": found["kept"], **scaled})
+        return loaded
 
     return type(model_class.__name__, (model_class,), {"_load_pretrained_model": staticmethod(_load_pretrained_model)})
 

@@ -32,15 +32,31 @@ def unquantized(key: str, family: str) -> bool:
 
 
 def write_fp8_checkpoint(
-    folder: Path, family: str, seed: int = 0, model=None, power_of_two: bool = False, tokenizer=None
+    folder: Path,
+    family: str,
+    seed: int = 0,
+    model=None,
+    power_of_two: bool = False,
+    tokenizer=None,
+    ignored_layer: bool = False,
 ) -> Path:
     """``folder/fp8`` (the block-FP8 checkpoint, bf16 where unquantized) and ``folder/bf16`` (the same model
     dequantized to bf16, saved as a plain checkpoint) of a tiny ``family`` model (or ``model``), with ``tokenizer``
     saved beside; returns ``folder``. ``power_of_two``: scales are powers of two (``scale_fmt: ue8m0``), so that
-    the bf16 copy holds the dequantized weights exactly (an e4m3 value times a power of two is a bf16 value)."""
+    the bf16 copy holds the dequantized weights exactly (an e4m3 value times a power of two is a bf16 value).
+    ``ignored_layer``: both also hold a copy of the last layer's tensors as layer ``num_hidden_layers``, which the
+    model does not load (as DeepSeek-V3 ships its multi-token prediction layer, model.layers.61, beside 61 layers).
+    """
     model = model if model is not None else build(family, seed)
     model.to(torch.bfloat16).save_pretrained(folder / "source")
     state = load_file(str(folder / "source" / "model.safetensors"))
+    if ignored_layer:
+        last = model.config.num_hidden_layers - 1
+        state.update(
+            (key.replace(f".{last}.", f".{last + 1}.", 1), tensor.clone())
+            for key, tensor in list(state.items())
+            if key.startswith(f"model.layers.{last}.")
+        )
     fp8, dequantized = {}, {}
     for key, tensor in state.items():
         if tensor.ndim < 2 or unquantized(key, family):

@@ -96,7 +96,8 @@ def fp8_runs(tmp_path_factory):
     tokenizer = train_tokenizer((m["content"] for r in data for m in r["messages"]), vocab_size=280)
     model = build("deepseek_v3")
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
-    write_fp8_checkpoint(root, "deepseek_v3", model=model, power_of_two=True, tokenizer=tokenizer)
+    # with a layer the model does not load (as DeepSeek-V3's multi-token prediction layer): the exports leave it out
+    write_fp8_checkpoint(root, "deepseek_v3", model=model, power_of_two=True, tokenizer=tokenizer, ignored_layer=True)
     write_jsonl(data, root / "train.jsonl")
     args = [f"data.path={root / 'train.jsonl'}", f"data.cache_dir={root / 'cache'}", *FAST, *STEPS]
     from fcsd.cli import main
@@ -135,6 +136,7 @@ def test_fp8_export_is_the_source_format_within_one_e4m3_step(fp8_runs, run):
     and dequantizes to final/ within half an e4m3 step of each block (round to nearest), not exactly."""
     export, final = fp8_runs / run / "export", fp8_runs / run / "final"
     source, written, trained = _tensors(fp8_runs / "fp8"), _tensors(export), load_file(str(final / "model.safetensors"))
+    source = {k: v for k, v in source.items() if not k.startswith("model.layers.4.")}  # the layer not loaded
     assert written.keys() == source.keys()
     fp8 = {k for k, v in source.items() if v.dtype == torch.float8_e4m3fn}
     assert {k for k, v in written.items() if v.dtype == torch.float8_e4m3fn} == fp8 and len(fp8) > 60
@@ -208,6 +210,69 @@ def test_a_wrong_fp8_export_fails_its_reload_parity_check(tmp_path, monkeypatch)
     with pytest.raises(ExportError, match="reload parity failed"):
         write_export(student, tokenizer, tmp_path / "export", source=tmp_path / "fp8")
     assert not (tmp_path / "export").exists()
+
+
+def test_scaled_weights_the_model_does_not_load_leave_the_fp8_export_as_the_source(tmp_path):
+    """A DeepSeek-V3 FP8 checkpoint with scaled weights of a layer the model does not load (the release's
+    multi-token prediction layer, model.layers.61, which transformers drops): the source record counts only the
+    scaled weights the model took, and the FP8 export writes exactly those in e4m3 (refused before: 'would quantize
+    N weights where its FP8 source quantized N + k')."""
+    from fcsd.export.save import export as write_export
+
+    write_fp8_checkpoint(tmp_path, "deepseek_v3", ignored_layer=True)
+    source = _tensors(tmp_path / "fp8")
+    loaded = {k for k in source if not k.startswith("model.layers.4.")}
+    assert len(loaded) < len(source) and any(k.startswith("model.layers.4.") and "_scale_inv" in k for k in source)
+    student = fcsd.from_pretrained(str(tmp_path / "fp8"), layers="all", dtype=torch.bfloat16)
+    assert getattr(student.config, RECORD_KEY)["quantized"] == sum(k.endswith("_scale_inv") for k in loaded)
+    write_export(student, train_tokenizer(["a b c"], vocab_size=40), tmp_path / "export", source=tmp_path / "fp8")
+    written = _tensors(tmp_path / "export")
+    assert written.keys() == loaded
+    assert {k for k, v in written.items() if v.dtype == torch.float8_e4m3fn} == {
+        k for k in loaded if source[k].dtype == torch.float8_e4m3fn
+    }
+    # the card and the parity record say what was written (both said bfloat16 before)
+    said = "float8_e4m3fn with 16x16 block scales (bfloat16 where unquantized)"
+    assert json.loads((tmp_path / "export" / "fcsd_export.json").read_text())["dtype"] == said
+    assert f"stored in `{said}`" in (tmp_path / "export" / "README.md").read_text()
+
+
+def test_an_fp8_composite_export_is_refused_up_front_unless_bf16(tmp_path, monkeypatch):
+    """A composite export of a block-FP8 source in the source's format is refused in one line naming --format bf16
+    before anything is saved (it was refused after save_pretrained, and whatever the format: the staged config
+    still held the FP8 record); --format bf16 passes the check."""
+    from fcsd.export.composite import CompositeError
+    from fcsd.export.composite import check_format as check_composite_format
+    from fcsd.export.save import export as write_export
+
+    write_fp8_checkpoint(tmp_path, "qwen3_moe")
+    student = fcsd.from_pretrained(str(tmp_path / "fp8"), layers="all", dtype=torch.bfloat16)
+    monkeypatch.setattr(type(student), "save_pretrained", lambda *a, **k: pytest.fail("saved before the refusal"))
+    tokenizer = train_tokenizer(["a b c"], vocab_size=40)
+    with pytest.raises(CompositeError, match=r"exported in bf16: pass --format bf16") as caught:
+        write_export(student, tokenizer, tmp_path / "out", source=tmp_path / "fp8", composite=("scout", None))
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+    check_composite_format(("scout", None), None)  # --format bf16: no FP8 record to write back
+
+
+def test_an_fp8_export_whose_names_differ_is_refused_before_any_file_is_rewritten(tmp_path):
+    """The export's weights to quantize are compared with the source's by name (count and digest), from the files'
+    headers, before any file is rewritten: one line naming --format bf16, the staged files untouched."""
+    from fcsd.export.fp8 import quantize_folder
+    from fcsd.fp8 import scaled_record
+
+    write_fp8_checkpoint(tmp_path, "qwen3_moe")
+    student = fcsd.from_pretrained(str(tmp_path / "fp8"), layers="all", dtype=torch.bfloat16)
+    student.save_pretrained(tmp_path / "staged")
+    record = getattr(student.config, RECORD_KEY)
+    before = (tmp_path / "staged" / "model.safetensors").read_bytes()
+    names = sorted(k for k, v in _tensors(tmp_path / "fp8").items() if v.dtype == torch.float8_e4m3fn)
+    renamed = {**record, **scaled_record([*names[:-1], names[-1] + ".renamed"])}  # as many, one name differs
+    with pytest.raises(ValueError, match="names differ from the source's.*--format bf16") as caught:
+        quantize_folder(tmp_path / "staged", renamed)
+    assert "\n" not in str(caught.value)
+    assert (tmp_path / "staged" / "model.safetensors").read_bytes() == before
+    assert quantize_folder(tmp_path / "staged", record) == len(names)
 
 
 def test_fp8_teacher_modules_are_refused_without_fp8_kernels(tmp_path, monkeypatch):

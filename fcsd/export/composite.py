@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fcsd.connectivity.families import base_model_type, text_config
 from fcsd.connectivity.patch import CONFIG_KEY
+from fcsd.fp8 import RECORD_KEY, SCALE_SUFFIX
 from fcsd.weight_files import INDEX, WEIGHTS, folder_tensor_names, read_header, tensor_names, write_index
 
 CHUNK_BYTES = 64 * 2**20  # byte ranges are copied in pieces of at most this size
@@ -35,7 +36,15 @@ SOURCE_KEY = "fcsd_composite_source"
 #: recorded it) reads its source to find out
 TEXT_TOWERS = ("llama4_text",)
 # keys of the text model's saved config that describe the saved checkpoint, not the text tower
-_NOT_TEXT_CONFIG = ("architectures", "auto_map", "transformers_version", "_name_or_path", CONFIG_KEY, SOURCE_KEY)
+_NOT_TEXT_CONFIG = (
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "_name_or_path",
+    CONFIG_KEY,
+    SOURCE_KEY,
+    RECORD_KEY,
+)
 
 
 class CompositeError(ValueError):
@@ -226,6 +235,17 @@ def split_source(text_keys: set[str], original: dict[str, Path]) -> tuple[str, l
     return prefix, sorted(key for key in original if not key.startswith(prefix))
 
 
+def check_format(composite: tuple[str, str | None] | None, fp8_record: dict | None) -> None:
+    """Refuse, before anything is written, the export of a composite in a block-FP8 source's format
+    (``fp8_record``: :func:`fcsd.export.fp8.source_quantization` of the format chosen): composites are exported in
+    bf16 (``--format bf16``) or as the text model alone."""
+    if composite is not None and fp8_record is not None:
+        raise CompositeError(
+            "a composite of a block-FP8 source is exported in bf16: pass --format bf16 (export_format=bf16), or "
+            "export the text model alone in FP8 with --text-only"
+        )
+
+
 def compose(staging: Path, source: str, revision: str | None = None) -> tuple[object, type]:
     """Turn the staged export of a text model (``staging``: its safetensors and ``config.json``) into the export of
     the composite ``source`` it was trained from; returns the composite's config and class (for
@@ -233,19 +253,20 @@ def compose(staging: Path, source: str, revision: str | None = None) -> tuple[ob
     a time, atomically), the source's other tensors are copied next to them (one output file per source file that
     holds any), and ``model.safetensors.index.json`` lists them all; the source's processor files
     (:data:`PROCESSOR_FILES`) are copied too."""
-    from fcsd.fp8 import RECORD_KEY
     from fcsd.loading import hub_config_file, load_config, model_class_for
     from fcsd.staging import atomic_file
 
     staged_config = json.loads((staging / "config.json").read_text())
-    if staged_config.get(RECORD_KEY) or staged_config.get("quantization_config"):
-        raise CompositeError(
-            "a composite export of a block-FP8 source is not supported: export the text model alone with --text-only"
-        )
     staged = tensor_names(sorted(staging.glob("*.safetensors")))
     files = source_files(source, revision)
     original = tensor_names(files)
     prefix, extra = split_source(set(staged), original)
+    scaled = [key for key in extra if key.endswith(SCALE_SUFFIX)]
+    if scaled:  # the export is bf16 (check_format): a block-FP8 vision tower cannot be copied into it as it is
+        raise CompositeError(
+            f"the source's vision tower is block-FP8 ({scaled[0]}), which a bf16 composite export cannot copy: "
+            "export the text model alone with --text-only"
+        )
     placed, total = {}, 0
     for path in sorted(staging.glob("*.safetensors")):
         _, header = read_header(path)
@@ -271,6 +292,7 @@ def compose(staging: Path, source: str, revision: str | None = None) -> tuple[ob
 
     local = Path(source).expanduser() / "config.json"
     values = json.loads((local if local.is_file() else hub_config_file(source, revision)).read_text())
+    values.pop("quantization_config", None)  # a block-FP8 source's composite exports in bf16 (check_format)
     if isinstance(values.get(CONFIG_KEY), dict):  # the source is an export itself: its stock form underneath
         values["architectures"] = values[CONFIG_KEY].get("base_architectures")
         values["model_type"] = base_model_type(values["model_type"])

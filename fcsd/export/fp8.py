@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fcsd.fp8 import RECORD_KEY, SCALE_SUFFIX, quantize_blocks
+from fcsd.fp8 import RECORD_KEY, SCALE_SUFFIX, quantize_blocks, scaled_record
 
 FORMATS = ("source", "bf16")
 #: reload parity of an FP8 export: max |logit difference| to the model it was written from, relative to that
@@ -37,6 +37,15 @@ def check_format(export_format: str) -> str:
     return export_format
 
 
+def format_name(record: dict | None, dtype) -> str:
+    """The format an export's weights are written in, for its model card and parity record: the model's dtype
+    (``bfloat16``), or block FP8 when ``record`` (the FP8 source record the export writes back) is given."""
+    if record is None:
+        return str(dtype).removeprefix("torch.")
+    b0, b1 = record["quantization_config"]["weight_block_size"]
+    return f"float8_e4m3fn with {b0}x{b1} block scales ({str(dtype).removeprefix('torch.')} where unquantized)"
+
+
 def finish_config(folder: Path, record: dict | None) -> None:
     """The export's ``config.json`` without fcsd's source records (FP8, composite), with the source's
     ``quantization_config`` when the weights were written in FP8 (``record``)."""
@@ -51,26 +60,58 @@ def finish_config(folder: Path, record: dict | None) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def to_quantize(key: str, info: dict, kept: set[str]) -> bool:
+    """Whether the export quantizes tensor ``key`` (its safetensors header entry ``info``): a floating weight of a
+    linear (2 dims or more) that the source did not keep unquantized."""
+    floating = info["dtype"].startswith(("F", "BF"))
+    return key.endswith(".weight") and len(info["shape"]) >= 2 and floating and key not in kept
+
+
+def check_names(folder: Path, record: dict) -> None:
+    """Refuse, in one line and before any file is rewritten, an FP8 export whose weights to quantize (read from the
+    headers of ``folder``'s safetensors files) are not the ones the source quantized (the record's count and
+    SHA-256 of their names, :func:`fcsd.fp8.scaled_record`): nothing would say which to quantize."""
+    from fcsd.weight_files import read_header
+
+    kept = set(record.get("kept", []))
+    names = [
+        key
+        for path in sorted(Path(folder).glob("*.safetensors"))
+        for key, info in read_header(path)[1].items()
+        if key != "__metadata__" and to_quantize(key, info, kept)
+    ]
+    found = scaled_record(names)
+    expected = {key: record[key] for key in found if key in record}  # a record written before the names: the count
+    if {key: found[key] for key in expected} != expected:
+        raise ValueError(
+            f"the export would quantize {found['quantized']} weights where its FP8 source quantized "
+            f"{record.get('quantized')} (their names differ from the source's, so nothing says which to quantize): "
+            "export with --format bf16"
+        )
+
+
 def quantize_folder(folder: Path, record: dict) -> int:
     """Rewrite the safetensors files of a staged export in the source's block-FP8 format, one file at a time, and
-    its index; returns how many weights were quantized. Raises ``ValueError`` when they are not as many as the
-    source quantized (the tensors' names differ from the source's: nothing would say which to quantize)."""
+    its index; returns how many weights were quantized. First refuses (``ValueError``, nothing rewritten) an
+    export whose weights to quantize are not those the source quantized (:func:`check_names`)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from fcsd.staging import atomic_file
+    from fcsd.weight_files import INDEX, read_header, write_index
 
+    check_names(folder, record)
     settings = record["quantization_config"]
     block, kept = settings["weight_block_size"], set(record.get("kept", []))
     power_of_two = settings.get("scale_fmt") == "ue8m0"
     placed, quantized, total = {}, 0, 0
     for path in sorted(folder.glob("*.safetensors")):
-        tensors = {}
+        tensors, header = {}, read_header(path)[1]
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {"format": "pt"}
             for key in handle.keys():
                 tensor = handle.get_tensor(key)
-                if key.endswith(".weight") and tensor.ndim >= 2 and tensor.is_floating_point() and key not in kept:
+                if to_quantize(key, header[key], kept):
                     tensor, tensors[key + SCALE_SUFFIX] = quantize_blocks(tensor, block, power_of_two)
                     quantized += 1
                 tensors[key] = tensor
@@ -79,27 +120,9 @@ def quantize_folder(folder: Path, record: dict) -> int:
         placed.update((key, path.name) for key in tensors)
         total += sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
         del tensors
-    if quantized != record.get("quantized", quantized):
-        raise ValueError(
-            f"the export would quantize {quantized} weights where its FP8 source quantized {record['quantized']}: "
-            "its tensor names differ from the source's; export with --format bf16"
-        )
-    _write_index(folder, placed, total)
+    if (folder / INDEX).exists():
+        write_index(folder, placed, total)
     return quantized
-
-
-def _write_index(folder: Path, placed: dict, total: int) -> None:
-    from fcsd.parallel.stream_save import INDEX
-    from fcsd.staging import atomic_file
-
-    path = folder / INDEX
-    if not path.exists():
-        return
-    index = json.loads(path.read_text())
-    index["weight_map"] = dict(sorted(placed.items()))
-    index.setdefault("metadata", {})["total_size"] = total
-    with atomic_file(path) as staging:
-        staging.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def parity_tolerance(expected: torch.Tensor) -> float:

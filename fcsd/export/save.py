@@ -45,10 +45,12 @@ def export(
     ``model`` is the text tower of that multimodal checkpoint, and the export is the whole composite with its vision
     tower and projector copied from the source's files (:func:`fcsd.export.composite.compose`).
     """
-    from fcsd.export.fp8 import check_format, finish_config, quantize_folder, source_quantization
+    from fcsd.export.composite import check_format as check_composite_format
+    from fcsd.export.fp8 import check_format, finish_config, format_name, quantize_folder, source_quantization
     from fcsd.staging import atomic_dir
 
     record = source_quantization(model.config) if check_format(export_format) == "source" else None
+    check_composite_format(composite, record)
 
     out_dir = Path(out_dir).resolve()
     if not farskip_layers(model):
@@ -62,18 +64,20 @@ def export(
             from fcsd.export.composite import compose
 
             config, model_class = compose(staging, *composite)
-        farskip = complete_export(staging, config, model_class, source, model.dtype)
+        written = format_name(record, model.dtype)  # what the card and the parity record say the weights are
+        farskip = complete_export(staging, config, model_class, source, written)
         if record is not None:
             quantize_folder(staging, record)
         finish_config(staging, record)
         difference = check_parity(model, staging)
-        write_parity_record(staging, difference, model.dtype, farskip)
+        write_parity_record(staging, difference, written, farskip)
     return out_dir
 
 
-def complete_export(staging: Path, model_config, model_class: type, source, dtype: torch.dtype) -> dict:
+def complete_export(staging: Path, model_config, model_class: type, source, dtype: torch.dtype | str) -> dict:
     """What an export adds to a saved checkpoint folder: the remote modeling code, the config's ``farskip`` record,
-    model type and ``auto_map``, the model card; returns the ``farskip`` record."""
+    model type and ``auto_map``, the model card (``dtype``: the weights' dtype or format,
+    :func:`fcsd.export.fp8.format_name`); returns the ``farskip`` record."""
     auto_map = write_remote_code(staging, model_config, model_class)
     config_path = staging / "config.json"
     config = json.loads(config_path.read_text())
@@ -91,9 +95,10 @@ def complete_export(staging: Path, model_config, model_class: type, source, dtyp
     return config[CONFIG_KEY]
 
 
-def write_parity_record(staging: Path, difference: float, dtype: torch.dtype, farskip: dict) -> None:
-    """The record ``fcsd push`` requires: written only once the reload-parity check passed."""
-    record = {"parity_max_abs_diff": difference, "dtype": str(dtype), "farskip": farskip}
+def write_parity_record(staging: Path, difference: float, dtype: torch.dtype | str, farskip: dict) -> None:
+    """The record ``fcsd push`` requires: written only once the reload-parity check passed; ``dtype``: the weights'
+    dtype or format as written (:func:`fcsd.export.fp8.format_name`)."""
+    record = {"parity_max_abs_diff": difference, "dtype": str(dtype).removeprefix("torch."), "farskip": farskip}
     (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 

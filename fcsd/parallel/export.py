@@ -37,8 +37,16 @@ def export_laid_out(
     composite unless ``text_only`` (:mod:`fcsd.export.composite`: the main process copies the vision tower's bytes)."""
     import gc
 
+    from fcsd.export.composite import check_format as check_composite_format
     from fcsd.export.composite import compose, composite_source
-    from fcsd.export.fp8 import check_format, finish_config, quantize_folder, source_quantization
+    from fcsd.export.fp8 import (
+        check_format,
+        check_names,
+        finish_config,
+        format_name,
+        quantize_folder,
+        source_quantization,
+    )
     from fcsd.export.save import (
         ExportError,
         check_export_target,
@@ -59,6 +67,9 @@ def export_laid_out(
     config = load_config(str(source))
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype or torch.float32
     record = source_quantization(config) if check_format(export_format) == "source" else None
+    check_composite_format(composite, record)  # every process refuses alike, before anything is written
+    if record is not None:
+        check_names(source, record)  # final/'s files are the export's: checked here by every process
     with contextlib.ExitStack() as stack:
         staging = (
             [str(stack.enter_context(atomic_dir(out_dir, kind="export", replace=overwrite, what="OUT_DIR")))]
@@ -76,7 +87,7 @@ def export_laid_out(
             model_config, model_class = config, concrete_class(str(source), True, config)
             if composite is not None:
                 model_config, model_class = compose(staging, *composite)
-            farskip = [complete_export(staging, model_config, model_class, source, dtype)]
+            farskip = [complete_export(staging, model_config, model_class, source, format_name(record, dtype))]
             if record is not None:
                 quantize_folder(staging, record)
             finish_config(staging, record)
@@ -89,7 +100,7 @@ def export_laid_out(
                 f"{source} and its export; the export was not written"
             )
         if main:
-            write_parity_record(staging, difference, dtype, farskip[0])
+            write_parity_record(staging, difference, format_name(record, dtype), farskip[0])
             if not (staging / WEIGHTS).exists() and not (staging / INDEX).exists():
                 raise ExportError(f"{source} holds no safetensors weights to export")
         dist.barrier()
