@@ -96,11 +96,11 @@ class RunFolder:
             return {}
         return state if isinstance(state, dict) else {}
 
-    def checkpoint_problems(self, checkpoint: Path) -> list[str]:
+    def checkpoint_problems(self, checkpoint: Path, contents: bool = True) -> list[str]:
         """What ``checkpoint`` lacks to resume exactly, one entry per file (``optimizer.bin missing``,
         ``model.safetensors truncated (1,000 of 4,096 bytes)``, ``__1_0.distcp changed since it was written``): the
-        files its trainer state lists with their sizes and SHA-256 (every byte is read: see :mod:`fcsd.checksums`),
-        else accelerate's standard set for one process."""
+        files its trainer state lists with their sizes and, unless ``contents`` is false (sizes only), SHA-256
+        (every byte is read: see :mod:`fcsd.checksums`), else accelerate's standard set for one process."""
         from fcsd import checksums
 
         state = self.trainer_state(checkpoint)
@@ -116,17 +116,19 @@ class RunFolder:
                 problems.append(f"{name} {'truncated' if path.stat().st_size < size else 'of another size'} "
                                 f"({path.stat().st_size:,} of {size:,} bytes)")  # fmt: skip
         recorded = state.get(checksums.ALGORITHM) or {}  # checkpoints written before the hashes: sizes only
-        if problems or not isinstance(recorded, dict):
+        if problems or not contents or not isinstance(recorded, dict):
             return problems
         found = checksums.digests([checkpoint / name for name in recorded if (checkpoint / name).is_file()])
         changed = [name for name, digest in recorded.items() if found.get(name, digest) != digest]
         return [f"{name} changed since it was written (its SHA-256 is not the one recorded then)" for name in changed]
 
     def newest_sound_checkpoint(self, before: int) -> Path | None:
-        """The newest step checkpoint older than step ``before`` that has no :meth:`checkpoint_problems` (checked
-        newest first, stopping at the first sound one), or None."""
-        older = [c for c in self.checkpoints() if int(c.name[5:]) < before]
-        return next((c for c in reversed(older) if not self.checkpoint_problems(c)), None)
+        """The newest step checkpoint older than step ``before`` that has no :meth:`checkpoint_problems`, or None:
+        the sizes of all of them are checked first, then the contents of those of the right sizes, newest first,
+        up to the first sound one (a multi-TB checkpoint is read only when it may be the answer)."""
+        older = [c for c in reversed(self.checkpoints()) if int(c.name[5:]) < before]
+        sized = [c for c in older if not self.checkpoint_problems(c, contents=False)]
+        return next((c for c in sized if not self.checkpoint_problems(c)), None)
 
     def prune_checkpoints(self, keep: int) -> None:
         for old in self.checkpoints()[:-keep] if keep > 0 else []:

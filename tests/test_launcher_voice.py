@@ -3,8 +3,10 @@ line fcsd prints and documents, on 2 gloo processes. A refusal is said once with
 traceback; Ctrl-C and SIGTERM to the launcher end in one line, 130 / 143, every process gone, and the run resumes
 from the line printed; "resuming from" is said once."""
 
+import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,3 +92,61 @@ def test_sigterm_to_the_launcher_ends_in_one_line_143_and_no_process_left(assets
     assert fcsd_lines(err) == [line for line in err.splitlines() if "fcsd convert: terminated (SIGTERM)" in line]
     assert len(fcsd_lines(err)) == 1, err
     assert not any(noise in err for noise in LAUNCHER_NOISE), err
+
+
+RUN = ("train.max_steps=5", "train.save_every=1", "train.keep_checkpoints=3", "export=false")
+
+
+@pytest.fixture(scope="module")
+def stopped_run(assets, tmp_path_factory):
+    """A 2-process run stopped after step 4 of 5 (train.stop_after; its last step is final/'s, not a checkpoint's)
+    with final/ and the summary removed: a run whose last checkpoint is step-3."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    done = run(launch_line(assets, out, *RUN, "train.stop_after=4"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    shutil.rmtree(out / "final")
+    (out / "run_summary.json").unlink()
+    return out
+
+
+def damaged_copy(stopped_run: Path, folder: Path) -> Path:
+    """A copy of the stopped run whose step-3 and step-2 had 4 KiB of model.safetensors overwritten (size kept)."""
+    out = shutil.copytree(stopped_run, folder / "run")
+    for step in (3, 2):
+        path = out / "checkpoints" / f"step-{step}" / "model.safetensors"
+        with open(path, "r+b") as handle:
+            handle.seek(path.stat().st_size // 2)
+            handle.write(b"\xff" * 4096)
+    return out
+
+
+def test_a_damaged_checkpoint_is_hashed_by_every_process_its_share_and_refused_once(assets, stopped_run, tmp_path):
+    """--resume of a damaged checkpoint on 2 processes: its checksums were read by the main process alone (and then
+    each older checkpoint's), while the other waited in a collective (NCCL times out after 10 minutes: a multi-TB
+    checkpoint). Each process now hashes its share, as when the checkpoint was written; the older checkpoints are
+    hashed only up to the first sound one; the refusal is said once, status 2, naming step-1."""
+    from launch import worker_results
+
+    from fcsd import checksums
+
+    out = damaged_copy(stopped_run, tmp_path)
+    worker = Path(__file__).parent / "workers" / "resume_hashing.py"
+    results = worker_results(2, worker, tmp_path / "out", timeout=600)
+    refusal = results[0]["refusal"]
+    assert "checkpoints/step-3 is damaged (model.safetensors changed since it was written" in refusal, refusal
+    assert "continue from step-1: `" in refusal and refusal.endswith("train.resume_step=1`"), refusal
+    assert results[1]["refusal"] == refusal  # every process raises the main one's verdict: none waits in a barrier
+    for rank, result in enumerate(results):
+        expected = []
+        for step in (3, 2, 1):  # step-1 is sound: nothing older is read
+            checkpoint = out / "checkpoints" / f"step-{step}"
+            recorded = json.loads((checkpoint / "trainer_state.json").read_text())["sha256"]
+            files = [checkpoint / name for name in recorded]
+            expected += [str(p.relative_to(out)) for p in checksums.share(files, rank, 2)]
+        assert sorted(result["hashed"]) == sorted(expected), (rank, result["hashed"], expected)
+    assert all(result["hashed"] for result in results)
+
+    done = run(launch_line(assets, out, *RUN, "--resume"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(fcsd_lines(done.stderr)) == 1 and "step-3 is damaged (model.safetensors" in done.stderr, done.stderr
+    assert not any(noise in done.stderr for noise in LAUNCHER_NOISE), done.stderr

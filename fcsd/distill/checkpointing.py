@@ -59,15 +59,14 @@ def save_checkpoint(
 
 
 def _content_hashes(accelerator, staging: Path) -> dict[str, str]:
-    """SHA-256 of every file in the staged checkpoint, each process hashing its share (:func:`fcsd.checksums.share`)
-    and the main process collecting them (a collective)."""
+    """SHA-256 of every file in the staged checkpoint, each process hashing its share (a collective:
+    :func:`fcsd.checksums.gathered_digests`); a file another process could not read is hashed by the main one, which
+    alone uses them."""
     files = sorted(p for p in staging.iterdir() if p.is_file())
-    mine = checksums.digests(checksums.share(files, accelerator.process_index, accelerator.num_processes))
-    if accelerator.num_processes == 1:
-        return mine
-    from accelerate.utils import gather_object
-
-    return {name: digest for part in gather_object([mine]) for name, digest in part.items()}
+    found = checksums.gathered_digests(files, accelerator.process_index, accelerator.num_processes)
+    if not accelerator.is_main_process:  # only the main process records them (and may rename the folder now)
+        return found
+    return {p.name: found.get(p.name) or checksums.file_digest(p) for p in files}
 
 
 def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: int | None = None) -> dict | None:

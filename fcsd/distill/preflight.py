@@ -6,8 +6,9 @@ after :func:`fcsd.distill.resume.check_resume`, restart, replace), the export ta
 built, a missing local folder refused) and its ``config.json`` (family, shape, ``farskip.layers``, ``data.seq_len``,
 ``parallel.placement``: :func:`check_model_config`), the data sources. Later steps take the resolved sources from
 here: nothing downstream resolves a name again. Only the folder checks are the main process's (it alone writes);
-every process resolves the sources it reads. The lock (:func:`output_dir_claimed`) is taken after this pass and
-checks the folder once more under it: another command may have written there since.
+every process resolves the sources it reads, and in a launch every process hashes its share of the checkpoint a
+``--resume`` continues (:func:`fcsd.checksums.hashed_together`). The lock (:func:`output_dir_claimed`) is taken
+after this pass and checks the folder once more under it: another command may have written there since.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fcsd import ownership
+from fcsd import checksums, ownership
 from fcsd.distill.config import FCSDConfig
 from fcsd.run_folder import RunFolder
 from fcsd.sources import resolve_data, resolve_model
@@ -40,11 +41,14 @@ class Checked:
 def preflight(config: FCSDConfig, is_main: bool = True) -> Checked:
     """Resolve and check everything ``config`` will touch (see the module docstring); raises one-line errors."""
     run = RunFolder(config.output_dir)
-    if is_main:
-        ownership.check_not_in_use(run.root, "output_dir")
-        check_output_dir(run.root, config.train.resume, config.overwrite, config)
-        check_export_dir(config)
-        check_data_cache_dir(config)
+    # the checksums of a checkpoint --resume continues are read by every process of a launch, each its share,
+    # before the process group's first barrier: one process reading TBs alone would time the others out
+    with checksums.hashed_together(is_main):
+        if is_main:
+            ownership.check_not_in_use(run.root, "output_dir")
+            check_output_dir(run.root, config.train.resume, config.overwrite, config)
+            check_export_dir(config)
+            check_data_cache_dir(config)
     if config.train.resume:  # what the resumed run trains with, as its fcsd_config.yaml will say
         from fcsd.distill.resume import continued_config
 
