@@ -78,24 +78,21 @@ def check_no_missing_weights(name_or_path: str, missing) -> None:
 def check_weight_files(folder: str) -> None:
     """Refuse, naming the file, a local ``.safetensors`` file that is truncated or corrupt (an interrupted copy or
     download), before transformers reads it and fails without saying which file."""
-    import json
-    import struct
     from pathlib import Path
+
+    from fcsd.weight_files import read_header
 
     for path in sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []:
         size = path.stat().st_size
-        with open(path, "rb") as handle:
-            head = handle.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-            try:
-                header = json.loads(handle.read(length)) if length is not None and length <= size - 8 else None
-                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-            except (ValueError, TypeError, KeyError, AttributeError):
-                header = end = None
-        if header is None or size < 8 + length + end:
+        try:
+            start, header = read_header(path) if size >= 8 else (None, None)
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            start = end = None
+        if start is None or size < start + end:
             raise ValueError(
                 f"{path} is truncated or corrupt ({size:,} bytes, its header "
-                + ("cannot be read" if header is None else f"needs {8 + length + end:,}")
+                + ("cannot be read" if start is None else f"needs {start + end:,}")
                 + "): download or copy it again"
             )
 

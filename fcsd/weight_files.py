@@ -5,6 +5,7 @@ rewrites a checkpoint's files: the streamed save, the FP8 export, the composite 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -20,6 +21,8 @@ def read_header(path: str | Path) -> tuple[int, dict]:
         if len(head) != 8:
             raise ValueError(f"{path}: no safetensors header")
         length = struct.unpack("<Q", head)[0]
+        if length > os.fstat(handle.fileno()).st_size - 8:  # a truncated file, or garbage: never read that much
+            raise ValueError(f"{path}: its safetensors header runs past the end of the file")
         text = handle.read(length)
     try:
         header = json.loads(text) if len(text) == length else None

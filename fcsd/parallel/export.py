@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fcsd.parallel.stream_save import INDEX, WEIGHTS
+from fcsd.weight_files import INDEX, WEIGHTS
 
 COPIED = ("*.safetensors", INDEX, "config.json", "generation_config.json")
 

@@ -11,15 +11,14 @@ full. Shards are planned before anything is gathered (from the tensors' global s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from fcsd.weight_files import WEIGHTS, write_index
+
 DEFAULT_SHARD_BYTES = 5 * 2**30
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 def stock_keys(model: nn.Module, state: dict) -> list[str]:
@@ -90,8 +89,7 @@ def write_weights(
         weight_map.update(dict.fromkeys(tensors, name))
         del tensors
     if folder is not None and len(names) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (Path(folder) / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_index(Path(folder), weight_map, total)
     return weight_map
 
 
