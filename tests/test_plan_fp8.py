@@ -17,7 +17,7 @@ from fcsd.plan.commands import plan_commands
 from fcsd.plan.models import load_model_config
 from fcsd.plan.run import LAID_OUT, STRATEGIES, Layout
 from fcsd.plan.simulate import estimate_step
-from fcsd.plan.teacher_dtype import FP8_STRATEGIES, check_fp8_teacher, teacher_weights
+from fcsd.plan.teacher_dtype import FP8_STRATEGIES, check_fp8_teacher, fp8_note, teacher_weights
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,35 @@ def test_the_fp8_teacher_is_priced_as_the_checkpoint_stores_it(fp8_source):
         assert (plain.weights, plain.optimizer) == (quantized.weights, quantized.optimizer)
     laid_out = Layout("ep", 2, 2)
     assert estimate_step(source.config, fp8, laid_out).teacher == estimate_step(source.config, bf16, laid_out).teacher
+
+
+def test_the_fp8_teacher_is_counted_from_one_build_per_config(fp8_source, monkeypatch):
+    """A plan prices the FP8 teacher on every one-process / DDP candidate it simulates and in its note: the count
+    comes from one meta-device build of the config (two per candidate before: seconds each for DeepSeek-V3)."""
+    import sys
+
+    import fcsd.connectivity.families as families
+    from fcsd.plan import teacher_dtype
+
+    builds, build = [], families.meta_model
+
+    def counted(*args, **kwargs):
+        if sys._getframe(1).f_globals["__name__"] in ("fcsd.plan.serving", "fcsd.plan.teacher_dtype"):
+            builds.append(args)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(families, "meta_model", counted)
+    monkeypatch.setattr(teacher_dtype, "_TEACHER_WEIGHTS", {}, raising=False)  # a fresh count
+    source = load_model_config(str(fp8_source / "fp8"))
+    config = run_config()
+    config.teacher.dtype = "fp8"
+    sizes = teacher_weights(source.config)
+    for layout in (Layout("single", 1), Layout("single", 1, micro_batch=2), Layout("ddp", 2), Layout("ddp", 4)):
+        assert estimate_step(source.config, config, layout).extra["fp8_saving"] == sizes["bf16"] - sizes["fp8"]
+    assert "the teacher's weights take" in fp8_note(source.config)
+    assert len(builds) == 1
+    again = load_model_config(str(fp8_source / "fp8")).config  # the same config read again: the same count
+    assert teacher_weights(again) == sizes and len(builds) == 1
 
 
 def test_plan_and_runtime_agree_where_fp8_runs(fp8_source):

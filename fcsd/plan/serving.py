@@ -143,16 +143,17 @@ def _fp8_bytes(shape, block: tuple) -> int:
     return count * (rows * cols + 4 * blocks)
 
 
-def serving_model(model_config, bf16: bool = False) -> ServingModel:
+def serving_model(model_config, bf16: bool = False, model=None) -> ServingModel:
     """The :class:`ServingModel` of ``model_config``'s export (see the module docstring); ``bf16``: an export in
-    bf16 whatever the source's format."""
+    bf16 whatever the source's format; ``model``: the text model already built on the meta device (else built
+    here: seconds for a DeepSeek-size model)."""
     import torch.nn as nn
 
     from fcsd.connectivity.families import family_for_config, meta_model, moe_blocks, text_config
 
     text = text_config(model_config)
     name, value_bytes, block = ("bfloat16", 2, None) if bf16 else export_format(model_config)
-    model = meta_model(text)
+    model = meta_model(text) if model is None else model
     family = family_for_config(model.config)
     blocks = moe_blocks(model, family)
     routers = {id(p) for mlp in blocks.values() for p in family.router(mlp).parameters()}

@@ -59,10 +59,20 @@ def runnable_teacher_dtype(config, layout) -> str:
 
 def teacher_weights(model_config) -> dict[str, int]:
     """Bytes of the whole teacher's weights: ``fp8`` (e4m3 + fp32 block scales on the weights the source scaled,
-    bf16 for the rest) and ``bf16``."""
+    bf16 for the rest) and ``bf16``. Counted from one meta-device build per config (seconds for DeepSeek-V3) and
+    kept: every simulated FP8 candidate of a plan and its note ask for it."""
+    from fcsd.connectivity.families import meta_model, text_config
     from fcsd.plan.serving import serving_model
 
-    return {"fp8": serving_model(model_config).weights, "bf16": serving_model(model_config, bf16=True).weights}
+    key = f"{type(model_config).__qualname__}:{model_config.to_json_string(use_diff=False)}"
+    if key not in _TEACHER_WEIGHTS:
+        model = meta_model(text_config(model_config))
+        fp8, bf16 = (serving_model(model_config, bf16=b, model=model).weights for b in (False, True))
+        _TEACHER_WEIGHTS[key] = {"fp8": fp8, "bf16": bf16}
+    return dict(_TEACHER_WEIGHTS[key])
+
+
+_TEACHER_WEIGHTS: dict[str, dict[str, int]] = {}  # the model config's JSON -> teacher_weights' answer
 
 
 def with_fp8_teacher(estimate, model_config):
