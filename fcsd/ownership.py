@@ -126,7 +126,13 @@ def torchrun_line(nproc: int, settings: dict[str, str] | None = None) -> str:
     settings = settings or {}
     argv = [arg for arg in command_argv() if arg.split("=", 1)[0] not in settings]
     extra = [f"{key}={value}" for key, value in settings.items()]
-    return shlex.join(["fcsd", "launch", "torchrun", "--nproc_per_node", str(nproc), "-m", "fcsd.cli", *argv, *extra])
+    return shlex.join([*torchrun_words(nproc), *argv, *extra])
+
+
+def torchrun_words(nproc: int | str, nodes: list[str] | None = None) -> list[str]:
+    """The first words of the ``fcsd launch torchrun`` line of ``nproc`` processes per node (``nodes``: the
+    ``--nnodes`` options), up to the fcsd command."""
+    return ["fcsd", "launch", "torchrun", *(nodes or []), "--nproc_per_node", str(nproc), "-m", "fcsd.cli"]
 
 
 def launcher() -> list[str]:
@@ -146,7 +152,7 @@ def launcher() -> list[str]:
     if any(name.startswith("ACCELERATE_") for name in environ):
         machines = ["--num_machines", nodes[1]] if nodes else []
         return ["fcsd", "launch", "accelerate", "launch", *machines, "--num_processes", world, "-m", "fcsd.cli"]
-    return ["fcsd", "launch", "torchrun", *nodes, "--nproc_per_node", local, "-m", "fcsd.cli"]
+    return torchrun_words(local, nodes)
 
 
 def kind_name(kind: str) -> str:
