@@ -1842,6 +1842,9 @@ def test_a_checkpoint_whose_bytes_changed_is_refused_by_resume_and_export_naming
     assert "; continue from step-2: `fcsd" in err, err
     command = shlex.split(err.split("`")[1])
     assert command[-2:] == ["--resume", "train.resume_step=2"]
+    assert main([*argv, "--resume", "train.resume_step=3"]) == 2  # the step asked for is replaced, not repeated
+    again = shlex.split(capsys.readouterr().err.split("`")[1])
+    assert [w for w in again if w.startswith("train.resume_step=")] == ["train.resume_step=2"], again
     step3 = out / "checkpoints" / "step-3"
     assert main(["export", str(step3), str(tmp_path / "exported")]) == 2
     err = capsys.readouterr().err.strip()

@@ -109,7 +109,7 @@ def check_resume(run: RunFolder, config) -> None:
     if problems:
         older = run.newest_sound_checkpoint(int(checkpoint.name[5:]))
         way = (
-            f"continue from {older.name}: `{ownership.command_line(f'train.resume_step={older.name[5:]}')}`"
+            f"continue from {older.name}: `{resume_command(int(older.name[5:]))}`"
             if older is not None
             else "no complete older checkpoint is left: start the run again with overwrite=true and no --resume"
         )
@@ -120,12 +120,10 @@ def check_resume(run: RunFolder, config) -> None:
 
 def resume_command(step: int) -> str:
     """The command being run as the ``--resume`` of ``checkpoints/step-<step>`` (its own ``--resume`` and
-    ``train.resume_step`` replaced)."""
+    ``train.resume_step`` replaced): what every message that names a checkpoint to resume from prints."""
     import shlex
 
-    from fcsd.ownership import command_line
-
-    words = shlex.split(command_line())
+    words = shlex.split(ownership.command_line())
     kept = [w for w in words if w not in ("--resume", "train.resume=true") and not w.startswith("train.resume_step=")]
     return shlex.join([*kept, "--resume", f"train.resume_step={step}"])
 
