@@ -20,7 +20,11 @@ class NonFiniteRun(ValueError):
 
 class NonFiniteStop:
     """Counts the steps in a row whose loss was not finite (their updates were skipped); ``limit`` of them stop the
-    run (0: never). ``streak``: the count a resumed run starts from (saved in its checkpoint)."""
+    run (0: never). ``streak``: the count a resumed run starts from (saved in its checkpoint).
+
+    Not :class:`fcsd.distill.optim.SpikeGuard`'s ``bad_streak``, which counts another thing: skipped *updates* (a
+    batch-ramp step makes several), for any reason (a loss spike, a non-finite gradient norm of a finite loss),
+    while this counts *steps* whose loss was not finite, a spike-skipped step ending the streak."""
 
     def __init__(self, limit: int, streak: int = 0):
         self.limit, self.streak = limit, streak
