@@ -28,7 +28,7 @@ from fcsd.plan.serving import (
     stage_layers,
     tp_sizes,
 )
-from fcsd.plan.units import duration, time_unit
+from fcsd.units import duration, time_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from fcsd.units import duration
+
 #: paper Appendix B's hypothetical accelerator: dense GEMMs at 600 TFLOP/s (the reference a preset is scaled from)
 ACCELERATOR_GEMM_FLOPS = 600e12
 
@@ -64,12 +66,12 @@ class LinkSpec:
     scale: float = 1.0  # this device's GEMM rate over the accelerator's (presets on CPU); 1.0 otherwise
 
     def describe(self) -> str:
-        text = f"{_human_rate(self.bandwidth)}, latency {_human_time(self.latency)}"
+        text = f"{_human_rate(self.bandwidth)}, latency {duration(self.latency)}"
         if self.preset and self.scale != 1.0:
             base = PRESETS[self.preset]
             accelerator = f"a {ACCELERATOR_GEMM_FLOPS / 1e12:.0f} TFLOP/s accelerator"
             return (
-                f"{self.preset} ({_human_rate(base[0])}, {_human_time(base[1])} on {accelerator}) scaled to this CPU "
+                f"{self.preset} ({_human_rate(base[0])}, {duration(base[1])} on {accelerator}) scaled to this CPU "
                 f"core's {self.scale * ACCELERATOR_GEMM_FLOPS / 1e9:.1f} GFLOP/s: {text}"
             )
         return text
@@ -217,10 +219,3 @@ def _human_rate(rate: float) -> str:
         if rate >= size:
             return f"{rate / size:.3g} {unit}"
     return f"{rate:.3g} B/s"
-
-
-def _human_time(seconds: float) -> str:
-    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds * 1e9:.3g} ns" if seconds else "0"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.run import LAID_OUT
 from fcsd.plan.simulate import Layout, StepEstimate, estimate_step
-from fcsd.plan.units import duration
+from fcsd.units import duration
 
 MAX_MICRO_BATCH = 8
 

@@ -18,8 +18,8 @@ from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
 from fcsd.plan.models import ModelSource, load_model_config
 from fcsd.plan.serving import plan_serving, serving_on
-from fcsd.plan.units import duration, time_unit
 from fcsd.plan.workers import simulation_workers
+from fcsd.units import duration, time_unit
 
 MAX_NODES = 128
 PARALLEL_FROM = 1e9  # parameters from which simulations run in worker processes (their start takes seconds)

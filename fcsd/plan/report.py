@@ -13,7 +13,7 @@ from fcsd.plan.candidates import why_none_fits
 from fcsd.plan.cluster import GIB
 from fcsd.plan.simulate import CATEGORIES
 from fcsd.plan.teacher_dtype import priced_teacher
-from fcsd.plan.units import duration, time_unit
+from fcsd.units import duration, time_unit
 
 STATUS = {
     "fits": "fits",
