@@ -24,10 +24,10 @@ from fcsd.plan.serving import (
     check_serving,
     plan_serving,
     serving_line,
-    serving_model,
     stage_layers,
     tp_sizes,
 )
+from fcsd.plan.serving_bytes import serving_model
 from fcsd.units import duration, time_unit
 
 ROOT = Path(__file__).resolve().parents[1]

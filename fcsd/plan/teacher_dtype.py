@@ -11,8 +11,8 @@ How an FP8 teacher is priced: the step is simulated with a bf16 teacher (transfo
 kernels, which fake tensors cannot), then corrected by the bytes FP8 saves: the weights the source scaled (linear
 weights and routed experts' matrices, not the head, the routers or ``modules_to_not_convert``) in e4m3, one byte a
 value, plus an fp32 scale per 128 x 128 block; the rest (norms, routers, embeddings, head) stays bf16. The count is
-:func:`fcsd.plan.serving.serving_model`'s, the one the serving check makes of an FP8 export. The whole teacher is on
-every GPU for those strategies, so the saving comes off the teacher and off the peak alike.
+:func:`fcsd.plan.serving_bytes.serving_model`'s, the one the serving check makes of an FP8 export. The whole teacher
+is on every GPU for those strategies, so the saving comes off the teacher and off the peak alike.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def teacher_weights(model_config) -> dict[str, int]:
     bf16 for the rest) and ``bf16``. Counted from one meta-device build per config (seconds for DeepSeek-V3) and
     kept: every simulated FP8 candidate of a plan and its note ask for it."""
     from fcsd.connectivity.families import meta_model, text_config
-    from fcsd.plan.serving import serving_model
+    from fcsd.plan.serving_bytes import serving_model
 
     key = f"{type(model_config).__qualname__}:{model_config.to_json_string(use_diff=False)}"
     if key not in _TEACHER_WEIGHTS:
@@ -91,7 +91,7 @@ def with_fp8_teacher(estimate, model_config):
 
 def fp8_note(model_config) -> str:
     """The plan's note on ``teacher.dtype=fp8``: the whole teacher's weights in FP8 and in bf16, and where it runs."""
-    from fcsd.plan.serving import _gib as gib
+    from fcsd.plan.serving_bytes import gib
 
     sizes = teacher_weights(model_config)
     return (
