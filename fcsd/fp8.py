@@ -60,10 +60,20 @@ def fp8_settings(config) -> dict | None:
     return settings
 
 
-def fp8_kernels_available() -> bool:
-    """Whether transformers' FP8 modules run here: a CUDA GPU of compute capability 8.9 or more (Ada, Hopper and
-    later); elsewhere transformers dequantizes to bf16 by itself."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+FP8_CAPABILITY = (8, 9)  # the CUDA compute capability from which transformers keeps FP8 modules (Ada, Hopper, ...)
+
+
+def fp8_kernels_available(capability: tuple[int, int] | None = None) -> bool:
+    """Whether transformers' FP8 modules run on a CUDA GPU of compute ``capability`` (``(major, minor)``; default:
+    this machine's GPU): 8.9 or more (Ada, Hopper and later); elsewhere transformers dequantizes to bf16 by itself.
+    ``fcsd plan`` asks the same of its cluster's GPUs (:attr:`fcsd.plan.cluster.GPU.compute_capability`). A ROCm
+    GPU counts as without: transformers' fine-grained FP8 path stores OCP e4m3fn weights and has no kernels for
+    e4m3fnuz, MI300X's FP8 (unverified there, so refused rather than guessed)."""
+    if capability is None:
+        if not torch.cuda.is_available() or torch.version.hip:
+            return False
+        capability = torch.cuda.get_device_capability()
+    return tuple(capability) >= FP8_CAPABILITY
 
 
 def check_fp8_modules(settings: dict | None, name: str) -> None:

@@ -144,3 +144,49 @@ def test_a_misspelt_dtype_is_one_line_naming_the_choices(key, value):
         to_config(compose(["model.name=x", "data.path=x", f"{key}={value}"]))
     choices = str(caught.value).split("choose one of")[1]
     assert "\n" not in str(caught.value) and ("'fp8'" in choices) == (key == "teacher.dtype")
+
+
+def test_plan_and_runtime_decide_fp8_kernels_by_one_compute_capability_rule(fp8_source, monkeypatch):
+    """FP8 kernels from compute capability 8.9 (fcsd.fp8.fp8_kernels_available), asked of the cluster's GPUs by the
+    plan and of this machine's GPU by the runtime: an RTX A6000 or RTX 3090 (8.6), which no GPU-name list caught, is
+    refused; an L40S (8.9) and the H100/H200 presets (9.0) pass; MI300X (ROCm: e4m3fnuz, no kernels in transformers'
+    fine-grained FP8) and a GPU of no known capability are refused; a cluster file carries the measured capability."""
+    import torch
+
+    from fcsd.fp8 import fp8_kernels_available
+    from fcsd.plan.cluster import GPUS, cluster_from_data
+
+    config = run_config()
+    config.teacher.dtype = "fp8"
+    model_config = load_model_config(str(fp8_source / "fp8")).config
+
+    def cluster(name, capability):
+        return Cluster(GPU(name, 47.5, 300.0, 50.0, 25.0, compute_capability=capability), 8, 1)
+
+    for name, capability in (("NVIDIA RTX A6000", (8, 6)), ("NVIDIA GeForce RTX 3090", (8, 6))):
+        with pytest.raises(ValueError, match=rf"needs FP8 kernels .*{name} \(compute capability 8.6\) lacks") as e:
+            check_fp8_teacher(config, model_config, cluster(name, capability))
+        assert "\n" not in str(e.value)
+    check_fp8_teacher(config, model_config, cluster("NVIDIA L40S", (8, 9)))
+    for preset in ("h100", "h200"):
+        check_fp8_teacher(config, model_config, make_cluster(preset, 8))
+    for refused in (make_cluster("mi300x", 8), cluster("unknown", None)):
+        with pytest.raises(ValueError, match=r"has none known .*: use teacher.dtype=auto"):
+            check_fp8_teacher(config, model_config, refused)
+    assert GPUS["mi300x"].compute_capability is None
+    # the runtime's answer on this machine's GPU follows the same rule
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, expected in (((8, 6), False), ((8, 9), True), ((9, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert fp8_kernels_available() is expected is fp8_kernels_available(capability)
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm reports 9.4 for MI300X
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    assert not fp8_kernels_available()
+    # a cluster file measured on CUDA GPUs records their capability; one without it knows none
+    data = {
+        "name": "NVIDIA RTX A6000", "gpu_memory_gib": 47.5, "tflops": 150.0, "intra_gbps": 20.0,
+        "inter_gbps": 10.0, "host_gbps": 20.0, "host_memory_gib": 256.0, "gpus_per_node": 4, "nodes": 1,
+    }  # fmt: skip
+    assert cluster_from_data({**data, "compute_capability": [8, 6]}).gpu.compute_capability == (8, 6)
+    assert cluster_from_data(data).gpu.compute_capability is None

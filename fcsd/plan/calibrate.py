@@ -518,6 +518,7 @@ def measure_rank(model: str, tokens: int | None, device: torch.device, quick: bo
     if cuda:
         result["memory_gib"] = torch.cuda.get_device_properties(device).total_memory / GIB
         result["device_name"] = torch.cuda.get_device_name(device)
+        result["compute_capability"] = None if torch.version.hip else list(torch.cuda.get_device_capability(device))
     else:
         result["memory_gib"] = psutil.virtual_memory().total / GIB / local
         result["device_name"] = "CPU"
@@ -612,6 +613,7 @@ def combine(results: list[dict], world: int, local: int, backend: str) -> dict:
         "latency_us": latency,
         "reduced_tflops": reduced,
         "assumed": assumed,
+        "compute_capability": first.get("compute_capability"),  # CUDA's (major, minor); None on a CPU or ROCm
         **({"overlap": pooled_overlap([r["overlap"] for r in results])} if "overlap" in first else {}),
         "measurements": {
             "gemm_tokens": first["tokens"],

@@ -38,12 +38,14 @@ class GPU:
     inter_gbps: float  # bus bandwidth between nodes, per GPU
     host_gbps: float = 25.0  # GPU <-> host copies, per GPU and direction, every GPU of the node copying
     host_gib: float = 2048.0  # host memory of a node
+    # CUDA (major, minor); None: not known, a CPU or a ROCm GPU. Decides FP8 kernels (fcsd.fp8.fp8_kernels_available)
+    compute_capability: tuple | None = None
 
 
 GPUS = {
-    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 360.0, 45.0),
-    "h200": GPU("H200 141GB", 139.8, 989.0, 360.0, 45.0),
-    "mi300x": GPU("MI300X 192GB", 192.0, 1307.0, 300.0, 45.0),
+    "h100": GPU("H100 SXM 80GB", 79.6, 989.0, 360.0, 45.0, compute_capability=(9, 0)),
+    "h200": GPU("H200 141GB", 139.8, 989.0, 360.0, 45.0, compute_capability=(9, 0)),
+    "mi300x": GPU("MI300X 192GB", 192.0, 1307.0, 300.0, 45.0),  # ROCm: no compute capability (FP8 is e4m3fnuz)
 }
 HOST_SHARE = 0.5  # of a node's host memory, what a plan may pin (the rest: the OS, data loading, the page cache)
 CLUSTER_FORMAT, CLUSTER_VERSION = "fcsd-cluster", 1
@@ -304,6 +306,7 @@ def cluster_from_data(data: dict, margin: float = 0.1) -> Cluster:
         float(data["inter_gbps"]),
         float(data["host_gbps"]),
         float(data["host_memory_gib"]),
+        compute_capability=tuple(data["compute_capability"]) if data.get("compute_capability") else None,
     )
     latency = tuple(
         (kind, int(n), float(us)) for kind, sizes in data.get("latency_us", {}).items() for n, us in sizes.items()

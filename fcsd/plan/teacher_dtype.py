@@ -18,11 +18,8 @@ is on every GPU for those strategies, so the saving comes off the teacher and of
 from __future__ import annotations
 
 import dataclasses
-import re
 
 FP8_STRATEGIES = ("single", "ddp")  # where the runtime keeps FP8 modules: the teacher loaded whole on each GPU
-# GPUs without FP8 kernels (compute capability < 8.9), by the names of the presets and of torch's device names
-NO_FP8_KERNELS = re.compile(r"\b(A100|A800|A40|A30|A10G?|V100|T4|P100)\b", re.IGNORECASE)
 
 
 def check_fp8_teacher(config, model_config, cluster) -> None:
@@ -30,16 +27,24 @@ def check_fp8_teacher(config, model_config, cluster) -> None:
     or a cluster whose GPUs lack FP8 kernels."""
     if config.teacher.dtype != "fp8":
         return
-    from fcsd.fp8 import fp8_settings
+    from fcsd.fp8 import fp8_kernels_available, fp8_settings
 
     if fp8_settings(model_config) is None:
         raise ValueError(
             "teacher.dtype=fp8 keeps a block-FP8 checkpoint's FP8 modules, but this one is not FP8: use auto"
         )
-    if NO_FP8_KERNELS.search(cluster.gpu.name):
+    gpu = cluster.gpu
+    if gpu.compute_capability is None:
         raise ValueError(
-            f"teacher.dtype=fp8 needs FP8 kernels (compute capability >= 8.9), which the cluster's {cluster.gpu.name} "
-            "lacks: use teacher.dtype=auto (the teacher dequantized to bf16)"
+            f"teacher.dtype=fp8 needs FP8 kernels (a CUDA GPU of compute capability >= 8.9); the cluster's {gpu.name} "
+            "has none known (a ROCm GPU, or a cluster file without compute_capability: measure it again with fcsd "
+            "bench cluster): use teacher.dtype=auto (the teacher dequantized to bf16)"
+        )
+    if not fp8_kernels_available(gpu.compute_capability):
+        major, minor = gpu.compute_capability
+        raise ValueError(
+            f"teacher.dtype=fp8 needs FP8 kernels (compute capability >= 8.9), which the cluster's {gpu.name} "
+            f"(compute capability {major}.{minor}) lacks: use teacher.dtype=auto (the teacher dequantized to bf16)"
         )
 
 
