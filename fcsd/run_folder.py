@@ -30,6 +30,9 @@ TRAINER_STATE = "trainer_state.json"  # in checkpoints/step-N/: data position, s
 # what accelerate's save_state writes for one process with one registered object (checkpoints that predate the
 # file list in their trainer state)
 LEGACY_CHECKPOINT_FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
+# written in every step checkpoint's trainer state as "checkpoint_format": 2 and above record every file's SHA-256
+CHECKPOINT_FORMAT = 2
+SIZE_ONLY_NOTE = "checked by size only (written before checkpoints recorded SHA-256 digests)"
 
 
 def is_step_checkpoint(folder: str | Path) -> bool:
@@ -100,13 +103,17 @@ class RunFolder:
         """What ``checkpoint`` lacks to resume exactly, one entry per file (``optimizer.bin missing``,
         ``model.safetensors truncated (1,000 of 4,096 bytes)``, ``__1_0.distcp changed since it was written``): the
         files its trainer state lists with their sizes and, unless ``contents`` is false (sizes only), SHA-256
-        (every byte is read: see :mod:`fcsd.checksums`), else accelerate's standard set for one process."""
+        (every byte is read: see :mod:`fcsd.checksums`), else accelerate's standard set for one process. A checkpoint
+        written with digests (:data:`CHECKPOINT_FORMAT`, or any digest record) whose record is malformed or lacks a
+        listed file's digest is damaged: an edited record proves nothing (see :meth:`checked_by_size_only`)."""
         from fcsd import checksums
 
         state = self.trainer_state(checkpoint)
         if not state:
             return [f"{TRAINER_STATE} missing"]
         expected = state.get("files") or {name: None for name in LEGACY_CHECKPOINT_FILES}
+        if not isinstance(expected, dict) or not all(isinstance(n, int) for n in expected.values() if n is not None):
+            return [f"{TRAINER_STATE}'s file list was edited: it is no table of file sizes"]
         problems = []
         for name, size in expected.items():
             path = checkpoint / name
@@ -115,12 +122,26 @@ class RunFolder:
             elif size is not None and path.stat().st_size != size:
                 problems.append(f"{name} {'truncated' if path.stat().st_size < size else 'of another size'} "
                                 f"({path.stat().st_size:,} of {size:,} bytes)")  # fmt: skip
-        recorded = state.get(checksums.ALGORITHM) or {}  # checkpoints written before the hashes: sizes only
-        if problems or not contents or not isinstance(recorded, dict):
+        if problems or self.checked_by_size_only(checkpoint):
             return problems
+        recorded = state.get(checksums.ALGORITHM)
+        if not isinstance(recorded, dict) or not all(_is_digest(d) for d in recorded.values()):
+            return [f"{TRAINER_STATE}'s SHA-256 record was edited: it is no table of file digests"]
+        unrecorded = [name for name in expected if name not in recorded]
+        if unrecorded or not contents:
+            return [f"{name} has no SHA-256 in {TRAINER_STATE}, whose record was edited" for name in unrecorded]
         found = checksums.digests([checkpoint / name for name in recorded if (checkpoint / name).is_file()])
-        changed = [name for name, digest in recorded.items() if found.get(name, digest) != digest]
+        changed = [name for name, digest in recorded.items() if found.get(name, digest.lower()) != digest.lower()]
         return [f"{name} changed since it was written (its SHA-256 is not the one recorded then)" for name in changed]
+
+    def checked_by_size_only(self, checkpoint: Path) -> bool:
+        """Whether ``checkpoint`` was written before checkpoints recorded SHA-256 digests (no
+        ``checkpoint_format`` and no digest record in its trainer state), so that only its files' sizes can be
+        checked: what a resume or an export of it says in a note."""
+        from fcsd import checksums
+
+        state = self.trainer_state(checkpoint)
+        return bool(state) and "checkpoint_format" not in state and checksums.ALGORITHM not in state
 
     def newest_sound_checkpoint(self, before: int) -> Path | None:
         """The newest step checkpoint older than step ``before`` that has no :meth:`checkpoint_problems`, or None:
@@ -156,3 +177,8 @@ class RunFolder:
     def checkpoint(self) -> Path | None:
         """What ``fcsd eval`` scores for the run: ``export/``, else ``best/``, else ``final/``; None if none."""
         return next((p for p in (self.export, self.best, self.final) if (p / "config.json").exists()), None)
+
+
+def _is_digest(value) -> bool:
+    """Whether ``value`` is a SHA-256 hex digest (either case)."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdefABCDEF" for c in value)

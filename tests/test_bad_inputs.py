@@ -1858,6 +1858,46 @@ def test_a_checkpoint_whose_bytes_changed_is_refused_by_resume_and_export_naming
     assert json.loads((out / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
 
 
+def test_a_checkpoint_whose_digest_record_was_edited_is_refused_and_an_old_one_is_checked_by_size(
+    env, tmp_path, monkeypatch, capsys
+):
+    """A checkpoint's SHA-256 record edited (a file's digest deleted, the whole record deleted or made a string) and
+    its weights then damaged: `fcsd export` exported the damage (rc 0) and --resume trained from it, the record read as
+    an old checkpoint's; now both refuse it as damaged in one line naming the file and the sound one. Uppercase
+    digests are digests. A checkpoint written before digests (no format, no record) is checked by size with a note."""
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", "train.max_steps=3", "train.save_every=1", "export=false")
+    with monkeypatch.context() as patch:
+        _stop_after_checkpoint(patch, 2)
+        assert main(argv) == 130
+    step2 = out / "checkpoints" / "step-2"
+    state_file = step2 / "trainer_state.json"
+    written = json.loads(state_file.read_text())
+    assert written["checkpoint_format"] == 2
+    state_file.write_text(json.dumps({**written, "sha256": {k: v.upper() for k, v in written["sha256"].items()}}))
+    assert RunFolder(out).checkpoint_problems(step2) == []
+    _overwrite_middle(step2 / "model.safetensors")
+    no_digest = {**written, "sha256": {k: v for k, v in written["sha256"].items() if k != "model.safetensors"}}
+    no_record = {k: v for k, v in written.items() if k != "sha256"}
+    edits = {"digest": no_digest, "record": no_record, "string": {**written, "sha256": "x"}}
+    for what, state in edits.items():
+        state_file.write_text(json.dumps(state))
+        capsys.readouterr()
+        assert main(["export", str(step2), str(tmp_path / "exported")]) == 2, what
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "cannot be exported" in err and "edited" in err, err
+        assert f"`fcsd export {out / 'checkpoints' / 'step-1'} " in err, err
+        assert not (tmp_path / "exported").exists()
+        assert what != "digest" or "model.safetensors has no SHA-256" in err, err
+    assert main([*argv, "--resume"]) == 2  # the last edit (a string) is refused by --resume too
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoints/step-2 is damaged (" in err and "step-1" in err, err
+    old = {k: v for k, v in written.items() if k not in ("sha256", "checkpoint_format")}
+    state_file.write_text(json.dumps(old))  # written before digests: its damage cannot be seen, and it says so
+    assert RunFolder(out).checkpoint_problems(step2) == [] and RunFolder(out).checked_by_size_only(step2)
+    assert not RunFolder(out).checked_by_size_only(out / "checkpoints" / "step-1")
+
+
 def _nan_model(env, tmp_path: Path) -> Path:
     """The world's model with one attention weight set to NaN: every loss it gives is NaN."""
     from safetensors.torch import load_file, save_file

@@ -19,7 +19,7 @@ import torch
 from fcsd import checksums, ownership
 from fcsd.distill.config import FCSDConfig
 from fcsd.parallel.processes import print_once
-from fcsd.run_folder import CHECKPOINT_RECORD, CONFIG, TRAINER_STATE, RunFolder
+from fcsd.run_folder import CHECKPOINT_FORMAT, CHECKPOINT_RECORD, CONFIG, SIZE_ONLY_NOTE, TRAINER_STATE, RunFolder
 from fcsd.staging import atomic_dir, disk_full_reported
 
 
@@ -48,7 +48,12 @@ def save_checkpoint(
             # the files a resume needs, with their sizes and SHA-256: --resume and `fcsd export` refuse a checkpoint
             # that lost one or whose bytes changed since
             files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
-            state = {**trainer_state, "files": files, checksums.ALGORITHM: hashes}
+            state = {
+                **trainer_state,
+                "checkpoint_format": CHECKPOINT_FORMAT,
+                "files": files,
+                checksums.ALGORITHM: hashes,
+            }
             (staging / TRAINER_STATE).write_text(json.dumps(state))
             if target.exists():  # a checkpoint of a run resumed from an older one (train.resume_step)
                 shutil.rmtree(target)
@@ -85,7 +90,9 @@ def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: 
     accelerator.load_state(str(checkpoint))
     if expert_parallel is not None:
         step_state.load(*expert_parallel, checkpoint)
-    print_once(f"resuming from {checkpoint}")
+    print_once(
+        f"resuming from {checkpoint}" + (f" (note: {SIZE_ONLY_NOTE})" if run.checked_by_size_only(checkpoint) else "")
+    )
     return trainer_state
 
 
@@ -164,6 +171,8 @@ def load_step_checkpoint(checkpoint: Path):
     problems = run.checkpoint_problems(checkpoint) or ([] if run.config.exists() else [f"{run.config} missing"])
     if problems:
         raise ValueError(f"{checkpoint} cannot be exported: {', '.join(problems)}{_older_export(run, checkpoint)}")
+    if run.checked_by_size_only(checkpoint):
+        print_once(f"note: {checkpoint} {SIZE_ONLY_NOTE}")
     config = OmegaConf.load(run.config)
     name, revision = resolve_model(config.model.name), config.model.revision
     options = {"revision": revision} if revision else {}

@@ -129,8 +129,9 @@ def resume_command(step: int) -> str:
 
 
 def checkpoint_state(problems: list[str]) -> str:
-    """``incomplete`` when a file is missing or cut short, ``damaged`` when only their bytes changed."""
-    return "damaged" if all(" changed since " in problem for problem in problems) else "incomplete"
+    """``incomplete`` when a file is missing or cut short, ``damaged`` when only their bytes (or their record)
+    changed."""
+    return "damaged" if all(" changed since " in p or " edited" in p for p in problems) else "incomplete"
 
 
 def continued_config(run: RunFolder, config, is_main: bool = True):
