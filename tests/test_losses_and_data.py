@@ -233,3 +233,20 @@ def test_teacher_token_loss_is_kl_of_the_teacher_from_the_student():
     torch.testing.assert_close(closed_loss, expected.detach())
     torch.testing.assert_close(closed_grad, grad)
     assert head.weight.grad is None  # no gradient into the teacher
+
+
+def test_one_numeric_content_or_nan_drops_only_the_bad_rows(tmp_path, tokenizer, caplog):
+    """datasets types a column of strings and numbers as Json, which gave the string "6" back as the int 6: one int
+    content dropped every numeric-looking row. Now exactly the bad rows are skipped and "6" is kept as text."""
+
+    def chat(answer):
+        return {"messages": [{"role": "user", "content": "add 3 + 3"}, {"role": "assistant", "content": answer}]}
+
+    rows = [chat(12), chat("6"), chat("6"), chat("Infinity"), chat("abc")]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_texts(str(tmp_path / "chat.jsonl"))
+    assert loaded.skipped == 1 and "skipped 1 malformed or empty rows of 5" in caplog.text
+    assert [t.rsplit(": ", 1)[1] for t in loaded.texts] == ["6", "6", "Infinity", "abc"]
+    (tmp_path / "text.jsonl").write_text('{"text": NaN}\n{"text": "6"}\n{"text": Infinity}\n{"text": "1e3"}\n')
+    loaded = load_texts(str(tmp_path / "text.jsonl"), max_rows=3)
+    assert loaded.texts == ["6"] and loaded.skipped == 2

@@ -43,11 +43,12 @@ def load_texts(
     ``source`` is a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a ``datasets`` hub name.
     Malformed rows are skipped and counted; a dataset with no usable row raises :class:`DataError`.
     """
-    dataset, unparsable = load_rows(source, split, count_unparsable=True)
+    dataset, unparsable, files = _load_rows(source, split)
+    raw = _raw_json_rows(files, len(dataset))
     if max_rows is not None:
         dataset = dataset.select(range(min(max_rows, len(dataset))))
     texts = []
-    for row in dataset:
+    for row in dataset if raw is None else raw[: len(dataset)]:
         text = _row_text(row, tokenizer, text_field, messages_field)
         if text:
             texts.append(text)
@@ -65,12 +66,18 @@ def load_texts(
 def load_rows(source: str, split: str = "train", count_unparsable: bool = False):
     """A ``datasets.Dataset`` from a local .json/.jsonl/.parquet/.txt/.csv file (or a folder of them) or a hub name.
     Unparsable lines of a .jsonl file are skipped (``count_unparsable``: returns ``(dataset, skipped lines)``)."""
+    dataset, bad, _ = _load_rows(source, split)
+    return (dataset, bad) if count_unparsable else dataset
+
+
+def _load_rows(source: str, split: str):
+    """The dataset, how many lines were unparsable, and the local files it was read from (empty for a hub name)."""
     import datasets
 
     from fcsd.sources import looks_local
 
     path = Path(source)
-    bad = 0
+    bad, files = 0, []
     if path.exists():
         files = sorted(p for p in path.iterdir() if p.suffix in _LOCAL_BUILDERS) if path.is_dir() else [path]
         if not files or files[0].suffix not in _LOCAL_BUILDERS:
@@ -86,7 +93,35 @@ def load_rows(source: str, split: str = "train", count_unparsable: bool = False)
         raise DataError(f"{source}: no such file or folder (a local data file, or a datasets hub name like org/name)")
     else:
         dataset = datasets.load_dataset(source, split=split)
-    return (dataset, bad) if count_unparsable else dataset
+    return dataset, bad, files
+
+
+def _raw_json_rows(files: list[Path], count: int) -> list[dict] | None:
+    """The ``count`` rows of local .jsonl/.json ``files`` as the stdlib ``json`` reads them, or None.
+
+    ``datasets`` types a column holding both strings and numbers as ``Json``, which hands the string ``"6"`` back as
+    the int 6 (and ``"Infinity"`` as a float): the row reader would then drop good rows for one bad one. The stdlib
+    keeps each value's own type. None (use the dataset's rows) for other files or a layout read differently.
+    """
+    if not files or any(f.suffix not in (".jsonl", ".json") for f in files):
+        return None
+    rows: list = []
+    for file in files:
+        text = file.read_text(encoding="utf-8")
+        try:
+            whole = json.loads(text) if file.suffix == ".json" else None
+        except ValueError:
+            whole = None  # a .json file of JSON lines
+        if isinstance(whole, list):
+            rows.extend(whole)
+            continue
+        try:
+            rows.extend(json.loads(line) for line in text.splitlines() if line.strip())
+        except ValueError:
+            return None
+    if len(rows) != count or not all(isinstance(row, dict) for row in rows):
+        return None
+    return rows
 
 
 def _clean_lines(files: list[Path]) -> tuple[list[Path], int]:
@@ -242,7 +277,8 @@ def load_packed(
     from safetensors.torch import load_file, save_file
 
     rows = load_texts(source, tokenizer, split, text_field, messages_field, max_rows)
-    key = _digest([rows.fingerprint, _tokenizer_digest(tokenizer), seq_len, seed, text_field, messages_field])
+    # "rows-2": rows are read with the stdlib json since; packs cached from the rows datasets mistyped are stale
+    key = _digest([rows.fingerprint, "rows-2", _tokenizer_digest(tokenizer), seq_len, seed, text_field, messages_field])
     cached = Path(cache_dir) / f"packed-{key}.safetensors" if cache_dir else None
     if cached is not None and cached.exists():
         tensors = load_file(cached)
