@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from fcsd.serving.vllm.families import (
     ARCHITECTURE_PREFIX,
+    BY_ARCHITECTURE,
     EXPORTED_PREFIX,
     UNSERVED_ARCHITECTURE,
     farskip_architecture,
@@ -35,11 +36,15 @@ class IdentityError(ValueError):
     """A config whose FarSkip fields disagree (a damaged or hand-edited export)."""
 
 
-def identify(values: dict, where: str = "config.json") -> str:
+def identify(values: dict, where: str = "config.json", recorded: dict | None = None) -> str:
     """``"stock"``, ``"converted"`` or ``"export"`` for the ``config.json`` values ``values`` (``where`` names the
-    file in messages); :class:`IdentityError` when its FarSkip fields disagree."""
-    model_type = str(values.get("model_type") or "")
-    architectures = [str(a) for a in values.get("architectures") or []]
+    file in messages); :class:`IdentityError` when its FarSkip fields disagree. ``recorded`` (the ``farskip`` block of
+    the folder's ``fcsd_export.json``) names the stock model type in the fix a message suggests."""
+    model_type = values.get("model_type") if isinstance(values.get("model_type"), str) else ""
+    listed = values.get("architectures")
+    architectures = (
+        [str(a) for a in listed] if isinstance(listed, list) else [listed] if isinstance(listed, str) else []
+    )
     record = values.get(CONFIG_KEY)
     farskip_classes = [a for a in architectures if a.startswith(ARCHITECTURE_PREFIX)]
     if record is not None and not isinstance(record, dict):
@@ -49,6 +54,7 @@ def identify(values: dict, where: str = "config.json") -> str:
         record = None if not model_type.startswith(EXPORTED_PREFIX) else record
     if record is not None:
         _check_record(record, where)
+    stock = _stock_type(model_type, record, recorded, farskip_classes)
     if model_type.startswith(EXPORTED_PREFIX):
         base = model_type.removeprefix(EXPORTED_PREFIX)
         if record is None:
@@ -62,11 +68,11 @@ def identify(values: dict, where: str = "config.json") -> str:
                 f"{record['base_model_type']!r}; {REEXPORT}"
             )
         expected = farskip_architecture(base) or UNSERVED_ARCHITECTURE
-        if not farskip_classes:
-            named = f"architectures {architectures} names the stock class" if architectures else "no architectures"
+        if not isinstance(listed, list) or not farskip_classes:
             raise IdentityError(
-                f"{where}: {named}, but model type {model_type!r} and the `{CONFIG_KEY}` block say FarSkip (a serving "
-                f'engine would run it with stock wiring); set "architectures": ["{expected}"], or {REEXPORT}'
+                f"{where}: {_architectures_said(values, record)}, but model type {model_type!r} and the "
+                f"`{CONFIG_KEY}` block say FarSkip (a serving engine builds its model from that field, with stock "
+                f'wiring or none); set "architectures": ["{expected}"], or {REEXPORT}'
             )
         foreign = [a for a in farskip_classes if a not in (expected, UNSERVED_ARCHITECTURE)]
         if foreign:  # a serving engine builds its model from this field: another family's class, other weights
@@ -84,12 +90,41 @@ def identify(values: dict, where: str = "config.json") -> str:
             )
         return "export"
     if farskip_classes:
+        held = f"holds {model_type!r}" if model_type else "is missing"
+        wanted = EXPORTED_PREFIX + (stock or "<stock model type>")
         raise IdentityError(
-            f"{where}: architectures {architectures} names a FarSkip class but model type {model_type!r} is the stock "
-            f"one (stock transformers would load it with regular connectivity); set "
-            f'"model_type": "{EXPORTED_PREFIX}{model_type}", or {REEXPORT}'
+            f'{where}: "model_type" {held}, not a FarSkip model type, but architectures {architectures} names a '
+            f"FarSkip class (stock transformers would load it with regular connectivity); set "
+            f'"model_type": "{wanted}", or {REEXPORT}'
         )
     return "stock" if record is None else "converted"
+
+
+def _stock_type(model_type: str, record: dict | None, recorded: dict | None, farskip_classes: list) -> str | None:
+    """The stock model type behind a config, from the first field that names it: the ``farskip`` block, the parity
+    record, a served FarSkip class, the model type itself (``FARSKIP_QWEN3_MOE`` -> ``qwen3_moe``)."""
+    for block in (record, recorded):
+        if isinstance(block, dict) and isinstance(block.get("base_model_type"), str) and block["base_model_type"]:
+            return block["base_model_type"]
+    for name in farskip_classes:
+        if name in BY_ARCHITECTURE:
+            return BY_ARCHITECTURE[name].model_type
+    lowered = model_type.lower()
+    return lowered.removeprefix(EXPORTED_PREFIX) or None
+
+
+def _architectures_said(values: dict, record: dict) -> str:
+    """What ``architectures`` holds, in words: missing, null, empty, not a list, or the classes it names."""
+    listed = values.get("architectures")
+    if "architectures" not in values:
+        return '"architectures" is missing'
+    if listed is None or listed == []:
+        return f'"architectures" is {"null" if listed is None else "empty"}'
+    if not isinstance(listed, list):
+        return f'"architectures" holds the {type(listed).__name__} {listed!r}, not a list of class names'
+    stock = record.get("base_architectures") or [f.architecture for f in BY_ARCHITECTURE.values()]
+    which = "the stock class" if all(a in stock for a in listed) else "no FarSkip class"
+    return f'"architectures" holds {listed}, which names {which}'
 
 
 def identify_folder(folder, values: dict, where: str = "config.json") -> str:
@@ -100,11 +135,12 @@ def identify_folder(folder, values: dict, where: str = "config.json") -> str:
     import json
     from pathlib import Path
 
-    kind = identify(values, where)
     try:
-        recorded = json.loads((Path(folder) / PARITY_RECORD).read_text())[CONFIG_KEY]["layers"]
+        block = json.loads((Path(folder) / PARITY_RECORD).read_text())[CONFIG_KEY]
+        recorded = block["layers"]
     except (OSError, ValueError, TypeError, KeyError):
-        return kind  # no parity record (not an export folder) or none that names the layers
+        return identify(values, where)  # no parity record (not an export folder) or none that names the layers
+    kind = identify(values, where, block if isinstance(block, dict) else None)
     if not isinstance(recorded, list):
         return kind
     block = values.get(CONFIG_KEY) if isinstance(values.get(CONFIG_KEY), dict) else {}

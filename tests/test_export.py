@@ -122,13 +122,31 @@ def test_export_refusals(tmp_path, tokenizer):
         export(build("qwen3_moe"), tokenizer, tmp_path / "plain")
 
 
+def _refused_everywhere(folder, edited, values, message, capsys, remote_message=None, fix=""):
+    """A copy of the export ``folder`` at ``edited`` with ``values`` as its config.json is refused naming ``message``
+    (and ``fix``) by fcsd's loader and by `fcsd push` in one line, and by the shipped remote code with
+    ``remote_message``."""
+    from transformers import AutoModelForCausalLM
+
+    from fcsd.cli import main
+
+    shutil.copytree(folder, edited)
+    (edited / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=re.escape(message) + ".*" + re.escape(fix)):
+        fcsd.from_pretrained(str(edited))
+    assert main(["push", str(edited), "me/model", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and fix in err[0], err
+    if remote_message is not None:
+        with pytest.raises(ValueError, match=re.escape(remote_message)):
+            AutoModelForCausalLM.from_pretrained(edited, trust_remote_code=True)
+
+
 def test_an_export_whose_identity_was_edited_is_refused_wherever_it_loads(tmp_path, tokenizer, capsys):
     """Cases 5-6 of the third hostile probe: `architectures` set back to the stock class, or the `farskip` block
     removed. fcsd's loader and `fcsd push` refuse both in one line naming the field; the shipped remote code refuses
     the second (it had no layers to convert: an AttributeError); nothing loads with stock wiring."""
     from transformers import AutoModelForCausalLM
-
-    from fcsd.cli import main
 
     folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
     config = json.loads((folder / "config.json").read_text())
@@ -138,14 +156,7 @@ def test_an_export_whose_identity_was_edited_is_refused_wherever_it_loads(tmp_pa
     }
     capsys.readouterr()  # the export's own progress output
     for name, (values, message) in edits.items():
-        edited = tmp_path / name
-        shutil.copytree(folder, edited)
-        (edited / "config.json").write_text(json.dumps(values))
-        with pytest.raises(ValueError, match=re.escape(message)):
-            fcsd.from_pretrained(str(edited))
-        assert main(["push", str(edited), "me/model", "--dry-run"]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and message in err[0], err
+        _refused_everywhere(folder, tmp_path / name, values, message, capsys)
     with pytest.raises(ValueError, match=r"has no `farskip.layers` \(the converted layers\)"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "no_block", trust_remote_code=True)
 
@@ -157,7 +168,6 @@ def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused
     family-less class of fcsd 0.1 still pass."""
     from transformers import AutoModelForCausalLM
 
-    from fcsd.cli import main
     from fcsd.identity import identify
 
     folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
@@ -175,18 +185,43 @@ def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused
             "\"model_type\" is 'qwen3_moe', not 'farskip_qwen3_moe', so it declares a stock model",
         ),
     }
+    set_arch = 'set "architectures": ["FarSkipQwen3MoeForCausalLM"]'
+    set_type = 'set "model_type": "farskip_qwen3_moe"'
+    no_arch = "but this is a FarSkip export of model type 'farskip_qwen3_moe'"
+    edits |= {  # the fourth probe: no class named, no model type, a garbled one; the fix names the field's value
+        "empty": ({**config, "architectures": []}, '"architectures" is empty, but model type', f"is empty, {no_arch}"),
+        "null": (
+            {**config, "architectures": None},
+            '"architectures" is null',
+            f'"architectures" is missing or null, {no_arch}',
+        ),
+        "missing": (
+            {k: v for k, v in config.items() if k != "architectures"},
+            "\"architectures\" is missing, but model type 'farskip_qwen3_moe'",
+            f'"architectures" is missing or null, {no_arch}',
+        ),
+        "string": (
+            {**config, "architectures": "FarSkipQwen3MoeForCausalLM"},
+            "holds the str 'FarSkipQwen3MoeForCausalLM', not a list of class names",
+            "holds the str 'FarSkipQwen3MoeForCausalLM', not a list of class names",
+        ),
+        "no_type": (
+            {k: v for k, v in config.items() if k != "model_type"},
+            '"model_type" is missing, not a FarSkip model type',
+            "\"model_type\" is missing, not 'farskip_qwen3_moe'",
+        ),
+        "upper_type": (
+            {**config, "model_type": "FARSKIP_QWEN3_MOE"},
+            "\"model_type\" holds 'FARSKIP_QWEN3_MOE', not a FarSkip model type",
+            "\"model_type\" is 'FARSKIP_QWEN3_MOE', not 'farskip_qwen3_moe'",
+        ),
+    }
+    fixes = {"empty": set_arch, "null": set_arch, "missing": set_arch, "string": set_arch}
     capsys.readouterr()
     for name, (values, message, remote_message) in edits.items():
         edited = tmp_path / name
-        shutil.copytree(folder, edited)
-        (edited / "config.json").write_text(json.dumps(values))
-        with pytest.raises(ValueError, match=re.escape(message)):
-            fcsd.from_pretrained(str(edited))
-        assert main(["push", str(edited), "me/model", "--dry-run"]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and message in err[0], err
-        with pytest.raises(ValueError, match=re.escape(remote_message)):
-            AutoModelForCausalLM.from_pretrained(edited, trust_remote_code=True)
+        fix = fixes.get(name, set_type if name.endswith("type") else "")
+        _refused_everywhere(folder, edited, values, message, capsys, remote_message, fix)
     (edited / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3MoeForCausalLM"]}))
     with pytest.raises(ValueError, match=re.escape("names ['Qwen3MoeForCausalLM'], not 'FarSkipQwen3MoeForCausalLM'")):
         AutoModelForCausalLM.from_pretrained(edited, trust_remote_code=True)  # the class alone, from the config

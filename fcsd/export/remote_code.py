@@ -8,7 +8,8 @@ transformers does not know: loading without ``trust_remote_code`` fails loudly i
 regular connectivity. The generated model class checks the export's identity as :mod:`fcsd.identity` does, without
 fcsd: ``architectures`` must name the FarSkip class of the export's own family (vLLM builds its model from it) and,
 for a local folder, ``config.json``'s model type must be ``farskip_<stock type>``; a folder declared stock or another
-family is refused in one line instead of loading as FarSkip.
+family, or naming no class (``architectures`` missing, null, empty or not a list; ``model_type`` missing), is refused
+in one line instead of loading as FarSkip.
 """
 
 from __future__ import annotations
@@ -87,20 +88,29 @@ def _config_file(config):
 
 
 def _check_identity(config):
-    """Refuse a config that declares itself stock or another family (fcsd.identity, without fcsd): it would be
-    loaded here as FarSkip but served (or loaded by stock transformers) as what it says."""
-    values = _config_file(config) or {{}}
-    model_type = values.get("model_type", MODEL_TYPE)
-    if model_type != MODEL_TYPE:
+    """Refuse a config that declares itself stock or another family, or names no class (fcsd.identity, without
+    fcsd): it would be loaded here as FarSkip but served (or loaded by stock transformers) as what it says."""
+    values = _config_file(config)
+    if values is not None and values.get("model_type") != MODEL_TYPE:  # a local folder: its config.json as written
+        said = f"is {{values['model_type']!r}}" if "model_type" in values else "is missing"
         raise ValueError(
-            f'config.json: "model_type" is {{model_type!r}}, not {{MODEL_TYPE!r}}, so it declares a stock model that '
-            f'stock transformers loads with stock wiring; set "model_type": "{{MODEL_TYPE}}", or {{REEXPORT}}'
+            f'config.json: "model_type" {{said}}, not {{MODEL_TYPE!r}}, so it declares a stock model that stock '
+            f'transformers loads with stock wiring; set "model_type": "{{MODEL_TYPE}}", or {{REEXPORT}}'
         )
-    architectures = list(getattr(config, "architectures", None) or [])
-    wrong = [a for a in architectures if a not in (ARCHITECTURE, GENERIC_ARCHITECTURE)]
+    listed = values.get("architectures") if values is not None else getattr(config, "architectures", None)
+    if not isinstance(listed, list) or not listed:
+        said = "is missing or null" if listed is None else "is empty" if listed == [] else (
+            f"holds the {{type(listed).__name__}} {{listed!r}}, not a list of class names"
+        )
+        raise ValueError(
+            f'config.json: "architectures" {{said}}, but this is a FarSkip export of model type {{MODEL_TYPE!r}} (a '
+            f'serving engine builds its model from that field); set "architectures": ["{{ARCHITECTURE}}"], or '
+            f"{{REEXPORT}}"
+        )
+    wrong = [a for a in listed if a not in (ARCHITECTURE, GENERIC_ARCHITECTURE)]
     if wrong:
         raise ValueError(
-            f"config.json: architectures {{architectures}} names {{wrong}}, not {{ARCHITECTURE!r}}, the FarSkip class "
+            f"config.json: architectures {{listed}} names {{wrong}}, not {{ARCHITECTURE!r}}, the FarSkip class "
             f"of model type {{MODEL_TYPE!r}} (a serving engine builds its model from that field, as stock or another "
             f'family); set "architectures": ["{{ARCHITECTURE}}"], or {{REEXPORT}}'
         )
