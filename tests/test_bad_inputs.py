@@ -1927,6 +1927,27 @@ def test_a_run_with_non_finite_weights_writes_no_final_export_or_summary(env, tm
     assert not any((out / name).exists() for name in ("final", "export", "run_summary.json"))
 
 
+def test_a_diverging_run_stops_in_one_line_with_advice_that_is_not_refused(env, tmp_path, monkeypatch, capsys):
+    """train.lr=1e6: the spike guard's stop was a traceback (RuntimeError, status 1) advising a resume with a lower
+    train.lr, which --resume refuses (the LR schedule is the run's). Now one line, status 2, nothing written from the
+    weights, and the advice is a new run over the folder with a tenth of the LR (--resume dropped)."""
+    import shlex
+
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", "train.lr=1e6", "train.max_steps=6", "train.save_every=1")
+    with monkeypatch.context() as patch:
+        _stop_after_checkpoint(patch, 1)
+        assert main(argv) == 130
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]
+    assert "training diverged: 5 updates in a row were skipped" in err and "no final/, export or summary" in err, err
+    command = shlex.split(err.split("`")[1])
+    assert "--resume" not in command and command[-2:] == ["overwrite=true", "train.lr=100000"], command
+    assert "train.lr=1e6" not in command and not (out / "final").exists()
+
+
 def test_a_resume_records_the_recipe_it_trains_with(env, tmp_path, monkeypatch, capsys):
     """A warm-start run resumed with `recovery=plain` on its command line (its recovery.warm_share kept, so the resume
     check lets it through) trains the warm start, as it should; its fcsd_config.yaml said `recovery.name: plain`.

@@ -395,7 +395,7 @@ def test_spike_guard_decisions():
     assert "loss spike" in guard.check(10.0, 1.0)
     assert guard.check(1.0, 1.0) is None  # a good step resets the streak
     assert "non-finite" in guard.check(float("nan"), 1.0)
-    with pytest.raises(RuntimeError, match="training diverged: 2 steps in a row"):
+    with pytest.raises(RuntimeError, match="training diverged: 2 updates in a row"):
         guard.check(1.0, float("inf"))
 
 

@@ -43,17 +43,41 @@ class NonFiniteStop:
 
 
 def resume_advice(run, first_bad: int) -> str:
-    """How to go on: resume from the newest checkpoint saved before step ``first_bad``, with its command."""
+    """How to go on: resume from the newest checkpoint saved before step ``first_bad``, with its command; if the
+    run diverged, a new run with a tenth of its ``train.lr`` (a resume keeps the run's LR schedule: it refuses
+    another)."""
     from fcsd.distill.resume import resume_command
 
+    again = f"start a new run with a lower train.lr (a resume keeps the run's own): `{_lower_lr_command(run)}`"
     before = [c for c in run.checkpoints() if int(c.name[5:]) < first_bad]
     if not before:
-        return "start the run again (overwrite=true), with a lower train.lr if it diverged"
+        return again
     step = int(before[-1].name[5:])
     return (
-        f"resume from {before[-1].name} (the newest checkpoint saved before step {first_bad}), with a lower train.lr "
-        f"if it diverged: `{resume_command(step)}`"
+        f"resume from {before[-1].name} (the newest checkpoint saved before step {first_bad}): "
+        f"`{resume_command(step)}`, or if it diverged, {again}"
     )
+
+
+def diverged(error: Exception, done: int, run) -> NonFiniteRun:
+    """The one-line stop of a run whose spike guard gave up at step ``done``
+    (:class:`fcsd.distill.optim.Diverged`): resuming would repeat the same updates at the same LR, so the way on is
+    a new run with a tenth of its ``train.lr``."""
+    return NonFiniteRun(
+        f"training stopped at step {done}: {error}; nothing was written from its weights (no final/, export or "
+        f"summary), and a resume would repeat the same updates at the same train.lr, which it keeps: start a new "
+        f"run with a lower one: `{_lower_lr_command(run)}`"
+    )
+
+
+def _lower_lr_command(run) -> str:
+    """The command being run as a new run over the same folder with a tenth of the run's ``train.lr``."""
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.resume import restart_command
+
+    lr = OmegaConf.select(OmegaConf.load(run.config), "train.lr") if run.config.exists() else None
+    return restart_command(**({"train.lr": f"{lr / 10:g}"} if isinstance(lr, (int, float)) else {}))
 
 
 def check_weights_finite(model: torch.nn.Module, accelerator, done: int, run) -> None:

@@ -220,6 +220,11 @@ def fuse_on_gpu(optimizer) -> None:
                     state[param]["step"] = step.to(param.device, torch.float32)
 
 
+class Diverged(RuntimeError):
+    """The spike guard stopped the run (``train.max_bad_steps`` updates in a row skipped, or a bad one DeepSpeed had
+    already applied): the trainer says it in one line with the way on (:func:`fcsd.distill.finite.diverged`)."""
+
+
 class SpikeGuard:
     """Decides whether a step's update is applied: its loss and gradient norm must be finite and the loss below
     ``factor`` times the median of the last ``window`` applied steps (``factor`` 0: no spike test). ``max_bad``
@@ -246,16 +251,13 @@ class SpikeGuard:
             self.bad_streak = 0
             return None
         if not self.can_skip:
-            raise RuntimeError(
-                f"bad step ({reason}) under DeepSpeed, which has already applied it (its optimizer steps inside "
-                "backward); resume from the last checkpoint with a lower train.lr or a larger train.batch_tokens"
+            raise Diverged(
+                f"a bad step ({reason}) under DeepSpeed, which has already applied it (its optimizer steps inside "
+                "backward)"
             )
         self.bad_streak += 1
         if self.bad_streak >= self.max_bad:
-            raise RuntimeError(
-                f"training diverged: {self.bad_streak} steps in a row were skipped (last: {reason}); resume from the "
-                "last checkpoint with a lower train.lr or a larger train.batch_tokens"
-            )
+            raise Diverged(f"training diverged: {self.bad_streak} updates in a row were skipped (last: {reason})")
         return reason
 
     def state(self) -> dict:

@@ -128,6 +128,19 @@ def resume_command(step: int) -> str:
     return shlex.join([*kept, "--resume", f"train.resume_step={step}"])
 
 
+def restart_command(**settings: str) -> str:
+    """The command being run as a new run over the same folder: ``--resume`` dropped, ``overwrite=true`` and
+    ``settings`` (``{"train.lr": "1e-05"}``) in place of the command's own values of those keys. What a message
+    advises when a resume cannot help (a resume refuses another LR schedule: :data:`SCHEDULE_KEYS`)."""
+    import shlex
+
+    settings = {"overwrite": "true", **settings}
+    dropped = ("--resume", "train.resume")
+    words = [w for w in shlex.split(ownership.command_line()) if w not in dropped]
+    kept = [w for w in words if w.split("=", 1)[0].lstrip("+") not in (*settings, *dropped, "train.resume_step")]
+    return shlex.join([*kept, *(f"{key}={value}" for key, value in settings.items())])
+
+
 def checkpoint_state(problems: list[str]) -> str:
     """``incomplete`` when a file is missing or cut short, ``damaged`` when only their bytes (or their record)
     changed."""

@@ -24,11 +24,12 @@ from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
 from fcsd.distill.config import guide_weight, layer_stages, ramp_stages, update_split, warm_steps
 from fcsd.distill.data import Packed, tokens_fingerprint
-from fcsd.distill.finite import NonFiniteStop, check_weights_finite
+from fcsd.distill.finite import NonFiniteStop, check_weights_finite, diverged
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
 from fcsd.distill.optim import (
+    Diverged,
     SpikeGuard,
     apply_update,
     build_optimizer,
@@ -72,7 +73,10 @@ def train(checked: Checked) -> RunResult:
             s.guard.history = []  # the warm start's losses are on another scale than the KL's
         if s.convert_for(step):
             s.guard.history = []  # more converted layers: a higher loss is expected, not a spike
-        loss, grad_norm, terms, applied = s.optimizer_steps(step)
+        try:
+            loss, grad_norm, terms, applied = s.optimizer_steps(step)
+        except Diverged as error:
+            raise diverged(error, step + 1, s.run) from None
         lr = s.scheduler.get_last_lr()[0]
         s.scheduler.step()
         done = step + 1
