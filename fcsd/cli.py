@@ -151,9 +151,10 @@ def _export(args) -> int:
     import json
 
     from fcsd import ownership
-    from fcsd.export.save import export_checkpoint
+    from fcsd.export.save import check_one_process, export_checkpoint
     from fcsd.serving.vllm.families import serve_command
 
+    check_one_process()  # before any folder check: the launch's own processes would find each other's lock
     ownership.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
     out = export_checkpoint(
         args.source, args.out_dir, overwrite=args.overwrite, export_format=args.format, text_only=args.text_only

@@ -251,6 +251,19 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     assert "neither a converted checkpoint, a run folder with final/, nor a step checkpoint" in capsys.readouterr().err
 
 
+def test_export_under_a_multi_process_launch_is_refused_up_front(tmp_path, monkeypatch, capsys):
+    """`fcsd launch torchrun --nproc_per_node 2 -m fcsd.cli export` refused itself: its ranks fought over OUT_DIR's
+    lock ("in use by another fcsd command"). Export runs in one process: refused in one line saying so."""
+    from fcsd.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fcsd export runs in one process, but this launch started 2" in err[0], err
+    assert "run `fcsd export SOURCE OUT_DIR` alone, without a launcher" in err[0]
+    assert not list(tmp_path.iterdir())
+
+
 def test_model_card_of_a_converted_run(tmp_path):
     """The card `fcsd convert` exports: metadata, conversion settings and results, loading, citation."""
     from fcsd.export.model_card import render_card

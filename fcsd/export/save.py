@@ -174,6 +174,20 @@ def parity_tolerance(folder: Path, expected: torch.Tensor, dtype: torch.dtype) -
     return PARITY_TOLERANCE.get(dtype, 1e-2)
 
 
+def check_one_process() -> None:
+    """Refuse ``fcsd export`` under a multi-process launch: it runs in one process (a step checkpoint's expert-parallel
+    shards are consolidated there), and the launch's processes would each export to, and lock, the same OUT_DIR.
+    Not for :func:`export_checkpoint` itself: a data-parallel ``fcsd convert`` calls it on its main process."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if world > 1:
+        raise ExportError(
+            f"fcsd export runs in one process, but this launch started {world}; run `fcsd export SOURCE OUT_DIR` "
+            "alone, without a launcher"
+        )
+
+
 def export_checkpoint(
     run_or_checkpoint: str | Path,
     out_dir: str | Path,
