@@ -691,6 +691,24 @@ CASES += [
         "train.lr=0.0003 (the run: 2e-05) would change the LR schedule",
         None,
     ),
+    # 9. other optimizer parameter groups on --resume: torch refused to load the optimizer's state after the run's
+    # fcsd_config.yaml had been rewritten (train.freeze_embeddings), or loading it put the run's settings back
+    *[
+        (
+            f"resume_with_another_{key.split('.')[1]}",
+            lambda w, setting=f"{key}={value}": [
+                *run_convert(w, f"output_dir={w / 'runs/unfinished'}", setting),
+                "--resume",
+            ],
+            f"is a different run ({key}: run",
+            None,
+        )
+        for key, value in [
+            ("train.freeze_embeddings", "true"),
+            ("train.weight_decay", "0.1"),
+            ("train.adam_betas", "[0.9,0.999]"),
+        ]
+    ],
     # 10. impossible shapes, refused by every command that reads a config
     ("inspect_top_k_above_experts", lambda w: ["inspect", str(w / "topk16")], "num_experts_per_tok=16 with 8", None),
     ("perfmodel_top_k_above_experts", lambda w: ["perfmodel", "--model", str(w / "topk16")], "top-k must lie", None),

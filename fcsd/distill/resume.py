@@ -34,6 +34,11 @@ RESUME_KEYS = (
     "train.batch_tokens",
     "train.micro_batch_size",
     "train.seed",
+    # the optimizer's parameter groups: which parameters train (a resume of other groups fails to load the
+    # optimizer's state), and their settings, which loading that state puts back whatever the command says
+    "train.freeze_embeddings",
+    "train.weight_decay",
+    "train.adam_betas",
     "teacher.mode",
     "parallel.placement",  # the weights are permuted by it
     "recovery.warm_share",  # where the stages change
