@@ -280,20 +280,24 @@ class TrainingSession:
         plan, accelerator = self.plan, self.accelerator
         split = plan.fit_split(update_split(self.config, step))
         step_rows = plan.rows(step, len(self.train_rows), self.config.train.seed)
-        totals, tokens, norms, applied_all = {}, 0, [], True
+        totals, tokens, norms, applied_all, refused = {}, 0, [], True, {}
         for update, micro_batches in enumerate(plan.update_rows(step_rows, split, accelerator.process_index)):
             loss, grad_norm, terms, count = self.forward_backward(step, micro_batches)
             with scaled_lr(self.optimizer, split**-0.5):
                 applied, reason = apply_update(self.optimizer, accelerator.scaler, self.guard, loss, grad_norm)
             if reason:
-                where = f"step {step + 1}" + (f" (update {update + 1} of {split})" if split > 1 else "")
-                log.warning("%s not applied: %s", where, reason)
-                print_once(f"{where} not applied: {reason}")
+                refused[update + 1] = reason
             self.optimizer.zero_grad(set_to_none=True)
             for name, value in {"loss": loss, **terms}.items():
                 totals[name] = totals.get(name, 0.0) + value * count
             tokens, applied_all = tokens + count, applied_all and applied
             norms.append(grad_norm)
+        if refused:  # one line a step, on the main process: not one per update of a batch ramp, nor per process
+            updates = ", ".join(map(str, refused))
+            where = f"step {step + 1}" + (
+                f" (update{'s' * (len(refused) > 1)} {updates} of {split})" if split > 1 else ""
+            )
+            print_once(f"{where} not applied: {'; '.join(dict.fromkeys(refused.values()))}")
         means = {name: value / tokens for name, value in totals.items()}
         return means.pop("loss"), sum(norms) / len(norms), means, applied_all
 
