@@ -239,9 +239,12 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     model = fcsd.apply_farskip(build("olmoe"), "last:1")
     model.save_pretrained(tmp_path / "run" / "final")
     tokenizer.save_pretrained(tmp_path / "run" / "final")
-    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    # --format bf16 declines an FP8 source's format, it casts nothing; --text-only of a text model: each said in a line
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "out"), "--format", "bf16", "--text-only"]) == 0
     printed = capsys.readouterr().out
     assert "reload parity checked" in printed
+    assert "--format bf16 writes the weights unquantized as they are: float32, this checkpoint's dtype" in printed
+    assert f"--text-only changes nothing: {tmp_path / 'run' / 'final'} is a text model, exported as it is" in printed
     assert f"vllm serve {tmp_path / 'out'}" in printed  # the plugin's serve command
     assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "out"))) == fcsd.farskip_layers(model)
     assert (tmp_path / "out" / "modeling_farskip.py").exists()

@@ -91,13 +91,13 @@ def composite_source(checkpoint: str | Path, text_only: bool = False, say=print)
     recorded = (own or {}).get(SOURCE_KEY)
     if own is not None:
         if isinstance(own.get("text_config"), dict):
-            return None  # a composite already: it exports whole
+            return _no_tower(checkpoint, text_only, say, "a multimodal checkpoint itself, exported whole")
         if not recorded and base_model_type(own.get("model_type", "")) not in TEXT_TOWERS:
-            return None  # a text model: its export never reads the source
+            return _no_tower(checkpoint, text_only, say)  # a text model: its export never reads the source
     own_class = ((own or {}).get("architectures") or ["the text model"])[0]
     found = run_source(checkpoint)
     if found is None:
-        return None
+        return _no_tower(checkpoint, text_only, say)
     name, revision = found
     if text_only and recorded:
         if say is not None:
@@ -115,12 +115,18 @@ def composite_source(checkpoint: str | Path, text_only: bool = False, say=print)
             "--text-only (export_text_only=true)"
         ) from None
     if text_config(config) is config:
-        return None
+        return _no_tower(checkpoint, text_only, say)
     if text_only:
         if say is not None:
             say(_dropped_note(checkpoint, name, revision, own_class))
         return None
     return source, revision
+
+
+def _no_tower(checkpoint, text_only: bool, say, what: str = "a text model, exported as it is") -> None:
+    """None (no vision tower to put back), saying in one line through ``say`` that ``text_only`` changes nothing."""
+    if text_only and say is not None:
+        say(f"--text-only changes nothing: {checkpoint} is {what} (no multimodal source's vision tower to leave out)")
 
 
 def _dropped_note(checkpoint, name: str, revision: str | None, text_class: str) -> str:

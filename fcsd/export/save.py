@@ -226,6 +226,9 @@ def export_checkpoint(
             model, tokenizer = load_step_checkpoint(source)
         else:
             model, tokenizer = from_pretrained(str(source), dtype="auto"), tokenizer_from_pretrained(str(source))
+        if export_format == "bf16" and model.dtype != torch.bfloat16:  # bf16 declines FP8, it casts nothing
+            name = str(model.dtype).removeprefix("torch.")
+            print(f"--format bf16 writes the weights unquantized as they are: {name}, this checkpoint's dtype")
         return export(
             model,
             tokenizer,
