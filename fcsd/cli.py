@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -666,12 +667,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except BaseException as error:
-        name = getattr(args, "command", None) or next((a for a in argv if not a.startswith("-")), "")
+        name = _command_name(args, argv)
         code = stopping.was_stopped(error)
         if code is not None:
             stopping.ignore_further_stops()  # a second Ctrl-C (or SIGTERM) while the stop is reported is the same stop
-            how = "terminated (SIGTERM)" if code == 143 else "interrupted"
-            say(f"fcsd {name}: {how}{_resume_hint(args)}", code)
+            _say_stopped(args, argv, code)
             if whole_process:
                 _exit_stopped(code)
             return code
@@ -681,6 +681,37 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         stopping.restore(previous)
+        if whole_process:
+            _stops_said_at_exit(args, argv, previous)
+
+
+def _command_name(args, argv: list[str]) -> str:
+    return getattr(args, "command", None) or next((a for a in argv if not a.startswith("-")), "")
+
+
+def _say_stopped(args, argv: list[str], code: int) -> None:
+    """The one line of a stopped command (status ``code``: 130 or 143), with the way on (:func:`_resume_hint`)."""
+    from fcsd.launch import say
+
+    how = "terminated (SIGTERM)" if code == 143 else "interrupted"
+    say(f"fcsd {_command_name(args, argv)}: {how}{_resume_hint(args)}", code)
+
+
+def _stops_said_at_exit(args, argv: list[str], handled: dict) -> None:
+    """A stop that comes after the command returned, while the interpreter ends (threads joined, exit handlers), is
+    said in one line too, as any stop (a Ctrl-C just after a run's "exported" line ended it with status 130 and
+    nothing said), and ends the process at once with its status. ``handled``: the signals fcsd handles (a SIGINT the
+    shell ignores stays ignored)."""
+    from fcsd import stopping
+
+    def stop(signum, frame):
+        stopping.ignore_further_stops()
+        code = 143 if signum == signal.SIGTERM else 130
+        _say_stopped(args, argv, code)
+        _exit_stopped(code)
+
+    for sig in handled:
+        signal.signal(sig, stop)
 
 
 def _exit_stopped(code: int) -> None:
@@ -728,7 +759,10 @@ def _resume_hint(args) -> str:
         config = to_config(_run_config(args))
     except BaseException:  # the interrupt came before the config was valid (or came again): nothing to resume
         return ""
-    checkpoints = RunFolder(config.output_dir).checkpoints()
+    run = RunFolder(config.output_dir)
+    if run.final.exists():  # written by one rename: the run finished, and a resume is refused
+        return _finished_hint(run, config)
+    checkpoints = run.checkpoints()
     if not checkpoints:
         return f"; no checkpoint was saved yet in {config.output_dir}: run the same command again to restart"
     import shlex
@@ -738,6 +772,19 @@ def _resume_hint(args) -> str:
     words = [*launcher(), *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"]
     command = shlex.join(words)
     return f"; the last checkpoint is {checkpoints[-1].name} in {config.output_dir}: continue with `{command}`"
+
+
+def _finished_hint(run, config) -> str:
+    """For a convert stopped after its ``final/`` was written (while it exported, pushed or exited): that the run
+    finished, and the ``fcsd export`` that writes an export the stop cut short (``--resume`` refuses a finished run)."""
+    import shlex
+
+    export_dir = Path(config.export_dir or run.export)
+    if config.export and not (export_dir / "config.json").exists():
+        command = shlex.join(["fcsd", "export", str(run.root), str(export_dir)])
+        return f"; the run in {run.root} finished (final/ is written) but not its export: write it with `{command}`"
+    written = f"final/ and {export_dir}" if config.export else "final/"
+    return f"; the run in {run.root} had finished ({written} written)"
 
 
 if __name__ == "__main__":

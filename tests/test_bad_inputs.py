@@ -1966,6 +1966,49 @@ def test_a_diverging_run_stops_in_one_line_with_advice_that_is_not_refused(env, 
     assert "train.lr=1e6" not in command and not (out / "final").exists()
 
 
+def test_a_stop_while_the_run_exports_gives_the_export_command_not_a_refused_resume(env, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the end-of-run export: the line named the last checkpoint and `--resume`, which is refused
+    (final/ exists). Now it says the run finished and gives the `fcsd export` that writes the export, which works;
+    a stop after the command returned (while the interpreter ends) is one line too, with status 130."""
+    import shlex
+
+    from fcsd import cli
+    from fcsd.export import save
+
+    out = tmp_path / "run"
+    argv = run_convert(env, f"output_dir={out}", "train.max_steps=2")
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(save, "export_checkpoint", stopped)
+        assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"the run in {out} finished (final/ is written) but not its export: write it with `" in err, err
+    assert "--resume" not in err, err
+    command = shlex.split(err.split("`")[1])
+    assert command == ["fcsd", "export", str(out), str(out / "export")]
+    assert main(command[1:]) == 0 and (out / "export" / "config.json").exists()
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "argv", ["fcsd", *argv])
+    monkeypatch.setattr(cli, "_exit_stopped", lambda code: sys.exit(code))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with monkeypatch.context() as patch:  # the run is done: stand in for it, then stop as the process ends
+            patch.setattr(cli, "_convert", lambda args: 0)
+            assert main() == 0
+        with pytest.raises(SystemExit) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert stop.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err == f"fcsd convert: interrupted; the run in {out} had finished (final/ and {out / 'export'} written)"
+
+
 def test_a_resume_records_the_recipe_it_trains_with(env, tmp_path, monkeypatch, capsys):
     """A warm-start run resumed with `recovery=plain` on its command line (its recovery.warm_share kept, so the resume
     check lets it through) trains the warm start, as it should; its fcsd_config.yaml said `recovery.name: plain`.
