@@ -608,7 +608,7 @@ def test_ep_groups_beyond_a_node_are_candidates_simulated_and_launched_hierarchi
     assert time.dispatcher == "hierarchical" and time.a2a_inter_s > 0 and time.a2a_intra_s > 0
     assert sum(time.breakdown().values()) == pytest.approx(time.seconds)
     for layout, named in ((wide, True), (Layout("ep_fsdp", 4, 2, "online", 2, True), False)):
-        commands, _ = plan_commands("m", layout, "all", config, config, cluster, ["data.path=x.jsonl"], ("x", 1))
+        commands, _ = plan_commands("m", layout, "all", config, config, cluster, ["data.path=x.jsonl"], ("x", None))
         assert ("parallel.dispatcher=hierarchical" in commands["train"]) == named, commands["train"]
         parallel = accepted_by_convert(commands["train"]).parallel
         assert parallel.dispatcher == ("hierarchical" if named else "plain") and parallel.ep_size == layout.ep_size
