@@ -128,6 +128,10 @@ class RunFolder:
         if not isinstance(recorded, dict) or not all(_is_digest(d) for d in recorded.values()):
             return [f"{TRAINER_STATE}'s SHA-256 record was edited: it is no table of file digests"]
         unrecorded = [name for name in expected if name not in recorded]
+        if "files" in state:  # a file the record leaves out was put there since (a swapped optimizer.bin, say)
+            unrecorded += [
+                p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in (*expected, TRAINER_STATE)
+            ]
         if unrecorded or not contents:
             return [f"{name} has no SHA-256 in {TRAINER_STATE}, whose record was edited" for name in unrecorded]
         found = checksums.digests([checkpoint / name for name in recorded if (checkpoint / name).is_file()])

@@ -707,6 +707,9 @@ CASES += [
             ("train.freeze_embeddings", "true"),
             ("train.weight_decay", "0.1"),
             ("train.adam_betas", "[0.9,0.999]"),
+            ("train.divergence", "reverse_kl"),  # the loss: a re-probe resumed under another one silently
+            ("train.temperature", "2.0"),
+            ("train.grad_clip", "0"),
         ]
     ],
     # 10. impossible shapes, refused by every command that reads a config
@@ -1894,6 +1897,19 @@ def test_a_checkpoint_whose_digest_record_was_edited_is_refused_and_an_old_one_i
     assert written["checkpoint_format"] == 2
     state_file.write_text(json.dumps({**written, "sha256": {k: v.upper() for k, v in written["sha256"].items()}}))
     assert RunFolder(out).checkpoint_problems(step2) == []
+    # a file taken out of both records and replaced (step-1's optimizer state): the folder holds what no record lists
+    unlisted = {
+        **written,
+        "files": {k: v for k, v in written["files"].items() if k != "optimizer.bin"},
+        "sha256": {k: v for k, v in written["sha256"].items() if k != "optimizer.bin"},
+    }
+    state_file.write_text(json.dumps(unlisted))
+    own = (step2 / "optimizer.bin").read_bytes()
+    shutil.copy(out / "checkpoints" / "step-1" / "optimizer.bin", step2 / "optimizer.bin")
+    assert RunFolder(out).checkpoint_problems(step2) == [
+        "optimizer.bin has no SHA-256 in trainer_state.json, whose record was edited"
+    ]
+    (step2 / "optimizer.bin").write_bytes(own)
     _overwrite_middle(step2 / "model.safetensors")
     no_digest = {**written, "sha256": {k: v for k, v in written["sha256"].items() if k != "model.safetensors"}}
     no_record = {k: v for k, v in written.items() if k != "sha256"}

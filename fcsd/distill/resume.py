@@ -31,6 +31,14 @@ RESUME_KEYS = (
     "data.eval_path",
     "data.eval_sequences",
     "train.objective",
+    # the loss the run's steps were trained with (a resume under another one trains a different run and its
+    # fcsd_config.yaml would misdescribe the steps before it)
+    "train.divergence",
+    "train.temperature",
+    "train.jsd_beta",
+    "train.l2_coef",
+    "train.router_aux_coef",
+    "train.grad_clip",
     "train.batch_tokens",
     "train.micro_batch_size",
     "train.seed",
