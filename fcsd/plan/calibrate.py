@@ -331,8 +331,7 @@ def _collective(kind: str, total: int, group, ranks: int, device: torch.device, 
     part = torch.zeros(elements // ranks, device=device, dtype=dtype)
     share = (ranks - 1) / ranks
     if kind == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(whole, part, group=group)), elements * size * share
+        return (lambda: _all_gather()(whole, part, group=group)), elements * size * share
     if kind == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return (lambda: scatter(part, whole, group=group)), elements * size * share
@@ -340,6 +339,11 @@ def _collective(kind: str, total: int, group, ranks: int, device: torch.device, 
         out = torch.zeros_like(whole)
         return (lambda: dist.all_to_all_single(out, whole, group=group)), elements * size * share
     return (lambda: dist.all_reduce(whole, group=group)), 2 * elements * size * share
+
+
+def _all_gather():
+    """torch's all-gather into one tensor (``all_gather_single`` where this torch has it)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _median_seconds(call, repeats: int, device: torch.device) -> float:
@@ -422,10 +426,8 @@ def measure_overlap(device: torch.device, dtype: torch.dtype) -> dict:
     whole = torch.zeros(elements, device=device, dtype=dtype)
     part = torch.zeros(elements // world, device=device, dtype=dtype)
 
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
     def comm(async_op: bool = False):
-        return gather(whole, part, async_op=async_op)
+        return _all_gather()(whole, part, async_op=async_op)
 
     n = 4096 if device.type == "cuda" else 256
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -433,14 +435,13 @@ def measure_overlap(device: torch.device, dtype: torch.dtype) -> dict:
     _barrier(device)
     t_comm = _median_seconds(comm, repeats, device)
     one = _median_seconds(lambda: a @ b, repeats, device)
-    count = [max(1, round(t_comm / max(one, 1e-9)))]
 
-    def work():
-        for _ in range(count[0]):
-            a @ b
+    def gemms(count: int):
+        return lambda: [a @ b for _ in range(count)]
 
-    t_work = _median_seconds(work, repeats, device)
-    count[0] = max(1, round(count[0] * t_comm / max(t_work, 1e-9)))  # a lone GEMM runs faster than many in a row
+    count = max(1, round(t_comm / max(one, 1e-9)))
+    t_work = _median_seconds(gemms(count), repeats, device)
+    work = gemms(max(1, round(count * t_comm / max(t_work, 1e-9))))  # a lone GEMM runs faster than many in a row
     _barrier(device)
     t_work = _median_seconds(work, repeats, device)
     _barrier(device)
