@@ -5,6 +5,12 @@ With an online teacher the KL is the full-vocabulary forward KL at temperature 1
 cache only the top-k log-probabilities at ``train.temperature`` exist, so the figure is the KL of the two
 distributions coarsened to k+1 outcomes at that temperature, scaled by T² like the loss (``eval/kl_topk``; equal to
 the full KL when k is the vocabulary size and T = 1): a different number, logged under its own name.
+
+With an online teacher three agreement figures come beside the KL, so that "recovered" can be read as "predicts what
+the teacher predicts": ``eval/acc`` (the student's argmax equals the true next token, over the tokens that have one),
+``eval/teacher_acc`` (the same for the teacher on the same rows) and ``eval/top1_agree`` (the student's argmax equals
+the teacher's, over every token the KL scores). A teacher cache holds no teacher argmax over the full vocabulary at
+temperature 1, so these are left out there.
 """
 
 from __future__ import annotations
@@ -16,6 +22,22 @@ from fcsd.distill.data import Packed
 from fcsd.distill.objectives import head_inputs, teacher_targets, teacher_token_loss
 
 KL_KEYS = ("eval/kl", "eval/kl_topk")
+AGREEMENT_KEYS = ("eval/acc", "eval/teacher_acc", "eval/top1_agree")
+
+
+def _hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """1 where the argmax of ``logits`` is ``labels`` (-100: no label, never a hit), per token."""
+    return (logits.argmax(-1) == labels).float()
+
+
+def _agreement(teacher_head):
+    """``token_loss(student_logits, teacher_x)``: 1 where the student's argmax is the teacher's, per token."""
+
+    def agree(logits, teacher_chunk):
+        with torch.no_grad():
+            return (logits.argmax(-1) == teacher_head(teacher_chunk).argmax(-1)).float()
+
+    return agree
 
 
 def kl_name(metrics: dict) -> str:
@@ -33,11 +55,13 @@ def heldout_metrics(
     student, held: Packed, config, teacher=None, cache=None, cache_offset: int = 0, head_in_forward=False
 ) -> dict:
     """``eval/kl`` (online teacher) or ``eval/kl_topk`` (``cache``, rows from ``cache_offset``), and ``eval/nll``
-    of ``student`` (unwrapped) on ``held``."""
+    of ``student`` (unwrapped) on ``held``; with an online teacher also ``eval/acc``, ``eval/teacher_acc`` and
+    ``eval/top1_agree`` (see the module's docstring)."""
     was_training = student.training
     student.eval()
     device = next(student.parameters()).device
     kl_sum, nll_sum, kl_tokens, nll_tokens = 0.0, 0.0, 0, 0
+    hits, teacher_hits, agree = 0.0, 0.0, 0.0
     chunk, temperature = config.train.loss_chunk_size, config.train.temperature
     for start in range(0, len(held), config.train.micro_batch_size):
         rows = held.rows(slice(start, start + config.train.micro_batch_size))
@@ -54,7 +78,15 @@ def heldout_metrics(
             teacher_x, teacher_head, _ = teacher_targets(teacher, batch, head_in_forward=head_in_forward)
             targets = (teacher_x,)
             token_loss = teacher_token_loss(losses.divergence("forward_kl"), teacher_head)
+            hits += float(losses.chunked_head_loss(x, head, _hits, (labels,), chunk))
+            teacher_hits += float(losses.chunked_head_loss(teacher_x, teacher_head, _hits, (labels,), chunk))
+            agree += float(losses.chunked_head_loss(x, head, _agreement(teacher_head), (teacher_x,), chunk))
         kl_sum += float(losses.chunked_head_loss(x, head, token_loss, targets, chunk))
         kl_tokens += x.shape[0]
     student.train(was_training)
-    return {KL_KEYS[cache is not None]: kl_sum / kl_tokens, "eval/nll": nll_sum / nll_tokens}
+    result = {KL_KEYS[cache is not None]: kl_sum / kl_tokens, "eval/nll": nll_sum / nll_tokens}
+    if cache is None:
+        result.update(
+            zip(AGREEMENT_KEYS, (hits / nll_tokens, teacher_hits / nll_tokens, agree / kl_tokens), strict=True)
+        )
+    return result
