@@ -22,12 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import sysconfig
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import recovery_fair as fair  # noqa: E402
 
 STEP_TOKENS = 2048
 SEQ_LEN = 256
@@ -72,11 +77,12 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def tiny_config(family: str, vocab: int):
+def tiny_config(family: str, vocab: int, hidden=64, layers=4, experts=8, top_k=2, moe_intermediate=64):
+    """The model class and config of a tiny ``family`` teacher (the defaults: the two teachers of issue 27)."""
     common = dict(
         vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=4,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         max_position_embeddings=SEQ_LEN,
         tie_word_embeddings=False,
@@ -86,20 +92,20 @@ def tiny_config(family: str, vocab: int):
             **common,
             num_key_value_heads=2,
             head_dim=16,
-            intermediate_size=128,
-            moe_intermediate_size=64,
-            num_experts=8,
-            num_experts_per_tok=2,
+            intermediate_size=2 * moe_intermediate,
+            moe_intermediate_size=moe_intermediate,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
             norm_topk_prob=True,
         )
     return transformers.DeepseekV2ForCausalLM, transformers.DeepseekV2Config(
         **common,
         num_key_value_heads=4,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        n_routed_experts=8,
+        intermediate_size=2 * moe_intermediate,
+        moe_intermediate_size=moe_intermediate,
+        n_routed_experts=experts,
         n_shared_experts=1,
-        num_experts_per_tok=2,
+        num_experts_per_tok=top_k,
         first_k_dense_replace=1,
         kv_lora_rank=16,
         q_lora_rank=None,
@@ -113,10 +119,10 @@ def tiny_config(family: str, vocab: int):
     )
 
 
-def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0) -> Path:
-    """A tiny ``family`` language model pretrained on the corpus (next-token loss, AdamW, one cycle), saved with its
-    tokenizer; reused when already there."""
-    folder = out / "teachers" / family
+def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0, name: str | None = None, sizes=None) -> Path:
+    """A tiny ``family`` language model (``sizes``: :func:`tiny_config`'s) pretrained on the corpus (next-token loss,
+    AdamW, one cycle), saved with its tokenizer in ``teachers/<name>``; reused when already there."""
+    folder = out / "teachers" / (name or family)
     if (folder / "config.json").exists():
         return folder
     from fcsd.distill.tokenizer import train_tokenizer
@@ -125,7 +131,7 @@ def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0) -> Pa
     tokenizer = train_tokenizer(texts, vocab_size=1024)
     ids = torch.tensor([t for text in texts for t in tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]])
     rows = ids[: len(ids) // SEQ_LEN * SEQ_LEN].view(-1, SEQ_LEN)
-    model_cls, config = tiny_config(family, len(tokenizer))
+    model_cls, config = tiny_config(family, len(tokenizer), **(sizes or {}))
     torch.manual_seed(seed)
     model = model_cls(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -148,25 +154,40 @@ def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0) -> Pa
     return folder
 
 
-def run(out: Path, family: str, model: Path, texts: tuple[Path, Path | None], recipe: str, steps: int, args) -> dict:
-    """One recipe through ``fcsd convert``; its held-out curve, tokens, teacher forwards and wall time."""
+def run(
+    out: Path,
+    family: str,
+    model: Path,
+    texts: tuple[Path, Path | None],
+    recipe: str,
+    steps: int,
+    args,
+    lr: float | None = None,
+    teacher_name: str | None = None,
+) -> dict:
+    """One recipe through ``fcsd convert``; its held-out curve (KL, NLL, and accuracy and agreement with the
+    teacher), tokens, teacher forwards and wall time. ``lr`` (``train.lr``; default ``--lr``) and ``teacher_name``
+    (a declared teacher of ``--fair``) give the run its own folder."""
     from fcsd.distill.config import compose, layer_stages, to_config
     from fcsd.distill.convert import convert
 
+    lr = args.lr if lr is None else lr
     folder = out / "runs" / f"{args.heldout}-{args.eval_sequences}" / family / recipe  # a held-out set's own runs
+    if teacher_name is not None:
+        folder = out / "runs" / f"{args.heldout}-{args.eval_sequences}" / teacher_name / f"{recipe}-lr{lr:g}-{steps}"
     result_file = folder / "bench.json"
     overrides = [
         f"model.name={model}",
         f"data.path={texts[0]}",
         *([f"data.eval_path={texts[1]}"] if texts[1] else []),
-        f"data.cache_dir={out / 'packed'}",
+        f"data.cache_dir={out / 'packed' / (teacher_name or '')}",
         f"output_dir={folder}",
         f"data.seq_len={SEQ_LEN}",
         f"data.eval_sequences={args.eval_sequences}",
         f"train.batch_tokens={STEP_TOKENS}",
         f"train.micro_batch_size={STEP_TOKENS // SEQ_LEN}",
         f"train.max_steps={steps}",
-        f"train.lr={args.lr}",
+        f"train.lr={lr}",
         f"train.warmup_steps={max(1, steps // 20)}",
         f"train.eval_every={args.eval_every}",
         "train.save_every=0",
@@ -186,11 +207,19 @@ def run(out: Path, family: str, model: Path, texts: tuple[Path, Path | None], re
     wall = time.perf_counter() - started
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["eval/kl"], r["eval/nll"]) for r in records if "eval/kl" in r]
+    agreement = [
+        (r["step"], r["eval/acc"], r["eval/teacher_acc"], r["eval/top1_agree"]) for r in records if "eval/acc" in r
+    ]
     result = {
         "family": family,
+        "teacher": teacher_name or family,
         "recipe": recipe,
+        "lr": lr,
+        "lr_scale": config.recovery.lr_scale,
+        "steps": steps,
         "overrides": RECIPES[recipe],
         "curve": curve,
+        "agreement": agreement,  # (step, student accuracy, teacher accuracy, top-1 agreement) on the held-out rows
         "tokens_per_step": STEP_TOKENS,
         "teacher_forwards_per_step": STEP_TOKENS // SEQ_LEN,  # one per sequence, in either stage
         "warm_steps": round(config.recovery.warm_share * steps),
@@ -290,6 +319,100 @@ def split(out: Path, data: Path) -> tuple[Path, Path]:
     return train, held
 
 
+FAIR_MARKS = (600, 1800)  # the sweep's budget, and the long runs' at each recipe's best LR
+
+
+def fair_corpus(out: Path, kind: str) -> tuple[Path, tuple[Path, Path], dict]:
+    """The corpus of a declared teacher (``code`` or ``prose``), its training / held-out split (windows of
+    ``HELD_FILES`` documents, fixed before any run) and the digests of all three."""
+    if kind == "code":
+        data = corpus(out, 3_000_000)
+        texts = split(out, data)
+    else:
+        folder = out / "prose"
+        data = folder / "corpus.jsonl"
+        if not data.exists():
+            documents = fair.prose_documents(fair.site_packages(), 3_000_000)
+            folder.mkdir(parents=True, exist_ok=True)
+            _write(data, "".join(json.dumps({"text": text}) + "\n" for text in documents))
+        texts = split(folder, data)
+    digests = {"corpus": fair.digest(data), "train": fair.digest(texts[0]), "heldout": fair.digest(texts[1])}
+    return data, texts, digests
+
+
+def fair_run(spec, model: Path, texts, digests: dict, recipe: str, lr: float, steps: int, args) -> dict | None:
+    """One run of the fair benchmark: the record kept under ``--results`` when it was made of the same teacher and
+    text, else a new run through :func:`run` (None: past ``--stop-at``, not started)."""
+    kept = args.results / spec.name / f"{recipe}-lr{fair.lr_tag(lr)}-{steps}.json"
+    if kept.exists():
+        record = json.loads(kept.read_text())
+        if record.get("teacher_spec") == spec.spec() and record.get("digests") == digests:
+            return record
+        print(f"  {kept.name}: made of another teacher or text, run again", flush=True)
+    if args.stop_at and datetime.now(timezone.utc).strftime("%H:%M") >= args.stop_at:
+        print(f"  {spec.name} / {recipe} at lr {lr:g}, {steps} steps: not started (past --stop-at)", flush=True)
+        return None
+    print(f"{spec.name} / {recipe} at train.lr {lr:g}: {steps} steps", flush=True)
+    result = run(args.out, spec.family, model, texts, recipe, steps, args, lr=lr, teacher_name=spec.name)
+    record = {**result, "role": spec.role, "teacher_spec": spec.spec(), "digests": digests}
+    fair.save_result(args.results, record)
+    return record
+
+
+def fair_sweep(args) -> list[dict]:
+    """Every declared teacher of ``--teachers``: each recipe's LR sweep at the short budget (``--lrs``, extended by
+    ``--lr-factor`` while the best is at an edge, at most ``--extend`` times), then with ``--long`` a long run at
+    each recipe's best LR."""
+    short, long = FAIR_MARKS
+    for spec in fair.teachers_named(args.teachers):
+        data, texts, digests = fair_corpus(args.out, spec.corpus)
+        print(f"{spec.name}: {spec.corpus} corpus {digests['corpus']}", flush=True)
+        model = teacher(args.out, spec.family, data, spec.steps, spec.seed, spec.name, spec.sizes())
+        for recipe in args.recipes.split(","):
+            lrs, kls = [float(x) for x in args.lrs.split(",")], {}
+            for round_ in range(args.extend + 1):
+                for lr in lrs:
+                    record = fair_run(spec, model, texts, digests, recipe, lr, short, args)
+                    if record is not None:
+                        kls[lr] = fair.final_kl(record)
+                following = fair.extension(kls, args.lr_factor) if len(kls) >= 2 else None
+                if following is None or round_ == args.extend:
+                    break
+                lrs = [following]
+            if args.long and len(kls) >= 2:
+                fair_run(spec, model, texts, digests, recipe, fair.best_lr(kls)[0], long, args)
+    return fair.load_results(args.results)
+
+
+def fair_plot(results: list[dict], path: Path, recipes=("plain", "guided")) -> None:
+    """Held-out KL against tokens per declared teacher: each recipe's best-LR run at each budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in fair.TEACHERS if any(r["teacher"] == n for r in results)]
+    figure, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for axis, name in zip(axes[0], names, strict=True):
+        for recipe in recipes:
+            table = fair.sweep_table(results, name, recipe, FAIR_MARKS[0])
+            if not table:
+                continue
+            lr = min(table, key=lambda x: fair.final_kl(table[x]))
+            for steps, style in zip(FAIR_MARKS, ("-", "--"), strict=True):
+                result = fair.sweep_table(results, name, recipe, steps).get(lr)
+                if result is None:
+                    continue
+                points = [(s * STEP_TOKENS, kl) for s, kl, _ in result["curve"] if s > 0]
+                effective = lr * result.get("lr_scale", 1.0)
+                axis.plot(*zip(*points, strict=True), style, label=f"{recipe}, LR {effective:g}, {steps} steps")
+        role = fair.TEACHERS[name].role
+        axis.set(xscale="log", yscale="log", xlabel="tokens seen", ylabel="held-out KL", title=f"{name} ({role})")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="600 steps per run (marks at 200 and 600)")
@@ -308,8 +431,42 @@ def main() -> None:
     )
     parser.add_argument("--teacher-steps", type=int, default=None, help="pretraining steps (default 1500, quick 600)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest for these sizes)")
+    parser.add_argument(
+        "--fair",
+        action="store_true",
+        help="issue 37: the declared teachers (recovery_fair.TEACHERS), each recipe's LR sweep at 600 steps and a "
+        "comparison at each one's best LR; --recipes defaults to plain,guided",
+    )
+    parser.add_argument("--teachers", default="all", help="--fair: declared teachers (comma-separated, or all)")
+    parser.add_argument("--lrs", default="4e-4,1e-3,2.5e-3", help="--fair: train.lr values swept (x lr_scale)")
+    parser.add_argument("--lr-factor", type=float, default=2.5, help="--fair: the step beyond an edge of the sweep")
+    parser.add_argument("--extend", type=int, default=1, help="--fair: at most this many LRs added beyond an edge")
+    parser.add_argument("--long", action="store_true", help="--fair: also 1,800 steps at each recipe's best LR")
+    parser.add_argument("--budgets", default="600,1800", help="--fair: the sweep's steps and the long runs'")
+    parser.add_argument("--report-only", action="store_true", help="--fair: report the kept runs, run nothing")
+    parser.add_argument("--stop-at", default=None, help="--fair: start no run after this UTC time (HH:MM)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "recovery",
+        help="--fair: where each run's record is kept (and read back instead of rerunning it)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.fair:
+        global FAIR_MARKS
+        FAIR_MARKS = tuple(int(x) for x in args.budgets.split(","))
+        if args.recipes == ",".join(RECIPES):
+            args.recipes = "plain,guided"
+        args.heldout, args.eval_every = "files", args.eval_every or 30
+        results = fair.load_results(args.results) if args.report_only else fair_sweep(args)
+        scales = {r["recipe"]: r.get("lr_scale", 1.0) for r in results}
+        print("\n".join(fair.fair_report(results, fair.TEACHERS, *FAIR_MARKS, lr_scales=scales)))
+        if results:
+            args.out.mkdir(parents=True, exist_ok=True)
+            fair_plot(results, args.out / "recovery-fair.png")
+            print(f"curves: {args.out / 'recovery-fair.png'}")
+        return
     marks = (200, 600) if args.quick else (600, 1800)
     args.eval_every = args.eval_every or marks[0] // 10
     teacher_steps = args.teacher_steps or (600 if args.quick else 1500)

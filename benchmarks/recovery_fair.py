@@ -1,0 +1,298 @@
+"""The fair recovery benchmark's parts (issue 37), used by ``benchmarks/recovery.py --fair``: the declared teachers,
+the prose corpus, the per-recipe LR sweep and its report.
+
+* Teachers are a table fixed before any recipe runs: ``chosen`` ones (the recipes were chosen on them) and
+  ``reported`` ones (held out: the recipes never saw them). Each is rebuilt deterministically from its seed.
+* The prose corpus is the documentation installed packages ship (their long descriptions and ``*.md`` / ``*.rst``
+  files), read in a fixed order; its size and SHA-256 digest go into every result so a rerun can tell whether it read
+  the same text.
+* Every recipe, plain included, gets an LR sweep at the short budget; each is compared at its own best LR.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sysconfig
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """One declared teacher: a tiny ``family`` model of the given sizes pretrained ``steps`` steps on ``corpus``
+    (``code``: the standard library's source; ``prose``: installed packages' documentation)."""
+
+    name: str
+    family: str  # qwen3_moe or deepseek_v2
+    corpus: str  # code or prose
+    steps: int  # pretraining steps of 2,048 tokens
+    role: str  # chosen (the recipes were chosen on it) or reported (held out)
+    hidden: int = 64
+    layers: int = 4
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 64
+    seed: int = 0
+
+    def sizes(self) -> dict:
+        """The size overrides of ``tiny_config`` for this teacher."""
+        return {
+            "hidden": self.hidden,
+            "layers": self.layers,
+            "experts": self.experts,
+            "top_k": self.top_k,
+            "moe_intermediate": self.moe_intermediate,
+        }
+
+    def spec(self) -> dict:
+        """Everything that determines the teacher (a result recorded for another spec is not reused)."""
+        return asdict(self)
+
+
+# Fixed before any recipe of issue 37 ran. The chosen two are the teachers every earlier recovery figure used.
+TEACHERS = {
+    t.name: t
+    for t in (
+        Teacher("qwen3_moe", "qwen3_moe", "code", 1500, "chosen"),
+        Teacher("deepseek_v2", "deepseek_v2", "code", 1500, "chosen"),
+        Teacher("qwen3_moe-prose", "qwen3_moe", "prose", 1500, "reported", hidden=96, experts=16, top_k=4),
+        Teacher(
+            "deepseek_v2-prose", "deepseek_v2", "prose", 4500, "reported", hidden=96, layers=3, moe_intermediate=96
+        ),
+    )
+}
+ROLES = ("chosen", "reported")
+
+
+def teachers_named(names: str) -> list[Teacher]:
+    """The declared teachers of a comma-separated list (``all``: every one, reported first)."""
+    if names == "all":
+        return sorted(TEACHERS.values(), key=lambda t: ROLES.index(t.role), reverse=True)
+    unknown = [n for n in names.split(",") if n not in TEACHERS]
+    if unknown:
+        raise SystemExit(f"unknown teacher {unknown[0]!r}: declared are {', '.join(TEACHERS)}")
+    return [TEACHERS[n] for n in names.split(",")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The prose corpus
+
+SKIP_NAMES = ("LICENSE", "LICENCE", "COPYING", "AUTHORS", "NOTICE", "CHANGELOG", "CHANGES", "HISTORY")
+
+
+def metadata_body(text: str) -> str:
+    """The long description of a ``METADATA`` file: what follows the header's first blank line."""
+    head, _, body = text.partition("\n\n")
+    return body.strip() if head else ""
+
+
+def prose_files(root: Path) -> list[Path]:
+    """Documentation files under ``root`` (a site-packages folder), sorted: ``*.dist-info/METADATA`` (their long
+    descriptions), ``*.md`` and ``*.rst``, without licences and change logs and files over 200 kB."""
+    found = set(root.glob("*.dist-info/METADATA")) | set(root.rglob("*.md")) | set(root.rglob("*.rst"))
+    kept = []
+    for path in sorted(found):
+        if path.name.upper().startswith(SKIP_NAMES) or not path.is_file() or path.stat().st_size > 200_000:
+            continue
+        kept.append(path)
+    return kept
+
+
+def package_of(root: Path, path: Path) -> str:
+    """The distribution a file under ``root`` belongs to (``awscli-1.0.dist-info`` and ``awscli/`` are both
+    ``awscli``)."""
+    return path.relative_to(root).parts[0].split("-")[0].removesuffix(".dist").lower()
+
+
+def prose_documents(root: Path, max_chars: int, min_chars: int = 500, package_share: float = 0.15) -> list[str]:
+    """Documents of at least ``min_chars`` characters from :func:`prose_files`, in an order shuffled with a fixed
+    seed, until ``max_chars`` characters, at most ``package_share`` of them from one package (one package's
+    documentation, e.g. a command line tool's thousands of examples, would otherwise be most of the text); the same
+    files give the same list."""
+    files = prose_files(root)
+    random.Random(0).shuffle(files)
+    documents, total, per_package = [], 0, {}
+    for path in files:
+        text = path.read_text(errors="replace")
+        text = metadata_body(text) if path.name == "METADATA" else text.strip()
+        package = package_of(root, path)
+        if len(text) < min_chars or per_package.get(package, 0) + len(text) > package_share * max_chars:
+            continue
+        per_package[package] = per_package.get(package, 0) + len(text)
+        documents.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return documents
+
+
+def site_packages() -> Path:
+    """The folder the prose corpus is read from: this interpreter's site-packages."""
+    return Path(sysconfig.get_paths()["purelib"])
+
+
+def digest(path: Path) -> dict:
+    """The size (bytes, documents) and SHA-256 of a ``jsonl`` text file, to tell whether a rerun read the same text."""
+    data = path.read_bytes()
+    return {"bytes": len(data), "documents": data.count(b"\n"), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The LR sweep
+
+
+def lr_tag(lr: float) -> str:
+    """A file-name form of an LR (``1e-3`` -> ``0.001``)."""
+    return f"{lr:g}"
+
+
+def best_lr(kls: dict[float, float]) -> tuple[float, str | None]:
+    """The LR with the lowest final held-out KL and whether it sits at an edge of the LRs swept (``low`` /
+    ``high``; None: inside, with a neighbour on either side)."""
+    if len(kls) < 2:
+        raise ValueError(f"an LR sweep needs at least two LRs, got {len(kls)}")
+    lrs = sorted(kls)
+    best = min(lrs, key=lambda lr: (kls[lr], lr))
+    return best, "low" if best == lrs[0] else "high" if best == lrs[-1] else None
+
+
+def extension(kls: dict[float, float], factor: float) -> float | None:
+    """The next LR to try when the best one is at an edge of the sweep (one ``factor`` beyond it), else None."""
+    best, edge = best_lr(kls)
+    return None if edge is None else best / factor if edge == "low" else best * factor
+
+
+def flatness(kls: dict[float, float]) -> dict[float, float]:
+    """The final KL of the best LR's neighbours in the sweep, each relative to the best's (1.05: 5% higher)."""
+    best, _ = best_lr(kls)
+    lrs = sorted(kls)
+    at = lrs.index(best)
+    return {lr: kls[lr] / kls[best] for lr in lrs[max(0, at - 1) : at + 2] if lr != best}
+
+
+def final_kl(result: dict) -> float:
+    """The held-out KL at the end of a run."""
+    return result["curve"][-1][1]
+
+
+def sweep_table(results: list[dict], teacher: str, recipe: str, steps: int) -> dict[float, dict]:
+    """The runs of ``recipe`` on ``teacher`` at ``steps`` steps, by their ``train.lr``."""
+    return {r["lr"]: r for r in results if r["teacher"] == teacher and r["recipe"] == recipe and r["steps"] == steps}
+
+
+def kl_at_step(result: dict, step: int) -> float | None:
+    """The held-out KL at ``step`` (None: not evaluated there)."""
+    return next((kl for s, kl, _ in result["curve"] if s == step), None)
+
+
+def tokens_ratio(result: dict, target: float, budget_steps: int) -> float | None:
+    """Steps of ``result`` to its first held-out KL at or below ``target``, as a share of ``budget_steps`` (None:
+    never reached)."""
+    step = next((s for s, kl, _ in result["curve"] if kl <= target), None)
+    return None if step is None else step / budget_steps
+
+
+def _ratio(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.2f}x"
+
+
+def _agreement(result: dict) -> str:
+    rows = result.get("agreement") or []
+    if not rows:
+        return ""
+    _, acc, teacher_acc, agree = rows[-1]
+    return f"  acc {acc:.3f} (teacher {teacher_acc:.3f}) top-1 agree {agree:.3f}"
+
+
+def fair_report(
+    results: list[dict],
+    teachers: dict[str, Teacher],
+    short: int,
+    long: int,
+    default: str = "guided",
+    baseline: str = "plain",
+    lr_scales: dict[str, float] | None = None,
+) -> list[str]:
+    """Per teacher: each recipe's sweep (final KL per LR, the best, an edge, the neighbours' KL relative to the
+    best), then ``default`` at its best LR against ``baseline`` at its best: the share of the baseline's tokens the
+    default needs to reach the baseline's ``short``-step KL (and, where ``long``-step runs exist, its ``long``-step
+    KL), and both final KLs. A summary over the ``reported`` teachers only closes it."""
+    lr_scales = lr_scales or {}
+    lines, summary = [], []
+    for name, spec in teachers.items():
+        mine = [r for r in results if r["teacher"] == name]
+        if not mine:
+            continue
+        lines.append(
+            f"{name} ({spec.role}; {spec.family}, {spec.corpus}, hidden {spec.hidden}, {spec.layers} layers, "
+            f"{spec.experts} experts top-{spec.top_k}, pretrained {spec.steps} steps)"
+        )
+        best = {}
+        for recipe in dict.fromkeys(r["recipe"] for r in mine):
+            table = sweep_table(mine, name, recipe, short)
+            if not table:
+                continue
+            kls = {lr: final_kl(r) for lr, r in table.items()}
+            scale = lr_scales.get(recipe, 1.0)
+            swept = ", ".join(f"{lr * scale:g}: {kls[lr]:.4f}" for lr in sorted(kls))
+            if len(kls) < 2:
+                lines.append(f"  {recipe:10s} effective LR {swept} (one LR: no sweep yet)")
+                best[recipe] = next(iter(table.values()))
+                continue
+            lr, edge = best_lr(kls)
+            best[recipe] = table[lr]
+            flat = ", ".join(f"{other * scale:g}: {ratio:.3f}" for other, ratio in flatness(kls).items())
+            lines.append(
+                f"  {recipe:10s} effective LR (train.lr x {scale:g}) -> KL@{short}: {swept}; best {lr * scale:g}"
+                + (f" AT THE {edge.upper()} EDGE" if edge else "")
+                + f"; neighbours / best: {flat}{_agreement(table[lr])}"
+            )
+        if default not in best or baseline not in best:
+            lines.append(f"  no {baseline} / {default} pair yet to compare")
+            continue
+        base, mine_best = best[baseline], best[default]
+        target = final_kl(base)
+        ratio = tokens_ratio(mine_best, target, short)
+        text = (
+            f"  {default} at its best LR vs {baseline} at its best: tokens to {baseline}'s KL@{short} "
+            f"({target:.4f}): {_ratio(ratio)}; final KL@{short} {final_kl(mine_best):.4f} vs {target:.4f}"
+        )
+        row = {"teacher": name, "short": ratio}
+        longs = [sweep_table(mine, name, r, long).get(best[r]["lr"]) for r in (baseline, default)]
+        if all(longs):
+            long_target = final_kl(longs[0])
+            row["long"] = tokens_ratio(longs[1], long_target, long)
+            row["long_short"] = tokens_ratio(longs[1], target, short)
+            text += (
+                f"; {long}-step runs: tokens to {baseline}'s KL@{long} ({long_target:.4f}): {_ratio(row['long'])}, "
+                f"final KL {final_kl(longs[1]):.4f} vs {long_target:.4f} ({final_kl(longs[1]) / long_target - 1:+.1%})"
+            )
+        lines.append(text)
+        if spec.role == "reported":
+            summary.append(row)
+    if summary:
+        lines.append(
+            "reported teachers only (the recipe was not chosen on them): "
+            + "; ".join(
+                f"{row['teacher']} {_ratio(row['short'])} of {baseline}'s tokens to its KL@{short}"
+                + (f", {_ratio(row['long'])} to its KL@{long}" if "long" in row else "")
+                for row in summary
+            )
+        )
+    return lines
+
+
+def save_result(folder: Path, result: dict) -> Path:
+    """Write a run's record to ``folder/<teacher>/<recipe>-lr<lr>-<steps>.json`` (a small JSON, committed so that a
+    later run of the sweep continues instead of repeating it)."""
+    path = folder / result["teacher"] / f"{result['recipe']}-lr{lr_tag(result['lr'])}-{result['steps']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def load_results(folder: Path) -> list[dict]:
+    """Every run record under ``folder``, sorted by path."""
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*/*.json"))]
