@@ -443,6 +443,7 @@ def main() -> None:
     parser.add_argument("--extend", type=int, default=1, help="--fair: at most this many LRs added beyond an edge")
     parser.add_argument("--long", action="store_true", help="--fair: also 1,800 steps at each recipe's best LR")
     parser.add_argument("--budgets", default="600,1800", help="--fair: the sweep's steps and the long runs'")
+    parser.add_argument("--markdown", action="store_true", help="--fair: the report as a Markdown table too")
     parser.add_argument("--report-only", action="store_true", help="--fair: report the kept runs, run nothing")
     parser.add_argument("--stop-at", default=None, help="--fair: start no run after this UTC time (HH:MM)")
     parser.add_argument(
@@ -462,6 +463,8 @@ def main() -> None:
         results = fair.load_results(args.results) if args.report_only else fair_sweep(args)
         scales = {r["recipe"]: r.get("lr_scale", 1.0) for r in results}
         print("\n".join(fair.fair_report(results, fair.TEACHERS, *FAIR_MARKS, lr_scales=scales)))
+        if args.markdown:
+            print("\n".join(fair.fair_table(results, fair.TEACHERS, *FAIR_MARKS, lr_scales=scales)))
         if results:
             args.out.mkdir(parents=True, exist_ok=True)
             fair_plot(results, args.out / "recovery-fair.png")

@@ -296,3 +296,68 @@ def save_result(folder: Path, result: dict) -> Path:
 def load_results(folder: Path) -> list[dict]:
     """Every run record under ``folder``, sorted by path."""
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*/*.json"))]
+
+
+def fair_table(
+    results: list[dict],
+    teachers: dict[str, Teacher],
+    short: int,
+    long: int,
+    baseline: str = "plain",
+    lr_scales: dict[str, float] | None = None,
+) -> list[str]:
+    """The report as Markdown rows, one per teacher and recipe: the effective LRs swept with their KL at ``short``
+    steps, the best and its neighbours' KL relative to it, the best run's KL at a third of ``short``, at ``short``
+    and (long run) at ``long``, the tokens it needs to reach the baseline's KL at each budget (as a share of the
+    baseline's), and its held-out accuracy, the teacher's and their top-1 agreement at ``short``."""
+    lr_scales = lr_scales or {}
+    lines = [
+        f"| teacher | recipe | effective LR: KL@{short} | best (neighbours / best) | KL near step {short // 3} "
+        f"| KL@{short} | KL@{long} | tokens to {baseline}'s KL@{short} | tokens to {baseline}'s KL@{long} "
+        f"| acc / teacher / top-1 agree @{short} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, spec in teachers.items():
+        recipes = list(dict.fromkeys(r["recipe"] for r in results if r["teacher"] == name))
+        recipes.sort(key=lambda r: r != baseline)
+        best = {}
+        for recipe in recipes:
+            table = sweep_table(results, name, recipe, short)
+            if table:
+                best[recipe] = min(table, key=lambda lr: (final_kl(table[lr]), lr))
+        if baseline not in best:
+            continue
+        target = final_kl(sweep_table(results, name, baseline, short)[best[baseline]])
+        base_long = sweep_table(results, name, baseline, long).get(best[baseline])
+        first = True
+        for recipe, lr in best.items():
+            table = sweep_table(results, name, recipe, short)
+            scale = lr_scales.get(recipe, 1.0)
+            kls = {x: final_kl(r) for x, r in table.items()}
+            swept = ", ".join(f"{x * scale:g}: {kls[x]:.4f}" for x in sorted(kls))
+            if len(kls) >= 2:
+                edge = best_lr(kls)[1]
+                flat = ", ".join(f"{v:.3f}" for v in flatness(kls).values())
+                chosen = f"{lr * scale:g}" + (f" ({edge} edge)" if edge else "") + f" ({flat})"
+            else:
+                chosen = f"{lr * scale:g} (one LR)"
+            run = table[lr]
+            near = min(run["curve"], key=lambda point: (abs(point[0] - short // 3), point[0]))
+            long_run = sweep_table(results, name, recipe, long).get(lr)
+            cells = [
+                f"{name} ({spec.role})" if first else "",
+                recipe,
+                swept,
+                chosen,
+                f"{near[1]:.4f} (step {near[0]})",
+                f"{final_kl(run):.4f}",
+                "-" if long_run is None else f"{final_kl(long_run):.4f}",
+                _ratio(tokens_ratio(run, target, short)),
+                "-"
+                if long_run is None or base_long is None
+                else _ratio(tokens_ratio(long_run, final_kl(base_long), long)),
+                "/".join(f"{v:.3f}" for v in run["agreement"][-1][1:]) if run.get("agreement") else "-",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+            first = False
+    return lines

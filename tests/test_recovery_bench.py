@@ -143,6 +143,16 @@ def test_the_report_compares_best_lrs_and_sums_up_only_the_reported_teachers(fai
     summary = lines[-1]
     assert summary.startswith("reported teachers only") and "held" in summary and "seen" not in summary
     assert "0.50x of plain's tokens to its KL@6, 0.33x to its KL@18" in summary
+    rows = fair.fair_table(results, teachers, 6, 18, lr_scales={"guided": 4.0})
+    held_rows = rows[rows.index(next(r for r in rows if r.startswith("| held (reported)"))) :]
+    assert held_rows[0].split(" | ")[1:4] == [
+        "plain",
+        "0.0004: 0.1200, 0.001: 0.1000, 0.0025: 0.1100",
+        "0.001 (1.200, 1.100)",
+    ]
+    guided = held_rows[1].split(" | ")
+    assert guided[1] == "guided" and guided[3] == "0.0016 (low edge) (1.062)"
+    assert guided[4:] == ["0.1000 (step 3)", "0.0800", "0.0600", "0.50x", "0.33x", "0.400/0.500/0.800 |"]
 
 
 def _words(seed: int, count: int) -> str:
