@@ -47,6 +47,7 @@ def from_pretrained(
     if settings is not None and not keep_fp8:
         kwargs["config"] = without_quantization(kwargs.get("config") or checked)
         model_class = _concrete(model_class, kwargs["config"])
+        kwargs["config"] = _config_for(model_class, kwargs["config"])
         loader = dequantizing_class(model_class, settings)
     if sharded:
         model = loader.from_pretrained(name_or_path, **kwargs)
@@ -115,6 +116,15 @@ def _concrete(model_class: type, config) -> type:
         if issubclass(model_class, _BaseAutoModelClass)
         else model_class
     )
+
+
+def _config_for(model_class: type, config):
+    """The (sub-)config ``model_class`` is built from: a composite's text config for its text tower, as transformers'
+    auto classes pick it (a text class built from the composite's config fails: ``Llama4Config`` has no
+    ``pad_token_id``)."""
+    text = config.get_text_config()
+    wants_text = text is not config and isinstance(text, getattr(model_class, "config_class", ()) or ())
+    return text if wants_text and not isinstance(config, model_class.config_class) else config
 
 
 def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):

@@ -183,3 +183,59 @@ def test_convert_with_export_text_only_says_so_and_a_composite_export_converts_a
     assert config["farskip"]["base_architectures"] == ["Llama4ForConditionalGeneration"]
     again, first = tensors(tmp_path / "again" / "export"), tensors(export)
     assert all(same_bits(again[key], first[key]) for key in first if not key.startswith("language_model."))
+
+
+def fp8_composite(source: Path, out: Path) -> Path:
+    """``source`` (a bf16 Llama-4 composite) with its text tower's linear weights in block FP8 (e4m3, 16 x 16 block
+    scales, as the hub's FP8 releases store them) and the vision tower and projector left in bf16."""
+    from safetensors.torch import save_file
+
+    from fcsd.fp8 import quantize_blocks
+
+    state = tensors(source)
+    text_linear = [
+        key
+        for key, tensor in state.items()
+        if key.startswith("language_model.") and key.endswith("proj.weight") and tensor.ndim == 2
+    ]
+    for key in text_linear:
+        state[key], state[key + "_scale_inv"] = quantize_blocks(state[key], [16, 16])
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [16, 16],
+        "activation_scheme": "dynamic",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    assert text_linear
+    return out
+
+
+def test_an_fp8_composite_converts_to_a_bf16_composite_export_and_its_source_format_is_refused_up_front(
+    scout, tmp_path
+):
+    """A block-FP8 Llama-4 composite: the default export (the source's format, which fcsd does not write for
+    composites) is refused before anything trains or is written; with export_format=bf16 the text tower trains from
+    the dequantized weights (the teacher loads too: its composite config used to be handed to the text class) and the
+    export is the bf16 composite, vision tower bit for bit the source's, no FP8 record, loading as the composite."""
+    source = fp8_composite(scout["source"], tmp_path / "fp8")
+    data = scout["root"] / "chat.jsonl"
+    with pytest.raises(CompositeError, match=r"exported in bf16: pass --format bf16") as caught:
+        convert(run_config(source, tmp_path / "refused", data, "train.max_steps=1"))
+    assert "\n" not in str(caught.value) and not (tmp_path / "refused").exists()
+
+    convert(run_config(source, tmp_path / "run", data, "train.max_steps=1", "export_format=bf16"))
+    export = tmp_path / "run" / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["FarSkipLlama4ForConditionalGeneration"] and "quantization_config" not in config
+    exported, original = tensors(export), tensors(source)
+    vision = [key for key in original if not key.startswith("language_model.")]
+    assert vision and all(same_bits(exported[key], original[key]) for key in vision)
+    assert not any(key.endswith("_scale_inv") for key in exported)
+    text = [key for key in exported if key.startswith("language_model.")]
+    assert text and all(exported[key].dtype == torch.bfloat16 for key in text)
+    model = fcsd.from_pretrained(str(export))
+    assert type(model).__name__ == "Llama4ForConditionalGeneration" and model.config.farskip["layers"]

@@ -247,7 +247,19 @@ def check_model_config(config: FCSDConfig, source: str | None = None):
             f"data.seq_len={limit} or less"
         )
     check_placement_file(config, model_config)
+    check_export_format(config, model_config, decoder)
     return model_config
+
+
+def check_export_format(config: FCSDConfig, model_config, decoder) -> None:
+    """The run's export must be one fcsd writes: a composite of a block-FP8 source (``decoder``, its text config, is
+    not ``model_config``) is exported in bf16 or as the text model alone, refused before training, not after it."""
+    if not config.export or config.export_text_only or config.export_format != "source" or decoder is model_config:
+        return
+    from fcsd.export.composite import check_format
+    from fcsd.fp8 import fp8_settings
+
+    check_format((config.model.name, config.model.revision), fp8_settings(model_config))
 
 
 def check_placement_file(config: FCSDConfig, model_config) -> None:

@@ -230,9 +230,17 @@ def text_prefix(text_keys: set[str], source_keys: set[str]) -> str:
 
 def split_source(text_keys: set[str], original: dict[str, Path]) -> tuple[str, list[str]]:
     """``(prefix of the text tower, the source's other tensors)`` for a text model's tensor names and the source's
-    (name -> file); refuses a source whose text tower holds tensors the text model lacks."""
+    (name -> file); refuses a source whose text tower holds tensors the text model lacks (but the block scales of
+    its weights)."""
     prefix = text_prefix(text_keys, set(original))
-    leftover = sorted(key for key in original if key.startswith(prefix) and key[len(prefix) :] not in text_keys)
+    # a block-FP8 source's scales of text weights: the trained weights replace them (the export is bf16)
+    leftover = sorted(
+        key
+        for key in original
+        if key.startswith(prefix)
+        and key[len(prefix) :] not in text_keys
+        and key[len(prefix) :].removesuffix(SCALE_SUFFIX) not in text_keys
+    )
     if leftover:
         raise CompositeError(
             f"the source's text tower holds {len(leftover)} tensors the trained model lacks ({leftover[0]}, ...): "
