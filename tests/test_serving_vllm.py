@@ -12,6 +12,8 @@ vllm_generate.py) and the matrix covers each code path once:
 - qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3 (all), TP 1: each family vLLM's CPU build runs (gated shared
   expert; MLA + shared experts + a dense first layer; DeepSeek-V3's biased sigmoid router);
 - qwen3_moe all, TP 2, overlap auto (on) and off: the overlapped routed all-reduce (gloo async) and the reference;
+- qwen3_moe all, TP 2, compiled (vLLM's CPU default: one Dynamo trace, Inductor), overlap auto (on), and its stock
+  copy compiled at TP 2: the overlap without eager mode, and its negative control;
 - qwen2_moe all, TP 2, overlap on: shared experts and a converted dense layer under tensor parallelism;
 - a stock copy of qwen3_moe all, TP 1: the negative control;
 - `vllm serve` of qwen3_moe last:50%: the server, vLLM's default compiled (dynamo) mode, text in and out.
@@ -167,6 +169,8 @@ def served(tmp_path_factory, tokenizer):
         job("qwen3_moe-all-tp2", exports["qwen3_moe-all"], tp=2),
         job("qwen3_moe-all-tp2-blocking", exports["qwen3_moe-all"], tp=2, overlap=False),
         job("qwen2_moe-all-tp2", exports["qwen2_moe-all"], tp=2, overlap=True),
+        job("qwen3_moe-all-tp2-compiled", exports["qwen3_moe-all"], tp=2, eager=False),
+        job("stock-tp2-compiled", stock, tp=2, eager=False),
     ]
     served = run_worker(jobs, root / "out.json")
     absent = run_worker(
@@ -222,7 +226,23 @@ def test_every_cpu_family_matches_fcsd_at_tp1(served, family):
 )
 def test_tensor_parallel_2_overlapped_and_blocking_match_fcsd(served, name, source, mode):
     assert mismatch(served["expected"][source], outputs(served, name)) is None
-    assert f"routed all-reduce {mode} (tensor-parallel size 2)" in served["log"]  # the path under test did run
+    assert f"routed all-reduce {mode} (tensor-parallel size 2), eager" in served["log"]  # the path under test ran
+    waited = [worker["waited"] for worker in served["results"][name]["overlap_stats"]]
+    assert len(waited) == 2 and (all(waited) if mode == "overlapped" else not any(waited)), waited
+
+
+def test_compiled_tensor_parallel_2_overlaps_and_matches_fcsd(served):
+    """The overlap without eager mode (issue: vLLM's compilation kept): the same greedy tokens as fcsd's model, the
+    overlapped all-reduce waited on every worker, and the stock wiring compiled the same way fails the comparison."""
+    got = outputs(served, "qwen3_moe-all-tp2-compiled")
+    assert mismatch(served["expected"]["qwen3_moe-all"], got) is None
+    assert got[0]["tokens"] == served["expected"]["qwen3_moe-all"][0]["tokens"]
+    assert "routed all-reduce overlapped (tensor-parallel size 2), compiled (DYNAMO_TRACE_ONCE)" in served["log"]
+    stats = served["results"]["qwen3_moe-all-tp2-compiled"]["overlap_stats"]
+    assert len(stats) == 2 and all(w["waited"] and w["waited"] == w["started"] for w in stats), stats
+    control = outputs(served, "stock-tp2-compiled")
+    assert mismatch(served["expected"]["stock"], control) is None
+    assert mismatch(served["expected"]["qwen3_moe-all"], control) is not None
 
 
 def test_negative_control_stock_wiring_fails_the_comparison(served):
@@ -336,15 +356,19 @@ def test_the_plugin_maps_the_composite_llama4_export_to_vllms_multimodal_class()
     assert registered["Llama4ForConditionalGeneration"] == [family.module, family.architecture]
 
 
+def overlap_order(mode: str) -> dict:
+    worker = Path(__file__).parent / "workers" / "vllm_overlap_order.py"
+    done = subprocess.run([vllm_python(), worker, mode], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("mode", ["overlapped", "blocking"])
 def test_the_routed_all_reduce_is_waited_after_the_next_attention(mode):
     """The order the overlap promises (Sec. 4.2), on stub sub-blocks: layer k's routed all-reduce starts at the end
     of layer k and is waited in layer k+1 after its attention; the last layer (no converted successor) and the
     blocking reference reduce at once. A start followed by an immediate wait fails this."""
-    worker = Path(__file__).parent / "workers" / "vllm_overlap_order.py"
-    done = subprocess.run([vllm_python(), worker, mode], capture_output=True, text=True, env=vllm_env(), timeout=600)
-    assert done.returncode == 0, done.stderr
-    order = json.loads(done.stdout.strip().splitlines()[-1])
+    order = overlap_order(mode)["order"]
     if mode == "overlapped":
         assert order == ["attention 0", "start 0", "attention 1", "wait 0", "start 1", "attention 2", "wait 1",
                          "blocking 2"]  # fmt: skip
@@ -352,14 +376,26 @@ def test_the_routed_all_reduce_is_waited_after_the_next_attention(mode):
         assert order == ["attention 0", "blocking 0", "attention 1", "blocking 1", "attention 2", "blocking 2"]
 
 
+def test_the_compiled_overlap_keeps_the_attention_between_start_and_wait():
+    """Under Inductor (vLLM's CPU compilation) the compiled code runs each start before the next layer's attention
+    and its wait after it, and computes what the eager layers do. Without the wait's pin on the attention output,
+    Inductor runs every wait right after its start (seen while building this), which fails here."""
+    compiled, eager = overlap_order("compiled"), overlap_order("overlapped")
+    order = compiled["order"]
+    for k in (0, 1):
+        assert order.index(f"start {k}") < order.index(f"attention {k + 1}") < order.index(f"wait {k}"), order
+    assert sorted(order) == sorted(eager["order"])  # every start, wait and attention ran once
+    assert compiled["output"] == eager["output"]
+
+
 def test_overlap_switch():
-    assert resolve_overlap(None, tp_size=2, eager=True) and resolve_overlap("auto", tp_size=2, eager=True)
-    assert not resolve_overlap(None, tp_size=1, eager=True) and not resolve_overlap(None, tp_size=2, eager=False)
-    assert not resolve_overlap(False, tp_size=8, eager=True) and resolve_overlap("on", tp_size=1, eager=True)
-    with pytest.raises(ValueError, match=r"needs eager execution .*: add --enforce-eager"):
-        resolve_overlap(True, tp_size=2, eager=False)
+    assert resolve_overlap(None, tp_size=2) and resolve_overlap("auto", tp_size=2)
+    assert not resolve_overlap(None, tp_size=1) and not resolve_overlap(None, tp_size=2, full_graphs_only=True)
+    assert not resolve_overlap(False, tp_size=8) and resolve_overlap("on", tp_size=1)
+    with pytest.raises(ValueError, match=r"cannot run inside full CUDA graphs .*: drop the compilation mode override"):
+        resolve_overlap(True, tp_size=2, full_graphs_only=True)
     with pytest.raises(ValueError, match="expected true, false or auto"):
-        resolve_overlap("sometimes", tp_size=2, eager=True)
+        resolve_overlap("sometimes", tp_size=2)
 
 
 def free_port() -> int:

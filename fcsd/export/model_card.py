@@ -194,8 +194,8 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
             "```",
             "",
             "The plugin serves it on vLLM's own model class with FarSkip connectivity on the converted layers; with "
-            "`--tensor-parallel-size N --enforce-eager` it overlaps the routed experts' all-reduce with the next "
-            "layer's attention.",
+            "`--tensor-parallel-size N` it overlaps the routed experts' all-reduce with the next layer's attention, "
+            "compiled or eager.",
             "",
         ]
     lines += [

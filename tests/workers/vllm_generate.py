@@ -2,7 +2,8 @@
 greedy tokens with their top-k log-probabilities. One process for many engines saves vLLM's import time.
 
 argv: JOBS.json OUT.json. A job: {"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "tp", "eager",
-"overlap" (null = the plugin's default)}. A job that fails records {"error": <last line of the exception>}.
+"overlap" (null = the plugin's default)}. A result holds the outputs and each worker's overlap counts (started,
+waited); a job that fails records {"error": <last line of the exception>}.
 """
 
 import gc
@@ -50,7 +51,9 @@ def run(job):
             sample = output.outputs[0]
             steps = [{str(token): entry.logprob for token, entry in step.items()} for step in sample.logprobs]
             results.append({"tokens": list(sample.token_ids), "logprobs": steps})
-        return {"outputs": results}
+        from fcsd.serving.vllm.overlap import overlap_stats
+
+        return {"outputs": results, "overlap_stats": llm.collective_rpc(overlap_stats)}
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -58,6 +61,9 @@ def run(job):
 
 
 def main():
+    import os
+
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc of a function (overlap counts)
     jobs = json.load(open(sys.argv[1]))
     results = {}
     for job in jobs:

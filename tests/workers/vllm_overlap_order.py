@@ -1,6 +1,9 @@
 """Runs in `.venv-vllm`: three converted layers of fcsd's vLLM wiring on stub sub-blocks, with a recording
 all-reduce; prints the order of attentions, all-reduce starts and waits (paper Sec. 4.2: layer k's routed all-reduce
-is started at the end of layer k and waited in layer k+1 after its attention)."""
+is started at the end of layer k and waited in layer k+1 after its attention).
+
+argv[1]: "overlapped" / "blocking" (eager), or "compiled" (overlapped, the layer loop under ``torch.compile`` with
+Inductor, as vLLM's CPU build compiles a model: the order is the one the compiled code runs)."""
 
 import json
 import sys
@@ -8,23 +11,37 @@ import sys
 import torch
 from torch import nn
 
-from fcsd.serving.vllm import wiring
+from fcsd.serving.vllm import overlap, wiring
 
 events: list[str] = []
 
 
-class Recorded:
-    def __init__(self, tensor, index):
-        self.tensor, self.index = tensor, index
+@torch.library.custom_op("fcsd_test::record", mutates_args=())
+def record(x: torch.Tensor, what: str) -> torch.Tensor:
+    """An opaque op that logs when it runs (also from compiled code) and passes ``x`` on."""
+    events.append(what)
+    return x.clone()
 
-    def wait(self):
-        events.append(f"wait {self.index}")
+
+@record.register_fake
+def _(x, what):
+    return torch.empty_like(x)
 
 
-class RecordingAllReduce:
-    def start(self, tensor):
-        events.append(f"start {current[0]}")
-        return Recorded(tensor, current[0])
+class RecordingChannel:
+    """Stands in for a model's RoutedAllReduce under its keys (no process group): logs starts and waits."""
+
+    name = "recording"
+
+    def key(self, index):
+        return f"{self.name}/{index}"
+
+    def park(self, key, tensor):
+        events.append(f"start {key.split('/')[1]}")
+        tensor.mul_(2)  # the "sum" of two equal ranks, landing in place as a real all-reduce does
+
+    def take(self, key):
+        events.append(f"wait {key.split('/')[1]}")
 
 
 class FusedAddNorm(nn.Module):  # vLLM's RMSNorm: norm(x), or (norm(x + residual), x + residual)
@@ -38,33 +55,45 @@ class StubLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm, self.mlp = FusedAddNorm(), FusedAddNorm(), nn.Identity()
 
 
-current = [None]
-
-
 def attention(layer, positions, x, *extra):
-    current[0] = layer._farskip.index
-    events.append(f"attention {current[0]}")
-    return x
+    return record(x * 1.5, f"attention {layer._farskip.index}")
 
 
 def main() -> None:
-    overlapped = sys.argv[1] == "overlapped"
+    mode = sys.argv[1]
+    channel = RecordingChannel() if mode != "blocking" else None
+    overlap._CHANNELS[RecordingChannel.name] = channel
     wiring.is_moe_block = lambda mlp: True
     wiring.shared_and_routed = lambda mlp, x: (None, x * 0.5, True)  # no shared part; the routed one needs a sum
-    wiring.blocking_all_reduce = lambda tensor: events.append(f"blocking {current[0]}") or tensor
-    handover, layers = wiring.HandOver(), []
+    wiring.blocking_all_reduce = lambda tensor: record(tensor * 2, "blocking")
+    layers = []
     for index in range(3):
         layer = StubLayer()
         layer.__class__ = type("FarSkipStub", (wiring.FarSkipDecoderLayerMixin, StubLayer), {})
-        layer._farskip = wiring.LayerWiring(
-            index, index > 0, index < 2, "mlp", attention, RecordingAllReduce() if overlapped else None
-        )
-        layer._farskip.handover = handover if overlapped else None
+        layer._farskip = wiring.LayerWiring(index, index > 0, index < 2, "mlp", attention, channel)
         layers.append(layer)
-    hidden, residual = torch.ones(2, 4), None
-    for layer in layers:  # vLLM's layer loop
-        hidden, residual = layer(torch.arange(2), hidden, residual)
-    print(json.dumps(events))
+
+    def forward(hidden):
+        residual = None
+        for layer in layers:  # vLLM's layer loop
+            hidden, residual = layer(torch.arange(2), hidden, residual)
+        return hidden + residual
+
+    run = torch.compile(forward, backend="inductor", fullgraph=True) if mode == "compiled" else forward
+    out = run(torch.ones(2, 4))
+    if mode == "compiled":
+        events.clear()  # the first call traced and compiled the loop; this one runs the compiled code only
+        out = run(torch.ones(2, 4))
+    print(json.dumps({"order": labelled(events), "output": out.flatten().tolist()}))
+
+
+def labelled(order: list[str]) -> list[str]:
+    """Each "blocking" event named by the layer whose attention ran last before it."""
+    result, last = [], None
+    for event in order:
+        last = event.split()[1] if event.startswith("attention") else last
+        result.append(f"blocking {last}" if event == "blocking" else event)
+    return result
 
 
 if __name__ == "__main__":

@@ -16,10 +16,9 @@ from torch import nn
 from fcsd.serving.vllm import OVERLAP_KEY
 from fcsd.serving.vllm.families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
 from fcsd.serving.vllm.moe import check_runner
-from fcsd.serving.vllm.overlap import RoutedAllReduce, resolve_overlap
+from fcsd.serving.vllm.overlap import RoutedAllReduce, resolve_overlap, split_at_routed_ops
 from fcsd.serving.vllm.wiring import (
     FarSkipDecoderLayerMixin,
-    HandOver,
     LayerWiring,
     deepseek_attention,
     default_attention,
@@ -65,13 +64,39 @@ def _decoder_layers(model: nn.Module, family: ServedFamily, num_layers: int):
     raise ValueError(f"no list of {num_layers} {family.decoder_layer} modules in {type(model).__name__}")
 
 
-def _is_eager(vllm_config) -> bool:
+def _execution(vllm_config) -> tuple[str, bool, bool]:
+    """``(what runs, piecewise, full_graphs)``: "eager" or "compiled (<mode>)"; whether vLLM compiles piecewise (the
+    routed ops can be splitting ops); whether CUDA graphs of the whole forward are on."""
     from vllm.config import CompilationMode
 
     compilation = vllm_config.compilation_config
+    eager = vllm_config.model_config.enforce_eager or compilation.mode == CompilationMode.NONE
     cudagraphs = getattr(compilation, "cudagraph_mode", None)
-    no_graphs = cudagraphs is None or getattr(cudagraphs, "name", "NONE") == "NONE" or not torch.cuda.is_available()
-    return vllm_config.model_config.enforce_eager or (compilation.mode == CompilationMode.NONE and no_graphs)
+    full_graphs = (
+        not vllm_config.model_config.enforce_eager
+        and torch.cuda.is_available()
+        and cudagraphs is not None
+        and cudagraphs.has_full_cudagraphs()
+    )
+    what = "eager" if eager else f"compiled ({compilation.mode.name})"
+    return what, not eager and compilation.mode == CompilationMode.VLLM_COMPILE, full_graphs
+
+
+def _place_routed_ops(vllm_config, piecewise: bool, full_graphs: bool, log) -> None:
+    """With the overlap on under compilation: the routed ops split vLLM's piecewise graphs, and CUDA graphs of the
+    whole forward are lowered to piecewise ones (a captured graph cannot hold the started all-reduce)."""
+    from vllm.config import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    if piecewise:
+        split_at_routed_ops(compilation)
+    if piecewise and full_graphs:
+        log.info(
+            "FarSkip overlap: CUDA graphs %s lowered to PIECEWISE (the routed all-reduce runs between the graphs; "
+            "farskip_overlap=false keeps full graphs)",
+            compilation.cudagraph_mode,
+        )
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
@@ -91,11 +116,14 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
             "FarSkip serving of DeepSeek in float16 is not supported (vLLM rescales its residual): use --dtype bfloat16"
         )
     tp_size = get_tensor_model_parallel_world_size()
-    overlap_on = resolve_overlap(
-        (vllm_config.additional_config or {}).get(OVERLAP_KEY), tp_size, _is_eager(vllm_config)
-    )
-    overlap = RoutedAllReduce(get_tp_group().make_sibling_device_group("farskip_routed")) if overlap_on else None
-    handover = HandOver()
+    log = init_logger("vllm.farskip")
+    execution, piecewise, full_graphs = _execution(vllm_config)
+    setting = (vllm_config.additional_config or {}).get(OVERLAP_KEY)
+    overlap_on = resolve_overlap(setting, tp_size, full_graphs_only=full_graphs and not piecewise)
+    overlap = None
+    if overlap_on:
+        overlap = RoutedAllReduce(get_tp_group().make_sibling_device_group("farskip_routed"))
+        _place_routed_ops(vllm_config, piecewise, full_graphs, log)
     chosen = set(converted)
     attention = deepseek_attention if family.model_type.startswith("deepseek") else default_attention
     for index in converted:
@@ -116,16 +144,16 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
             attention=attention,
             overlap=overlap,
         )
-        wiring.handover = handover if overlap is not None else None  # nothing to hand over when blocking
         layer.__class__ = farskip_layer_class(type(layer))
         layer._farskip = wiring
-    init_logger("vllm.farskip").info(
-        "FarSkip connectivity on layers %s of %d (%s); routed all-reduce %s (tensor-parallel size %d)",
+    log.info(
+        "FarSkip connectivity on layers %s of %d (%s); routed all-reduce %s (tensor-parallel size %d), %s",
         converted,
         num_layers,
         family.architecture,
         "overlapped" if overlap_on else "blocking",
         tp_size,
+        execution,
     )
     return converted
 

@@ -1,5 +1,5 @@
 """The routed-expert all-reduce of a converted layer, blocking or overlapped with the next layer's attention
-(paper Sec. 4.2, design §7).
+(paper Sec. 4.2, design §7), eager or compiled.
 
 In vLLM's MoE layout (activations replicated over the tensor-parallel group, experts sharded over it, or over the
 expert-parallel group built from it), each MoE layer ends with an all-reduce of its expert outputs. In a FarSkip
@@ -12,14 +12,28 @@ attention: the all-reduce is started at the end of layer k and waited in layer k
   recorded behind it, and the consumer's stream waits on the event: no host synchronisation.
 
 The sibling group (same ranks as vLLM's tensor-parallel group, its own communicator) keeps these collectives apart
-from the blocking ones vLLM issues meanwhile (attention's all-reduce, vLLM's custom all-reduce buffers). Overlap needs
-eager execution: under ``torch.compile`` (``fullgraph``) and CUDA graphs a started collective cannot cross into the
-next layer, so there the all-reduce stays blocking (see :func:`resolve_overlap`).
+from the blocking ones vLLM issues meanwhile (attention's all-reduce, vLLM's custom all-reduce buffers).
+
+**Compiled.** The start and the wait are two custom ops: ``fcsd::farskip_routed_start`` mutates the routed tensor
+(the in-flight sum), ``fcsd::farskip_routed_wait`` copies the finished sum into a buffer of the graph's and takes the
+next attention's output as an argument, so that a compiler keeps it after that attention (Inductor otherwise moves
+each wait next to its start). The layer pairs them by a key fixed when the model is built (the starting layer's);
+the handle lives on the host between them.
+
+- vLLM's default CPU compilation (one Dynamo trace, Inductor) calls both ops from the compiled code;
+- vLLM's piecewise compilation (GPUs) gets both as splitting ops (:func:`split_at_routed_ops`): they run eagerly
+  between the compiled pieces, so the pieces can be captured as CUDA graphs while the all-reduce runs beside the
+  next piece. Full CUDA graphs would capture the side stream and the host handle, so with the overlap on the
+  CUDA-graph mode is lowered to piecewise (said in the log); ``farskip_overlap=false`` keeps full graphs.
 """
 
 from __future__ import annotations
 
 import torch
+
+_CHANNELS: dict[str, RoutedAllReduce] = {}  # name -> the model's RoutedAllReduce (one per model per process)
+STATS = {"started": 0, "waited": 0}  # what the ops did in this process (read by tests through vLLM's RPC)
+ROUTED_OPS = ("fcsd::farskip_routed_start", "fcsd::farskip_routed_wait")
 
 
 class Pending:
@@ -39,11 +53,19 @@ class Pending:
 
 
 class RoutedAllReduce:
-    """Starts the routed all-reduces of one model on ``group`` (a process group with the tensor-parallel ranks)."""
+    """Starts the routed all-reduces of one model on ``group`` (a process group with the tensor-parallel ranks) and
+    holds each started one under its layer's key until it is waited."""
 
     def __init__(self, group):
         self.group = group
+        self.name = f"routed{len(_CHANNELS)}"
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._pending: dict[str, Pending] = {}
+        _CHANNELS[self.name] = self
+
+    def key(self, layer_index: int) -> str:
+        """The key layer ``layer_index`` starts its all-reduce under (and its successor waits for)."""
+        return f"{self.name}/{layer_index}"
 
     def start(self, tensor: torch.Tensor) -> Pending:
         """Launch the sum of ``tensor`` over the group, in place, without waiting for it."""
@@ -63,6 +85,75 @@ class RoutedAllReduce:
         tensor.record_stream(side)  # the allocator must not reuse it before the side stream is done
         return Pending(tensor, event=done)
 
+    def park(self, key: str, tensor: torch.Tensor) -> None:
+        """Start ``tensor``'s sum under ``key``; one still pending there (never waited) is completed first, so that
+        every rank keeps issuing the same collectives."""
+        stale = self._pending.pop(key, None)
+        if stale is not None:
+            stale.wait()
+        self._pending[key] = self.start(tensor)
+        STATS["started"] += 1
+
+    def take(self, key: str) -> None:
+        """Wait for the sum started under ``key``; nothing when none was (the predecessor's kernel reduced)."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            pending.wait()
+            STATS["waited"] += 1
+
+
+def _channel(key: str) -> RoutedAllReduce:
+    return _CHANNELS[key.split("/", 1)[0]]
+
+
+@torch.library.custom_op("fcsd::farskip_routed_start", mutates_args=("routed",))
+def _start_op(routed: torch.Tensor, key: str) -> None:
+    _channel(key).park(key, routed)
+
+
+@_start_op.register_fake
+def _(routed, key):
+    return None
+
+
+@torch.library.custom_op("fcsd::farskip_routed_wait", mutates_args=("out",))
+def _wait_op(out: torch.Tensor, routed: torch.Tensor, after: torch.Tensor, key: str) -> None:
+    _channel(key).take(key)
+    out.copy_(routed)
+
+
+@_wait_op.register_fake
+def _(out, routed, after, key):
+    return None
+
+
+def start_routed(routed: torch.Tensor, key: str) -> None:
+    """Start the routed all-reduce of ``routed`` (in place) under ``key`` (:meth:`RoutedAllReduce.key`)."""
+    if torch.compiler.is_compiling():
+        torch.ops.fcsd.farskip_routed_start(routed, key)
+    else:
+        _channel(key).park(key, routed)
+
+
+def wait_routed(routed: torch.Tensor, after: torch.Tensor, key: str) -> torch.Tensor:
+    """The finished sum started under ``key`` on ``routed``, waited once ``after`` (the attention output the sum
+    ran behind) exists: ``routed`` itself when eager; traced, a copy in a buffer the graph allocates (a fixed address
+    under CUDA graphs, as vLLM's attention writes its output), so that no compiler pass reads ``routed`` early."""
+    if torch.compiler.is_compiling():
+        out = torch.empty_like(routed)
+        torch.ops.fcsd.farskip_routed_wait(out, routed, after, key)
+        return out
+    _channel(key).take(key)
+    return routed
+
+
+def split_at_routed_ops(compilation_config) -> None:
+    """Under vLLM's piecewise compilation, make the two ops splitting ops (run eagerly between compiled pieces, out
+    of CUDA graphs); vLLM reads the list when it compiles, after the model is built."""
+    ops = compilation_config.splitting_ops
+    if ops is not None:
+        ops.extend(op for op in ROUTED_OPS if op not in ops)
+
 
 def blocking_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """The reference: vLLM's own tensor-parallel all-reduce, where the stock MoE layer issues it."""
@@ -71,19 +162,27 @@ def blocking_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor_model_parallel_all_reduce(tensor)
 
 
-def resolve_overlap(setting, tp_size: int, eager: bool) -> bool:
+def resolve_overlap(setting, tp_size: int, full_graphs_only: bool = False) -> bool:
     """Whether converted layers overlap their routed all-reduce: ``setting`` is vLLM's
     ``additional_config["farskip_overlap"]`` (``"auto"``/None: on when the tensor-parallel group has more than one
-    rank and the model runs eagerly; ``True``/``False`` force it). ``True`` without eager execution is refused."""
+    rank; ``True``/``False`` force it). ``full_graphs_only``: CUDA graphs of the whole forward with no piecewise
+    compilation to run the ops between them, where ``auto`` is off and ``True`` is refused."""
     if isinstance(setting, str):
         setting = {"auto": None, "true": True, "on": True, "false": False, "off": False}.get(setting.lower(), setting)
     if setting not in (None, True, False):
         raise ValueError(f"farskip_overlap={setting!r}: expected true, false or auto")
     if setting is None:
-        return tp_size > 1 and eager
-    if setting and not eager:
+        return tp_size > 1 and not full_graphs_only
+    if setting and full_graphs_only:
         raise ValueError(
-            "farskip_overlap=true needs eager execution (a started all-reduce cannot cross torch.compile or CUDA "
-            "graph boundaries): add --enforce-eager, or leave farskip_overlap unset"
+            "farskip_overlap=true cannot run inside full CUDA graphs without vLLM's piecewise compilation (a started "
+            "all-reduce cannot cross a captured graph): drop the compilation mode override, or add --enforce-eager"
         )
     return setting
+
+
+def overlap_stats(_worker=None) -> dict:
+    """This process's counts of routed all-reduces started and waited by the overlap (through vLLM's
+    ``LLM.collective_rpc(overlap_stats)``, one dict per worker): zero waits under a compiled engine means the
+    overlap did not run."""
+    return dict(STATS)

@@ -12,9 +12,9 @@ input::
 
 After a stock layer (or at the first layer) ``n_{k-1} = o_{k-1}``. A converted dense layer counts its MLP as
 ``shared_k`` and returns ``(0, n_k)``. With the overlap on, ``routed_k``'s all-reduce is started at the end of layer
-k and waited by layer k+1 after its attention (it is handed over with the tensor object it fills, see
-:class:`HandOver`); a layer whose successor is not converted, or is the last on this pipeline stage, waits for
-its own.
+k under layer k's key and waited under that key by layer k+1 after its attention (keys fixed when the model is
+built, so a compiled graph holds the same pairs, see :mod:`fcsd.serving.vllm.overlap`); a layer whose successor is
+not converted, or is the last on this pipeline stage, reduces its own at once.
 """
 
 from __future__ import annotations
@@ -22,26 +22,7 @@ from __future__ import annotations
 import torch
 
 from fcsd.serving.vllm.moe import shared_and_routed
-from fcsd.serving.vllm.overlap import blocking_all_reduce
-
-
-class HandOver:
-    """The started routed all-reduce of the last converted layer, for the next one (one per model)."""
-
-    def __init__(self):
-        self.pending = None
-
-    def park(self, pending) -> None:
-        self.pending = pending
-
-    def take(self, hidden: torch.Tensor):
-        """The pending all-reduce filling ``hidden``, or None; a stale one (another tensor) is completed first so
-        that every rank keeps issuing the same collectives."""
-        pending, self.pending = self.pending, None
-        if pending is not None and pending.tensor is not hidden:
-            pending.wait()
-            return None
-        return pending
+from fcsd.serving.vllm.overlap import blocking_all_reduce, start_routed, wait_routed
 
 
 class LayerWiring:
@@ -54,7 +35,9 @@ class LayerWiring:
         self.mlp_attr = mlp_attr
         self.attention = attention  # (layer, positions, x, *extra) -> attention output
         self.overlap = overlap  # a RoutedAllReduce, or None for the blocking reference
-        self.handover: HandOver | None = None
+        # with the overlap: the key this layer starts routed_k under (when it hands over), the one it waits for
+        self.start_key = overlap.key(index) if overlap is not None and hands_over else None
+        self.wait_key = overlap.key(index - 1) if overlap is not None and after_converted else None
 
 
 def is_moe_block(mlp) -> bool:
@@ -68,7 +51,6 @@ class FarSkipDecoderLayerMixin:
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, *extra):
         wiring = self._farskip
-        pending = wiring.handover.take(hidden_states) if wiring.handover is not None else None
         if residual is None:  # the first layer: n = o = embeddings
             full = hidden_states
             attn_in = self.input_layernorm(hidden_states)
@@ -79,8 +61,8 @@ class FarSkipDecoderLayerMixin:
             attn_in, full = self.input_layernorm(hidden_states, residual)
         attn_out = wiring.attention(self, positions, attn_in, *extra)
         if full is None:
-            if pending is not None:
-                pending.wait()  # routed_{k-1}'s all-reduce ran behind this attention
+            if wiring.wait_key is not None:  # routed_{k-1}'s all-reduce ran behind this attention
+                hidden_states = wait_routed(hidden_states, attn_out, wiring.wait_key)
             mlp_in, full = self.post_attention_layernorm(hidden_states, residual)  # o_{k-1}; n_{k-1} is dead
         else:
             mlp_in = self.post_attention_layernorm(full)
@@ -93,9 +75,9 @@ class FarSkipDecoderLayerMixin:
         if shared is not None:
             partial = partial + shared
         routed = routed.reshape(partial.shape)
-        if needs_all_reduce and wiring.overlap is not None and wiring.hands_over:
+        if needs_all_reduce and wiring.start_key is not None:
             routed = routed.contiguous()
-            wiring.handover.park(wiring.overlap.start(routed))  # layer k+1 waits for it after its attention
+            start_routed(routed, wiring.start_key)  # layer k+1 waits for it after its attention
         elif needs_all_reduce:
             routed = blocking_all_reduce(routed)
         return routed, partial
