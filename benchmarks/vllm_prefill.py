@@ -10,8 +10,9 @@ Run it with vLLM's environment (``make serve-env``); every variant is its own en
 A request batch of ``requests-per-device x TP`` prompts of one length is generated with ``max_tokens=1``; its wall
 time is the batch's time to first token (all prompts are prefilled in one scheduler step when
 ``--max-num-batched-tokens`` allows) and prompt tokens / time the prefill throughput. Each figure is the median of
-``--repeats`` runs after one warm-up; ratios are against ``none`` (stock vLLM). Engines run eagerly
-(``enforce_eager``): overlap needs it, and the stock baseline gets the same. Results: BENCHMARKS.md.
+``--repeats`` runs after one warm-up; ratios are against ``none`` (stock vLLM) run the same way. ``--execution``:
+``eager`` (``enforce_eager``) and/or ``compiled`` (vLLM's default compilation: one Dynamo trace + Inductor on CPU,
+piecewise graphs and CUDA graphs on GPUs; the overlap runs there as custom ops). Results: BENCHMARKS.md.
 """
 
 import argparse
@@ -47,7 +48,7 @@ def measure(args) -> dict:
         args.folder,
         tensor_parallel_size=args.tp,
         enable_expert_parallel=args.ep,
-        enforce_eager=True,
+        enforce_eager=args.execution == "eager",
         dtype=args.dtype,
         max_model_len=max(lengths) + 8,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -82,6 +83,7 @@ def main() -> int:
     parser.add_argument("--tiny", metavar="DIR", help="write a small random Qwen3-MoE export to DIR and exit")
     parser.add_argument("--layers", default="none,all", help="variants: none (stock), all, export")
     parser.add_argument("--overlap", default="off,on", help="routed all-reduce: off (blocking), on (overlapped)")
+    parser.add_argument("--execution", default="eager,compiled", help="eager (enforce_eager) and/or compiled")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", action="store_true", help="vLLM's enable_expert_parallel (EP size = TP x DP)")
     parser.add_argument("--prompt-lens", default="512,1024,2048")
@@ -103,51 +105,70 @@ def main() -> int:
         parser.error("give an EXPORT folder (or --tiny DIR to write one)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for layers in args.layers.split(","):
-            folder = variant_folder(Path(args.export), layers, Path(tmp))
-            for overlap in args.overlap.split(",") if layers != "none" else [None]:
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--folder",
-                    str(folder),
-                    "--tp",
-                    str(args.tp),
-                    "--prompt-lens",
-                    args.prompt_lens,
-                    "--requests-per-device",
-                    str(args.requests_per_device),
-                    "--repeats",
-                    str(args.repeats),
-                    "--dtype",
-                    args.dtype,
-                    "--max-num-batched-tokens",
-                    str(args.max_num_batched_tokens),
-                    "--gpu-memory-utilization",
-                    str(args.gpu_memory_utilization),
-                ]
-                command += ["--ep"] if args.ep else []
-                command += ["--overlap", overlap] if overlap else []
-                done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
-                result = next((line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
-                if result is None:
-                    print(done.stdout[-2000:] + done.stderr[-4000:], file=sys.stderr)
-                    return 1
-                for length, figures in json.loads(result).items():
-                    rows.append({"layers": layers, "overlap": overlap or "-", "prompt_len": int(length), **figures})
-    base = {row["prompt_len"]: row for row in rows if row["layers"] == "none"}
+        variants = [
+            (execution, layers, overlap)
+            for execution in args.execution.split(",")
+            for layers in args.layers.split(",")
+            for overlap in (args.overlap.split(",") if layers != "none" else [None])
+        ]
+        folders = {layers: variant_folder(Path(args.export), layers, Path(tmp)) for layers in args.layers.split(",")}
+        for execution, layers, overlap in variants:
+            folder = folders[layers]
+            command = [
+                sys.executable,
+                __file__,
+                "--folder",
+                str(folder),
+                "--execution",
+                execution,
+                "--tp",
+                str(args.tp),
+                "--prompt-lens",
+                args.prompt_lens,
+                "--requests-per-device",
+                str(args.requests_per_device),
+                "--repeats",
+                str(args.repeats),
+                "--dtype",
+                args.dtype,
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+                "--gpu-memory-utilization",
+                str(args.gpu_memory_utilization),
+            ]
+            command += ["--ep"] if args.ep else []
+            command += ["--overlap", overlap] if overlap else []
+            done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
+            result = next((line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+            if result is None:
+                print(done.stdout[-2000:] + done.stderr[-4000:], file=sys.stderr)
+                return 1
+            for length, figures in json.loads(result).items():
+                rows.append(
+                    {
+                        "execution": execution,
+                        "layers": layers,
+                        "overlap": overlap or "-",
+                        "prompt_len": int(length),
+                        **figures,
+                    }
+                )
+    base = {(row["execution"], row["prompt_len"]): row for row in rows if row["layers"] == "none"}
     for row in rows:
-        if row["prompt_len"] in base:
-            row["ttft_vs_none"] = row["ttft_ms"] / base[row["prompt_len"]]["ttft_ms"]
+        key = (row["execution"], row["prompt_len"])
+        if key in base:
+            row["ttft_vs_none"] = row["ttft_ms"] / base[key]["ttft_ms"]
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     print(f"TP {args.tp}, EP {'on' if args.ep else 'off'}, {args.requests_per_device} requests per device")
-    print(f"{'layers':8} {'overlap':8} {'prompt':>7} {'TTFT ms':>10} {'prefill tok/s':>14} {'TTFT / none':>12}")
+    print(
+        f"{'run':9} {'layers':8} {'overlap':8} {'prompt':>7} {'TTFT ms':>10} {'prefill tok/s':>14} {'TTFT / none':>12}"
+    )
     for row in rows:
         ratio = f"{row['ttft_vs_none']:.3f}" if "ttft_vs_none" in row else "-"
         print(
-            f"{row['layers']:8} {row['overlap']:8} {row['prompt_len']:>7} {row['ttft_ms']:>10.1f} "
+            f"{row['execution']:9} {row['layers']:8} {row['overlap']:8} {row['prompt_len']:>7} {row['ttft_ms']:>10.1f} "
             f"{row['prefill_tok_s']:>14.0f} {ratio:>12}"
         )
     return 0
