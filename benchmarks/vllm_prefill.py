@@ -83,7 +83,12 @@ def main() -> int:
     parser.add_argument("--tiny", metavar="DIR", help="write a small random Qwen3-MoE export to DIR and exit")
     parser.add_argument("--layers", default="none,all", help="variants: none (stock), all, export")
     parser.add_argument("--overlap", default="off,on", help="routed all-reduce: off (blocking), on (overlapped)")
-    parser.add_argument("--execution", default="eager,compiled", help="eager (enforce_eager) and/or compiled")
+    parser.add_argument(
+        "--execution",
+        default="eager,compiled",
+        help="eager (enforce_eager) and/or compiled, comma-separated (on GPUs the overlapped compiled runs use "
+        "piecewise CUDA graphs where the others keep vLLM's full ones: the overlap and the graph mode change together)",
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", action="store_true", help="vLLM's enable_expert_parallel (EP size = TP x DP)")
     parser.add_argument("--prompt-lens", default="512,1024,2048")
@@ -103,6 +108,9 @@ def main() -> int:
         return 0
     if not args.export:
         parser.error("give an EXPORT folder (or --tiny DIR to write one)")
+    unknown = set(args.execution.split(",")) - {"eager", "compiled"}
+    if unknown:
+        parser.error(f"--execution {args.execution}: expected eager and/or compiled, not {', '.join(sorted(unknown))}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         variants = [

@@ -47,8 +47,9 @@ def from_pretrained(
     if settings is not None and not keep_fp8:
         kwargs["config"] = without_quantization(kwargs.get("config") or checked)
         model_class = _concrete(model_class, kwargs["config"])
-        kwargs["config"] = _config_for(model_class, kwargs["config"])
         loader = dequantizing_class(model_class, settings)
+    if kwargs.get("config") is not None:  # a concrete text class (FP8, a sharded loader) gets the text config
+        kwargs["config"] = _config_for(model_class, kwargs["config"])
     if sharded:
         model = loader.from_pretrained(name_or_path, **kwargs)
     else:
@@ -122,9 +123,11 @@ def _config_for(model_class: type, config):
     """The (sub-)config ``model_class`` is built from: a composite's text config for its text tower, as transformers'
     auto classes pick it (a text class built from the composite's config fails: ``Llama4Config`` has no
     ``pad_token_id``)."""
+    wanted = getattr(model_class, "config_class", None)  # None: an auto class, which picks it itself
     text = config.get_text_config()
-    wants_text = text is not config and isinstance(text, getattr(model_class, "config_class", ()) or ())
-    return text if wants_text and not isinstance(config, model_class.config_class) else config
+    if wanted is None or text is config or isinstance(config, wanted) or not isinstance(text, wanted):
+        return config
+    return text
 
 
 def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):

@@ -227,8 +227,10 @@ def test_every_cpu_family_matches_fcsd_at_tp1(served, family):
 def test_tensor_parallel_2_overlapped_and_blocking_match_fcsd(served, name, source, mode):
     assert mismatch(served["expected"][source], outputs(served, name)) is None
     assert f"routed all-reduce {mode} (tensor-parallel size 2), eager" in served["log"]  # the path under test ran
-    waited = [worker["waited"] for worker in served["results"][name]["overlap_stats"]]
+    stats = served["results"][name]["overlap_stats"]
+    waited = [worker["waited"] for worker in stats]
     assert len(waited) == 2 and (all(waited) if mode == "overlapped" else not any(waited)), waited
+    assert not any(worker["compiled_calls"] for worker in stats)  # eager: the ops' compiled entry points unused
 
 
 def test_compiled_tensor_parallel_2_overlaps_and_matches_fcsd(served):
@@ -240,6 +242,7 @@ def test_compiled_tensor_parallel_2_overlaps_and_matches_fcsd(served):
     assert "routed all-reduce overlapped (tensor-parallel size 2), compiled (DYNAMO_TRACE_ONCE)" in served["log"]
     stats = served["results"]["qwen3_moe-all-tp2-compiled"]["overlap_stats"]
     assert len(stats) == 2 and all(w["waited"] and w["waited"] == w["started"] for w in stats), stats
+    assert all(w["compiled_calls"] >= w["started"] + w["waited"] for w in stats), stats  # from the compiled code
     control = outputs(served, "stock-tp2-compiled")
     assert mismatch(served["expected"]["stock"], control) is None
     assert mismatch(served["expected"]["qwen3_moe-all"], control) is not None
@@ -388,12 +391,45 @@ def test_the_compiled_overlap_keeps_the_attention_between_start_and_wait():
     assert compiled["output"] == eager["output"]
 
 
+def test_the_routed_ops_split_vllms_piecewise_graph_around_the_next_attention():
+    """vLLM's piecewise compilation (GPUs) runs its splitting ops eagerly between compiled pieces: with the plugin's
+    routed ops among them, vLLM's own ``split_graph`` puts each start before the next attention and its wait after
+    it, each in a piece of its own (run on CPU with Dynamo; the CUDA graphs of the pieces need a GPU)."""
+    assert overlap_order("split")["splits"] == [
+        "record 0", "farskip_routed_start 0", "record 1", "farskip_routed_wait 0", "farskip_routed_start 1",
+        "record 2", "farskip_routed_wait 1", "record blocking",
+    ]  # fmt: skip
+
+
+def test_the_plugin_places_the_routed_ops_by_vllms_execution_settings():
+    """With vLLM's own CompilationConfig (a CUDA device pretended): under piecewise compilation split at attention the
+    routed ops join the splitting ops and full CUDA graphs (vLLM's GPU default, and decode-only) are lowered to
+    piecewise; CUDA graphs with no split at attention (splitting ops without it, breakable graphs of an eager model)
+    leave ``auto`` off and refuse ``true`` in one line; --enforce-eager overlaps."""
+    worker = Path(__file__).parent / "workers" / "vllm_overlap_modes.py"
+    done = subprocess.run([vllm_python(), worker], capture_output=True, text=True, env=vllm_env(), timeout=600)
+    assert done.returncode == 0, done.stderr
+    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("gpu default (piecewise, full and piecewise graphs)", "gpu full decode only"):
+        case = cases[name]
+        assert case["auto"] and case["true"] == "on" and case["cudagraph_mode"] == "PIECEWISE", case
+        assert case["splitting_ops"][-2:] == ["fcsd::farskip_routed_start", "fcsd::farskip_routed_wait"], case
+    for name in ("gpu splitting ops without attention", "gpu breakable graphs (mode none)"):
+        case = cases[name]
+        assert not case["auto"] and case["true"].startswith("refused: farskip_overlap=true cannot run"), case
+        assert "\n" not in case["true"] and not any("fcsd" in op for op in case["splitting_ops"] or []), case
+    assert cases["gpu breakable graphs (mode none)"]["cudagraph_mode"] == "PIECEWISE"
+    assert cases["gpu splitting ops without attention"]["cudagraph_mode"] == "FULL"  # not lowered: nothing to split
+    eager = cases["gpu enforce eager"]
+    assert eager["auto"] and eager["true"] == "on" and eager["what"] == "eager"
+
+
 def test_overlap_switch():
     assert resolve_overlap(None, tp_size=2) and resolve_overlap("auto", tp_size=2)
-    assert not resolve_overlap(None, tp_size=1) and not resolve_overlap(None, tp_size=2, full_graphs_only=True)
+    assert not resolve_overlap(None, tp_size=1) and not resolve_overlap(None, tp_size=2, unsplit_graphs=True)
     assert not resolve_overlap(False, tp_size=8) and resolve_overlap("on", tp_size=1)
-    with pytest.raises(ValueError, match=r"cannot run inside full CUDA graphs .*: drop the compilation mode override"):
-        resolve_overlap(True, tp_size=2, full_graphs_only=True)
+    with pytest.raises(ValueError, match=r"cannot run inside CUDA graphs .*: a started all-reduce cannot cross"):
+        resolve_overlap(True, tp_size=2, unsplit_graphs=True)
     with pytest.raises(ValueError, match="expected true, false or auto"):
         resolve_overlap("sometimes", tp_size=2)
 

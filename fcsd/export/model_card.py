@@ -194,8 +194,8 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
             "```",
             "",
             "The plugin serves it on vLLM's own model class with FarSkip connectivity on the converted layers; with "
-            "`--tensor-parallel-size N` it overlaps the routed experts' all-reduce with the next layer's attention, "
-            "compiled or eager.",
+            "`--tensor-parallel-size N` it overlaps the routed experts' all-reduce with the next layer's attention "
+            "(eagerly, or compiled with piecewise CUDA graphs; see fcsd's serving guide for what was verified).",
             "",
         ]
     lines += [

@@ -2,8 +2,10 @@
 all-reduce; prints the order of attentions, all-reduce starts and waits (paper Sec. 4.2: layer k's routed all-reduce
 is started at the end of layer k and waited in layer k+1 after its attention).
 
-argv[1]: "overlapped" / "blocking" (eager), or "compiled" (overlapped, the layer loop under ``torch.compile`` with
-Inductor, as vLLM's CPU build compiles a model: the order is the one the compiled code runs)."""
+argv[1]: "overlapped" / "blocking" (eager), "compiled" (overlapped, the layer loop under ``torch.compile`` with
+Inductor, as vLLM's CPU build compiles a model: the order is the one the compiled code runs), or "split" (overlapped,
+the Dynamo graph split by vLLM's own ``split_graph`` with the attention stub and the routed ops as splitting ops, as
+vLLM's piecewise compilation does on GPUs: prints the op each split point runs, in order)."""
 
 import json
 import sys
@@ -79,12 +81,40 @@ def main() -> None:
             hidden, residual = layer(torch.arange(2), hidden, residual)
         return hidden + residual
 
+    if mode == "split":
+        print(json.dumps({"splits": split_points(forward)}))
+        return
     run = torch.compile(forward, backend="inductor", fullgraph=True) if mode == "compiled" else forward
     out = run(torch.ones(2, 4))
     if mode == "compiled":
         events.clear()  # the first call traced and compiled the loop; this one runs the compiled code only
         out = run(torch.ones(2, 4))
     print(json.dumps({"order": labelled(events), "output": out.flatten().tolist()}))
+
+
+def split_points(forward) -> list[str]:
+    """The splitting ops of ``forward``'s Dynamo graph, in the order vLLM's ``split_graph`` runs its pieces, each as
+    ``"<op> <layer>"`` (the attention's layer from its label, the routed ops' from their key)."""
+    from vllm.compilation.backends import split_graph
+
+    from fcsd.serving.vllm.overlap import ROUTED_OPS
+
+    graphs = []
+
+    def capture(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch.compile(forward, backend=capture, fullgraph=True)(torch.ones(2, 4))
+    _, items = split_graph(graphs[0], ["fcsd_test::record", *ROUTED_OPS])
+    points = []
+    for item in (item for item in items if item.is_splitting_graph):
+        for node in item.graph.graph.nodes:
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                name = node.target.name().split("::")[1]
+                label = node.args[-1]  # the attention's label, or the routed op's key
+                points.append(f"{name} {label.split()[-1] if name == 'record' else label.split('/')[-1]}")
+    return points
 
 
 def labelled(order: list[str]) -> list[str]:

@@ -65,36 +65,43 @@ def _decoder_layers(model: nn.Module, family: ServedFamily, num_layers: int):
 
 
 def _execution(vllm_config) -> tuple[str, bool, bool]:
-    """``(what runs, piecewise, full_graphs)``: "eager" or "compiled (<mode>)"; whether vLLM compiles piecewise (the
-    routed ops can be splitting ops); whether CUDA graphs of the whole forward are on."""
+    """``(what runs, piecewise, unsplit_graphs)``: "eager" or "compiled (<mode>)" (with the CUDA-graph mode when
+    graphs are on); whether vLLM compiles piecewise, split at attention (the routed ops can be splitting ops too);
+    whether CUDA graphs are on without such splits (full graphs of an eager model, breakable graphs, or splitting ops
+    without attention), which no started all-reduce may run inside."""
     from vllm.config import CompilationMode
 
     compilation = vllm_config.compilation_config
-    eager = vllm_config.model_config.enforce_eager or compilation.mode == CompilationMode.NONE
+    enforce_eager = vllm_config.model_config.enforce_eager
     cudagraphs = getattr(compilation, "cudagraph_mode", None)
-    full_graphs = (
-        not vllm_config.model_config.enforce_eager
-        and torch.cuda.is_available()
-        and cudagraphs is not None
-        and cudagraphs.has_full_cudagraphs()
+    graphs = not enforce_eager and torch.cuda.is_available() and bool(cudagraphs)
+    split_at_attention = getattr(compilation, "is_attention_compiled_piecewise", None)
+    piecewise = not enforce_eager and (
+        split_at_attention()
+        if split_at_attention is not None
+        else compilation.mode == CompilationMode.VLLM_COMPILE and compilation.splitting_ops_contain_attention()
     )
+    eager = enforce_eager or compilation.mode == CompilationMode.NONE
     what = "eager" if eager else f"compiled ({compilation.mode.name})"
-    return what, not eager and compilation.mode == CompilationMode.VLLM_COMPILE, full_graphs
+    return what + (f", CUDA graphs {cudagraphs}" if graphs else ""), piecewise, graphs and not piecewise
 
 
-def _place_routed_ops(vllm_config, piecewise: bool, full_graphs: bool, log) -> None:
-    """With the overlap on under compilation: the routed ops split vLLM's piecewise graphs, and CUDA graphs of the
-    whole forward are lowered to piecewise ones (a captured graph cannot hold the started all-reduce)."""
+def _place_routed_ops(vllm_config, piecewise: bool, log) -> None:
+    """With the overlap on under piecewise compilation: the routed ops split vLLM's graphs too, and CUDA graphs of
+    the whole forward (``FULL``, ``FULL_DECODE_ONLY``, ``FULL_AND_PIECEWISE``) are lowered to piecewise ones (a
+    captured graph cannot hold the started all-reduce)."""
     from vllm.config import CUDAGraphMode
 
     compilation = vllm_config.compilation_config
-    if piecewise:
-        split_at_routed_ops(compilation)
-    if piecewise and full_graphs:
+    if not piecewise:
+        return
+    split_at_routed_ops(compilation)
+    cudagraphs = getattr(compilation, "cudagraph_mode", None)
+    if torch.cuda.is_available() and cudagraphs is not None and cudagraphs.has_full_cudagraphs():
         log.info(
             "FarSkip overlap: CUDA graphs %s lowered to PIECEWISE (the routed all-reduce runs between the graphs; "
             "farskip_overlap=false keeps full graphs)",
-            compilation.cudagraph_mode,
+            cudagraphs,
         )
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
@@ -117,14 +124,21 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
         )
     tp_size = get_tensor_model_parallel_world_size()
     log = init_logger("vllm.farskip")
-    execution, piecewise, full_graphs = _execution(vllm_config)
+    execution, piecewise, unsplit_graphs = _execution(vllm_config)
     setting = (vllm_config.additional_config or {}).get(OVERLAP_KEY)
-    overlap_on = resolve_overlap(setting, tp_size, full_graphs_only=full_graphs and not piecewise)
+    overlap_on = resolve_overlap(setting, tp_size, unsplit_graphs)
     overlap = None
     if overlap_on:
         overlap = RoutedAllReduce(get_tp_group().make_sibling_device_group("farskip_routed"))
-        _place_routed_ops(vllm_config, piecewise, full_graphs, log)
+        _place_routed_ops(vllm_config, piecewise, log)
     chosen = set(converted)
+    # the layers that may start a routed all-reduce for their successor: MoE layers (a converted dense one has no
+    # routed part), whose successor is converted and on this stage
+    starts = {
+        i
+        for i in converted
+        if start <= i < end - 1 and i + 1 in chosen and is_moe_block(getattr(layers[i], family.mlp_attr))
+    }
     attention = deepseek_attention if family.model_type.startswith("deepseek") else default_attention
     for index in converted:
         if not start <= index < end:
@@ -139,7 +153,8 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
             index,
             # also across a pipeline-stage boundary: vLLM passes hidden and residual on as they are, (routed, n)
             after_converted=index - 1 in chosen,
-            hands_over=index + 1 in chosen and index + 1 < end,
+            hands_over=index in starts,
+            waits=index - 1 in starts,
             mlp_attr=family.mlp_attr,
             attention=attention,
             overlap=overlap,

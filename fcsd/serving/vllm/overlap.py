@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
-_CHANNELS: dict[str, RoutedAllReduce] = {}  # name -> the model's RoutedAllReduce (one per model per process)
-STATS = {"started": 0, "waited": 0}  # what the ops did in this process (read by tests through vLLM's RPC)
+_CHANNELS: dict[str, RoutedAllReduce] = {}  # name -> the model's RoutedAllReduce (vLLM: one model per worker)
+# what this process did: all-reduces started and waited, and how many of those calls came from compiled code
+STATS = {"started": 0, "waited": 0, "compiled_calls": 0}
 ROUTED_OPS = ("fcsd::farskip_routed_start", "fcsd::farskip_routed_wait")
 
 
@@ -58,7 +59,7 @@ class RoutedAllReduce:
 
     def __init__(self, group):
         self.group = group
-        self.name = f"routed{len(_CHANNELS)}"
+        self.name = "routed"  # a fixed name: compiled graphs (and vLLM's cache of them) hold it as a constant
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: dict[str, Pending] = {}
         _CHANNELS[self.name] = self
@@ -108,6 +109,7 @@ def _channel(key: str) -> RoutedAllReduce:
 
 @torch.library.custom_op("fcsd::farskip_routed_start", mutates_args=("routed",))
 def _start_op(routed: torch.Tensor, key: str) -> None:
+    STATS["compiled_calls"] += 1
     _channel(key).park(key, routed)
 
 
@@ -118,6 +120,7 @@ def _(routed, key):
 
 @torch.library.custom_op("fcsd::farskip_routed_wait", mutates_args=("out",))
 def _wait_op(out: torch.Tensor, routed: torch.Tensor, after: torch.Tensor, key: str) -> None:
+    STATS["compiled_calls"] += 1
     _channel(key).take(key)
     out.copy_(routed)
 
@@ -130,7 +133,7 @@ def _(out, routed, after, key):
 def start_routed(routed: torch.Tensor, key: str) -> None:
     """Start the routed all-reduce of ``routed`` (in place) under ``key`` (:meth:`RoutedAllReduce.key`)."""
     if torch.compiler.is_compiling():
-        torch.ops.fcsd.farskip_routed_start(routed, key)
+        torch.ops.fcsd.farskip_routed_start.default(routed, key)
     else:
         _channel(key).park(key, routed)
 
@@ -141,7 +144,7 @@ def wait_routed(routed: torch.Tensor, after: torch.Tensor, key: str) -> torch.Te
     under CUDA graphs, as vLLM's attention writes its output), so that no compiler pass reads ``routed`` early."""
     if torch.compiler.is_compiling():
         out = torch.empty_like(routed)
-        torch.ops.fcsd.farskip_routed_wait(out, routed, after, key)
+        torch.ops.fcsd.farskip_routed_wait.default(out, routed, after, key)
         return out
     _channel(key).take(key)
     return routed
@@ -162,27 +165,28 @@ def blocking_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor_model_parallel_all_reduce(tensor)
 
 
-def resolve_overlap(setting, tp_size: int, full_graphs_only: bool = False) -> bool:
+def resolve_overlap(setting, tp_size: int, unsplit_graphs: bool = False) -> bool:
     """Whether converted layers overlap their routed all-reduce: ``setting`` is vLLM's
     ``additional_config["farskip_overlap"]`` (``"auto"``/None: on when the tensor-parallel group has more than one
-    rank; ``True``/``False`` force it). ``full_graphs_only``: CUDA graphs of the whole forward with no piecewise
-    compilation to run the ops between them, where ``auto`` is off and ``True`` is refused."""
+    rank; ``True``/``False`` force it). ``unsplit_graphs``: CUDA graphs not split at attention by vLLM's piecewise
+    compilation (full graphs of an eager model, breakable graphs, splitting ops without attention), which the
+    routed ops cannot run between: ``auto`` is off there and ``True`` is refused."""
     if isinstance(setting, str):
         setting = {"auto": None, "true": True, "on": True, "false": False, "off": False}.get(setting.lower(), setting)
     if setting not in (None, True, False):
         raise ValueError(f"farskip_overlap={setting!r}: expected true, false or auto")
     if setting is None:
-        return tp_size > 1 and not full_graphs_only
-    if setting and full_graphs_only:
+        return tp_size > 1 and not unsplit_graphs
+    if setting and unsplit_graphs:
         raise ValueError(
-            "farskip_overlap=true cannot run inside full CUDA graphs without vLLM's piecewise compilation (a started "
-            "all-reduce cannot cross a captured graph): drop the compilation mode override, or add --enforce-eager"
+            "farskip_overlap=true cannot run inside CUDA graphs that vLLM's piecewise compilation does not split at "
+            "attention (full graphs of an eager model, VLLM_USE_BREAKABLE_CUDAGRAPH, splitting ops without attention): "
+            "a started all-reduce cannot cross a captured graph; keep vLLM's default compilation or add --enforce-eager"
         )
     return setting
 
 
 def overlap_stats(_worker=None) -> dict:
-    """This process's counts of routed all-reduces started and waited by the overlap (through vLLM's
-    ``LLM.collective_rpc(overlap_stats)``, one dict per worker): zero waits under a compiled engine means the
-    overlap did not run."""
+    """This process's counts of routed all-reduces started and waited by the overlap, and of the routed ops called
+    from compiled code (through vLLM's ``LLM.collective_rpc(overlap_stats)``, one dict per worker)."""
     return dict(STATS)

@@ -28,7 +28,9 @@ from fcsd.serving.vllm.overlap import blocking_all_reduce, start_routed, wait_ro
 class LayerWiring:
     """What a converted layer needs to know about its neighbours, fixed when the model is built."""
 
-    def __init__(self, index: int, after_converted: bool, hands_over: bool, mlp_attr: str, attention, overlap):
+    def __init__(
+        self, index: int, after_converted: bool, hands_over: bool, mlp_attr: str, attention, overlap, waits=None
+    ):
         self.index = index
         self.after_converted = after_converted  # residual is n_{k-1} (else the stream's two parts sum to n = o)
         self.hands_over = hands_over  # the next layer is converted and on this stage: it may wait for routed_k
@@ -37,7 +39,9 @@ class LayerWiring:
         self.overlap = overlap  # a RoutedAllReduce, or None for the blocking reference
         # with the overlap: the key this layer starts routed_k under (when it hands over), the one it waits for
         self.start_key = overlap.key(index) if overlap is not None and hands_over else None
-        self.wait_key = overlap.key(index - 1) if overlap is not None and after_converted else None
+        # waits: the predecessor may have started one (None: whenever it is converted)
+        waits = after_converted if waits is None else waits
+        self.wait_key = overlap.key(index - 1) if overlap is not None and waits else None
 
 
 def is_moe_block(mlp) -> bool:
