@@ -194,6 +194,20 @@ def tokens_ratio(result: dict, target: float, budget_steps: int) -> float | None
     return None if step is None else step / budget_steps
 
 
+def recipe_sweep(results: list[dict], teacher: str, recipe: str, steps: int, scale: float) -> dict | None:
+    """One recipe's sweep on ``teacher`` at ``steps`` steps, as both reports print it: ``table`` (runs by LR),
+    ``swept`` (effective LR: final KL, ascending), ``lr`` (the best, or the only one), ``edge`` and ``flat`` (the
+    neighbours' KL relative to the best's; empty with one LR). None: no run yet."""
+    table = sweep_table(results, teacher, recipe, steps)
+    if not table:
+        return None
+    kls = {lr: final_kl(run) for lr, run in table.items()}
+    swept = ", ".join(f"{lr * scale:g}: {kls[lr]:.4f}" for lr in sorted(kls))
+    lr, edge = best_lr(kls) if len(kls) >= 2 else (next(iter(kls)), None)
+    flat = flatness(kls) if len(kls) >= 2 else {}
+    return {"table": table, "swept": swept, "lr": lr, "edge": edge, "flat": flat}
+
+
 def _ratio(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.2f}x"
 
@@ -231,23 +245,21 @@ def fair_report(
         )
         best = {}
         for recipe in dict.fromkeys(r["recipe"] for r in mine):
-            table = sweep_table(mine, name, recipe, short)
-            if not table:
-                continue
-            kls = {lr: final_kl(r) for lr, r in table.items()}
             scale = lr_scales.get(recipe, 1.0)
-            swept = ", ".join(f"{lr * scale:g}: {kls[lr]:.4f}" for lr in sorted(kls))
-            if len(kls) < 2:
-                lines.append(f"  {recipe:10s} effective LR {swept} (one LR: no sweep yet)")
-                best[recipe] = next(iter(table.values()))
+            sweep = recipe_sweep(mine, name, recipe, short, scale)
+            if sweep is None:
                 continue
-            lr, edge = best_lr(kls)
-            best[recipe] = table[lr]
-            flat = ", ".join(f"{other * scale:g}: {ratio:.3f}" for other, ratio in flatness(kls).items())
+            lr, edge = sweep["lr"], sweep["edge"]
+            best[recipe] = sweep["table"][lr]
+            if not sweep["flat"]:
+                lines.append(f"  {recipe:10s} effective LR {sweep['swept']} (one LR: no sweep yet)")
+                continue
+            flat = ", ".join(f"{other * scale:g}: {ratio:.3f}" for other, ratio in sweep["flat"].items())
             lines.append(
-                f"  {recipe:10s} effective LR (train.lr x {scale:g}) -> KL@{short}: {swept}; best {lr * scale:g}"
+                f"  {recipe:10s} effective LR (train.lr x {scale:g}) -> KL@{short}: {sweep['swept']}; best "
+                f"{lr * scale:g}"
                 + (f" AT THE {edge.upper()} EDGE" if edge else "")
-                + f"; neighbours / best: {flat}{_agreement(table[lr])}"
+                + f"; neighbours / best: {flat}{_agreement(best[recipe])}"
             )
         if default not in best or baseline not in best:
             lines.append(f"  no {baseline} / {default} pair yet to compare")
@@ -320,28 +332,22 @@ def fair_table(
     for name, spec in teachers.items():
         recipes = list(dict.fromkeys(r["recipe"] for r in results if r["teacher"] == name))
         recipes.sort(key=lambda r: r != baseline)
-        best = {}
-        for recipe in recipes:
-            table = sweep_table(results, name, recipe, short)
-            if table:
-                best[recipe] = min(table, key=lambda lr: (final_kl(table[lr]), lr))
-        if baseline not in best:
+        sweeps = {recipe: recipe_sweep(results, name, recipe, short, lr_scales.get(recipe, 1.0)) for recipe in recipes}
+        sweeps = {recipe: sweep for recipe, sweep in sweeps.items() if sweep is not None}
+        if baseline not in sweeps:
             continue
-        target = final_kl(sweep_table(results, name, baseline, short)[best[baseline]])
-        base_long = sweep_table(results, name, baseline, long).get(best[baseline])
+        target = final_kl(sweeps[baseline]["table"][sweeps[baseline]["lr"]])
+        base_long = sweep_table(results, name, baseline, long).get(sweeps[baseline]["lr"])
         first = True
-        for recipe, lr in best.items():
-            table = sweep_table(results, name, recipe, short)
-            scale = lr_scales.get(recipe, 1.0)
-            kls = {x: final_kl(r) for x, r in table.items()}
-            swept = ", ".join(f"{x * scale:g}: {kls[x]:.4f}" for x in sorted(kls))
-            if len(kls) >= 2:
-                edge = best_lr(kls)[1]
-                flat = ", ".join(f"{v:.3f}" for v in flatness(kls).values())
+        for recipe, sweep in sweeps.items():
+            lr, edge, scale = sweep["lr"], sweep["edge"], lr_scales.get(recipe, 1.0)
+            swept = sweep["swept"]
+            if sweep["flat"]:
+                flat = ", ".join(f"{v:.3f}" for v in sweep["flat"].values())
                 chosen = f"{lr * scale:g}" + (f" ({edge} edge)" if edge else "") + f" ({flat})"
             else:
                 chosen = f"{lr * scale:g} (one LR)"
-            run = table[lr]
+            run = sweep["table"][lr]
             near = min(run["curve"], key=lambda point: (abs(point[0] - short // 3), point[0]))
             long_run = sweep_table(results, name, recipe, long).get(lr)
             cells = [
