@@ -25,19 +25,18 @@ KL_KEYS = ("eval/kl", "eval/kl_topk")
 AGREEMENT_KEYS = ("eval/acc", "eval/teacher_acc", "eval/top1_agree")
 
 
-def _hits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """1 where the argmax of ``logits`` is ``labels`` (-100: no label, never a hit), per token."""
-    return (logits.argmax(-1) == labels).float()
-
-
-def _agreement(teacher_head):
-    """``token_loss(student_logits, teacher_x)``: 1 where the student's argmax is the teacher's, per token."""
-
-    def agree(logits, teacher_chunk):
-        with torch.no_grad():
-            return (logits.argmax(-1) == teacher_head(teacher_chunk).argmax(-1)).float()
-
-    return agree
+def _agreement_sums(x, head, teacher_x, teacher_head, labels, chunk: int) -> tuple[float, float, float]:
+    """Summed over the tokens: the student's argmax equal to the label, the teacher's equal to the label, and the
+    two argmaxes equal (-100: no label, never a hit); one head projection of each per chunk."""
+    hits = teacher_hits = agree = 0.0
+    with torch.no_grad():
+        for start in range(0, x.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            mine, theirs = head(x[rows]).argmax(-1), teacher_head(teacher_x[rows]).argmax(-1)
+            hits += float((mine == labels[rows]).sum())
+            teacher_hits += float((theirs == labels[rows]).sum())
+            agree += float((mine == theirs).sum())
+    return hits, teacher_hits, agree
 
 
 def kl_name(metrics: dict) -> str:
@@ -78,9 +77,8 @@ def heldout_metrics(
             teacher_x, teacher_head, _ = teacher_targets(teacher, batch, head_in_forward=head_in_forward)
             targets = (teacher_x,)
             token_loss = teacher_token_loss(losses.divergence("forward_kl"), teacher_head)
-            hits += float(losses.chunked_head_loss(x, head, _hits, (labels,), chunk))
-            teacher_hits += float(losses.chunked_head_loss(teacher_x, teacher_head, _hits, (labels,), chunk))
-            agree += float(losses.chunked_head_loss(x, head, _agreement(teacher_head), (teacher_x,), chunk))
+            sums = _agreement_sums(x, head, teacher_x, teacher_head, labels, chunk)
+            hits, teacher_hits, agree = (total + part for total, part in zip((hits, teacher_hits, agree), sums))
         kl_sum += float(losses.chunked_head_loss(x, head, token_loss, targets, chunk))
         kl_tokens += x.shape[0]
     student.train(was_training)
