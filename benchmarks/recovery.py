@@ -43,6 +43,9 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "non_expert": ["recovery=non_expert"],
     "progressive": ["recovery=plain", "recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
     "guided": ["recovery=guided"],  # the default: schedule-free at 4x, the hidden-state guide, the batch ramp
+    "guided_muon": ["recovery=guided", "recovery.optimizer=muon", "recovery.warmup_share=0.05"],
+    "guided_adamw": ["recovery=guided", "recovery.optimizer=adamw", "recovery.warmup_share=0.05"],  # Muon's control
+    "guided_t2": ["recovery=guided", "train.temperature=2"],
     "guided_no_ramp": ["recovery=guided", "recovery.batch_ramp=[]", "recovery.batch_ramp_shares=[]"],
     "schedule_free": ["recovery=schedule_free"],  # 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],

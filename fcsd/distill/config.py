@@ -23,7 +23,7 @@ SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
 EP_DISPATCHERS = ("plain", "dedup", "hierarchical")
 EARLY_STOP_METRICS = ("plus", "base")
-OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
+OPTIMIZERS = ("adamw", "schedule_free", "muon")  # recovery.optimizer
 # parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
 PARAM_GROUPS = ("embeddings", "attention", "norms", "router", "experts", "shared_experts", "dense_mlp")
 
@@ -557,6 +557,14 @@ def guide_weight(config: FCSDConfig, step: int) -> float:
     linearly to 0 at ``recovery.hidden_l2_share`` of the run's steps, 0 after."""
     fade = config.recovery.hidden_l2_share * schedule_steps(config.train)
     return config.recovery.hidden_l2 * max(0.0, 1.0 - step / fade)
+
+
+def peak_lr(config: FCSDConfig) -> float:
+    """The run's peak LR (issue 37's LR rule, docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
+    model (the paper's 2e-5 for its models, a model preset's, or the user's), times the recipe's
+    ``recovery.lr_scale`` (the guided default: 4, the multiple of plain's best LR at which guided did best on the fair
+    recovery benchmark's teachers)."""
+    return config.train.lr * config.recovery.lr_scale
 
 
 def warmup_steps(config: FCSDConfig) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fcsd.distill.config import FCSDConfig, schedule_steps, warm_steps, warmup_steps
+from fcsd.distill.config import FCSDConfig, peak_lr, schedule_steps, warm_steps, warmup_steps
 
 
 @dataclass
@@ -103,7 +103,7 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
     train, recovery = config.train, config.recovery
-    peak, warmup = train.lr * recovery.lr_scale, warmup_steps(config)
+    peak, warmup = peak_lr(config), warmup_steps(config)
     if recovery.trainable != "all" or recovery.lr_mult:
         from fcsd.distill.param_groups import optimizer_groups
 
@@ -119,7 +119,16 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
             params = parameter_groups(student, params)
     if recovery.optimizer == "schedule_free":
         return schedule_free(params, peak, warmup, train)
-    optimizer = torch.optim.AdamW(params, lr=peak, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
+    if recovery.optimizer == "muon":
+        from fcsd.distill.muon import MuonAdamW, muon_groups
+
+        optimizer = MuonAdamW(
+            muon_groups(student, params), lr=peak, betas=train.adam_betas, weight_decay=train.weight_decay
+        )
+    else:
+        optimizer = torch.optim.AdamW(
+            params, lr=peak, betas=tuple(train.adam_betas), weight_decay=train.weight_decay
+        )
     warm = warm_steps(config)
     if warm == 0:
         scheduler = get_cosine_with_min_lr_schedule_with_warmup(
