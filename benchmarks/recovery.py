@@ -46,6 +46,10 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "guided_muon": ["recovery=guided", "recovery.optimizer=muon", "recovery.warmup_share=0.05"],
     "guided_adamw": ["recovery=guided", "recovery.optimizer=adamw", "recovery.warmup_share=0.05"],  # Muon's control
     "guided_t2": ["recovery=guided", "train.temperature=2"],
+    "guided_avg1": ["recovery=guided", "recovery.average_power=1"],  # the average forgets early iterates
+    "guided_avg2": ["recovery=guided", "recovery.average_power=2"],
+    "guided_ramp_long": ["recovery=guided", "recovery.batch_ramp_shares=[0.1,0.4]"],  # 4 updates to 10%, 2 to 50%
+    "guided_ramp_8": ["recovery=guided", "recovery.batch_ramp=[8,4,2]", "recovery.batch_ramp_shares=[0.05,0.15,0.3]"],
     "guided_no_ramp": ["recovery=guided", "recovery.batch_ramp=[]", "recovery.batch_ramp_shares=[]"],
     "schedule_free": ["recovery=schedule_free"],  # 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],
