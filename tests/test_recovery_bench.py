@@ -172,6 +172,8 @@ def _site_packages(root: Path) -> Path:
         "Name: alpha\nVersion: 1.0\n\nalpha described. " + _words(0, 100)
     )
     (root / "alpha" / "README.md").write_text("alpha readme. " + _words(1, 120))
+    (root / "fcsd-0.1.0.dist-info").mkdir()  # this project's own README, which changes with every commit
+    (root / "fcsd-0.1.0.dist-info" / "METADATA").write_text("Name: fcsd\n\nfcsd described. " + _words(9, 100))
     (root / "alpha" / "LICENSE.md").write_text("licence text. " * 60)
     (root / "alpha" / "short.md").write_text("too short")
     for k in range(6):
@@ -183,7 +185,7 @@ def test_the_prose_corpus_is_deterministic_and_its_held_out_windows_are_not_trai
     root = _site_packages(tmp_path / "site")
     first = fair.prose_documents(root, max_chars=10_000, min_chars=100, package_share=0.5)
     assert first == fair.prose_documents(root, max_chars=10_000, min_chars=100, package_share=0.5)
-    assert not any("licence" in d or "Version:" in d or d == "too short" for d in first)
+    assert not any("licence" in d or "Version:" in d or d == "too short" or "fcsd" in d for d in first)
     assert any(d.startswith("alpha described.") for d in first) and any(d.startswith("beta page") for d in first)
     capped = fair.prose_documents(root, max_chars=4_000, min_chars=100, package_share=0.25)
     assert sum(len(d) for d in capped if d.startswith("beta")) <= 1_000  # one package's share of the text
