@@ -289,6 +289,10 @@ def test_plan_cli_json_with_probe(tmp_path, capsys):
     assert chosen["processes"] == 2 and plan["hours"] > 0
     config = accepted_by_convert(plan["commands"]["train"])  # a 15-step run: the 1000-step warm-up shortened
     assert config.train.warmup_steps <= 15 and any("train.warmup_steps lowered" in n for n in plan["notes"])
+    # the LR rule: the peak LR the run will train at, the plain LR times the default recipe's multiple
+    assert plan["lr"] == {"recipe": "guided", "train_lr": config.train.lr, "lr_scale": 4.0,
+                          "peak": config.train.lr * 4.0}  # fmt: skip
+    assert config.recovery.name == "guided" and config.recovery.lr_scale == 4.0
 
 
 def test_plan_commands_name_what_accelerate_and_convert_need(tmp_path, capsys):

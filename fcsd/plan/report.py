@@ -9,6 +9,7 @@ each named with its source; pretraining figures, so the comparable distillation 
 
 from __future__ import annotations
 
+from fcsd.distill.config import peak_lr
 from fcsd.plan.candidates import why_none_fits
 from fcsd.plan.cluster import GIB
 from fcsd.plan.simulate import CATEGORIES
@@ -166,6 +167,8 @@ def format_plan(plan) -> str:
         f"({len(s.moe_layers)} MoE), {s.num_experts} experts top-{s.top_k}, {s.total_params / 1e9:.2f}B parameters",
         f"run        {plan.tokens:.3g} tokens, {config.train.batch_tokens:,} tokens per step "
         f"({config.train.batch_tokens // config.data.seq_len} x {config.data.seq_len}), {plan.steps:,} steps",
+        f"LR         {config.recovery.name} recipe: peak {peak_lr(config):g} = train.lr {config.train.lr:g} x "
+        f"recovery.lr_scale {config.recovery.lr_scale:g} (the LR rule: docs/recovery.md)",
         "",
         "which layers (speedup: student training step under EP over one node, Eq. 9; prefill TP=EP=GPUs per node, "
         "32 x 2048, Appendix B)",
@@ -246,6 +249,8 @@ def plan_dict(plan) -> dict:
         "batch_tokens": plan.config.train.batch_tokens,
         "seq_len": plan.config.data.seq_len,
         "steps": plan.steps,
+        "lr": {"recipe": plan.config.recovery.name, "train_lr": plan.config.train.lr,
+               "lr_scale": plan.config.recovery.lr_scale, "peak": peak_lr(plan.config)},
         "layers": [o.to_dict() for o in plan.options],
         "recommended_layers": {"spec": plan.choice.spec, "reason": plan.reason},
         "candidates": [c.to_dict() for c in plan.search.candidates],
