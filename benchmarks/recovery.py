@@ -347,21 +347,35 @@ def fair_corpus(out: Path, kind: str) -> tuple[Path, tuple[Path, Path], dict]:
     return data, texts, digests
 
 
+def recipe_settings(recipe: str) -> dict:
+    """What ``recipe`` resolves to: its overrides, its ``recovery`` settings (the preset's, as the presets are now)
+    and the training settings a recipe may change; a kept record of other settings is run again."""
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.config import compose
+
+    config = OmegaConf.to_container(compose(list(RECIPES[recipe])), resolve=True)
+    train = {key: config["train"][key] for key in ("temperature", "divergence", "objective", "min_lr_ratio")}
+    return json.loads(json.dumps({"overrides": RECIPES[recipe], "recovery": config["recovery"], "train": train}))
+
+
 def fair_run(spec, model: Path, texts, digests: dict, recipe: str, lr: float, steps: int, args) -> dict | None:
     """One run of the fair benchmark: the record kept under ``--results`` when it was made of the same teacher and
     text, else a new run through :func:`run` (None: past ``--stop-at``, not started)."""
     kept = args.results / spec.name / f"{recipe}-lr{fair.lr_tag(lr)}-{steps}.json"
+    settings = recipe_settings(recipe)
     if kept.exists():
         record = json.loads(kept.read_text())
-        if record.get("teacher_spec") == spec.spec() and record.get("digests") == digests:
+        same = record.get("teacher_spec") == spec.spec() and record.get("digests") == digests
+        if same and record.get("recipe_settings", settings) == settings:  # records before the field: as today's
             return record
-        print(f"  {kept.name}: made of another teacher or text, run again", flush=True)
+        print(f"  {kept.name}: made of another teacher, text or recipe, run again", flush=True)
     if args.stop_at and datetime.now(timezone.utc).strftime("%H:%M") >= args.stop_at:
         print(f"  {spec.name} / {recipe} at lr {lr:g}, {steps} steps: not started (past --stop-at)", flush=True)
         return None
     print(f"{spec.name} / {recipe} at train.lr {lr:g}: {steps} steps", flush=True)
     result = run(args.out, spec.family, model, texts, recipe, steps, args, lr=lr, teacher_name=spec.name)
-    record = {**result, "role": spec.role, "teacher_spec": spec.spec(), "digests": digests}
+    record = {**result, "role": spec.role, "teacher_spec": spec.spec(), "digests": digests, "recipe_settings": settings}
     fair.save_result(args.results, record)
     return record
 

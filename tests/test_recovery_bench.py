@@ -226,6 +226,12 @@ def test_a_kept_run_record_is_reused_only_for_the_same_teacher_and_text(bench, f
     assert bench.fair_run(other, tmp_path, None, digests, "plain", 2e-3, 6, args) is None
     assert bench.fair_run(other, tmp_path, None, digests, "plain", 1e-3, 6, args)["teacher_spec"] == other.spec()
     assert len(calls) == 3
+    args.stop_at = None  # a recipe whose settings changed (here its LR multiple) since the record: run again
+    monkeypatch.setitem(bench.RECIPES, "plain", ["recovery=plain", "recovery.lr_scale=2"])
+    assert bench.fair_run(other, tmp_path, None, digests, "plain", 1e-3, 6, args)["recipe_settings"]["recovery"][
+        "lr_scale"
+    ] == 2
+    assert len(calls) == 4
 
 
 def test_an_unknown_teacher_is_refused_in_one_line(fair):
