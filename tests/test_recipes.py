@@ -102,6 +102,8 @@ def test_demo_sweep_selects_and_does_not_rerun(small_demo, tmp_path, capsys):
     stage2 = {0.001: stage1[chosen], 0.002: run_losses(root / "stage2" / f"bt{chosen}-lr0.002", 2)}
     selection = json.loads((root / "selection.json").read_text())
     assert (selection["batch_tokens"], selection["lr"]) == (chosen, min(stage2, key=stage2.get))
+    assert selection["peak_lr"] == selection["lr"] * 4  # the guided default's LR rule: 4 x train.lr
+    assert f"peak LR {selection['peak_lr']:g}" in (root / "sweep_table.md").read_text()
     settings = f"train.batch_tokens={chosen} train.lr={selection['lr']:g}"
     kept = "model=demo model.name=demo progress=false train.micro_batch_size=8 teacher.mode=cache teacher.top_k=16 "
     kept += f"teacher.cache_dir={root / 'teacher-cache'} output_dir={out / 'fcsd'}"  # the full run reuses the cache
