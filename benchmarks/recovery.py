@@ -50,6 +50,10 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "guided_avg2": ["recovery=guided", "recovery.average_power=2"],
     "guided_ramp_long": ["recovery=guided", "recovery.batch_ramp_shares=[0.1,0.4]"],  # 4 updates to 10%, 2 to 50%
     "guided_ramp_8": ["recovery=guided", "recovery.batch_ramp=[8,4,2]", "recovery.batch_ramp_shares=[0.05,0.15,0.3]"],
+    "guided_sf_muon": ["recovery=guided", "recovery.optimizer=schedule_free_muon"],
+    "guided_seed1": ["recovery=guided", "train.seed=1"],  # another data order: the noise between reruns
+    "plain_seed1": ["recovery=plain", "train.seed=1"],
+    "guided_frozen_embeddings": ["recovery=guided", "train.freeze_embeddings=true"],  # fewer noisy parameters
     "guided_no_ramp": ["recovery=guided", "recovery.batch_ramp=[]", "recovery.batch_ramp_shares=[]"],
     "schedule_free": ["recovery=schedule_free"],  # 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],
@@ -481,7 +485,8 @@ def main() -> None:
         if args.recipes == ",".join(RECIPES):
             args.recipes = "plain,guided"
         args.heldout, args.eval_every = "files", args.eval_every or 30
-        results = fair.load_results(args.results) if args.report_only else fair_sweep(args)
+        results, notes = fair.same_text(fair.load_results(args.results) if args.report_only else fair_sweep(args))
+        print("\n".join(notes))
         scales = {r["recipe"]: r.get("lr_scale", 1.0) for r in results}
         print("\n".join(fair.fair_report(results, fair.TEACHERS, *FAIR_MARKS, lr_scales=scales)))
         if args.markdown:

@@ -39,8 +39,9 @@ class MuonAdamW(torch.optim.Optimizer):
     :func:`orthogonalise`, scaled to AdamW's update RMS (Moonlight), the others AdamW; both at the group's ``lr``
     (one LR schedule drives them) with decoupled ``weight_decay``."""
 
-    def __init__(self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, momentum: float = 0.95,
-                 eps: float = 1e-8):
+    def __init__(
+        self, groups, lr: float, betas=(0.9, 0.95), weight_decay: float = 0.0, momentum: float = 0.95, eps: float = 1e-8
+    ):
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, momentum=momentum, eps=eps, muon=False)
         super().__init__(groups, defaults)
 
@@ -64,7 +65,7 @@ class MuonAdamW(torch.optim.Optimizer):
                     param.add_(update, alpha=-lr * 0.2 * math.sqrt(max(param.shape[-2:])))
                     continue
                 beta1, beta2 = group["betas"]
-                if not state:
+                if "exp_avg_sq" not in state:  # (the schedule-free wrapper keeps its own entries here too)
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(param), torch.zeros_like(param)
                 state["step"] += 1
@@ -87,3 +88,19 @@ def muon_groups(student: torch.nn.Module, params: list) -> list[dict]:
     chosen = {id(p) for p in matrices}
     rest = [p for p in params if id(p) not in chosen]
     return [g for g in ({"params": matrices, "muon": True}, {"params": rest, "muon": False}) if g["params"]]
+
+
+def schedule_free_muon(student, params, lr: float, warmup: int, train):
+    """Muon (and AdamW's second moments on the rest) made schedule-free by ``schedulefree.ScheduleFreeWrapper``: the
+    base takes no momentum of its own (the wrapper's interpolation is the momentum), the average is scored and
+    saved as :func:`fcsd.distill.optim.schedule_free`'s."""
+    import schedulefree
+
+    from fcsd.distill.optim import LinearWarmup
+
+    base = MuonAdamW(muon_groups(student, params), lr=lr, betas=(0.0, train.adam_betas[1]), momentum=0.0)
+    optimizer = schedulefree.ScheduleFreeWrapper(
+        base, momentum=train.adam_betas[0], weight_decay_at_y=train.weight_decay
+    )
+    optimizer.train()
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(base, LinearWarmup(warmup))
