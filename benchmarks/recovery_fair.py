@@ -110,10 +110,10 @@ def package_of(root: Path, path: Path) -> str:
 
 
 def prose_documents(root: Path, max_chars: int, min_chars: int = 500, package_share: float = 0.15) -> list[str]:
-    """Documents of at least ``min_chars`` characters from :func:`prose_files` (none of :data:`SKIP_PACKAGES`), in an order shuffled with a fixed
-    seed, until ``max_chars`` characters, at most ``package_share`` of them from one package (one package's
-    documentation, e.g. a command line tool's thousands of examples, would otherwise be most of the text); the same
-    files give the same list."""
+    """Documents of at least ``min_chars`` characters from :func:`prose_files` (none of :data:`SKIP_PACKAGES`), in an
+    order shuffled with a fixed seed, until ``max_chars`` characters, at most ``package_share`` of them from one
+    package (one package's documentation, e.g. a command line tool's thousands of examples, would otherwise be most
+    of the text); the same files give the same list."""
     files = prose_files(root)
     random.Random(0).shuffle(files)
     documents, total, per_package = [], 0, {}
@@ -121,7 +121,11 @@ def prose_documents(root: Path, max_chars: int, min_chars: int = 500, package_sh
         text = path.read_text(errors="replace")
         text = metadata_body(text) if path.name == "METADATA" else text.strip()
         package = package_of(root, path)
-        if package in SKIP_PACKAGES or len(text) < min_chars or per_package.get(package, 0) + len(text) > package_share * max_chars:
+        if (
+            package in SKIP_PACKAGES
+            or len(text) < min_chars
+            or per_package.get(package, 0) + len(text) > package_share * max_chars
+        ):
             continue
         per_package[package] = per_package.get(package, 0) + len(text)
         documents.append(text)
@@ -311,6 +315,25 @@ def save_result(folder: Path, result: dict) -> Path:
 def load_results(folder: Path) -> list[dict]:
     """Every run record under ``folder``, sorted by path."""
     return [json.loads(p.read_text()) for p in sorted(folder.glob("*/*.json"))]
+
+
+def same_text(results: list[dict], baseline: str = "plain") -> tuple[list[dict], list[str]]:
+    """The records each teacher's comparison may use: those made of the same teacher and text as its ``baseline``
+    records (a sweep continued after the text changed leaves older records beside the new ones), and a note for
+    each record left out."""
+    made_of = {}
+    for r in results:
+        if r["recipe"] == baseline:
+            made_of.setdefault(r["teacher"], (r.get("teacher_spec"), r.get("digests")))
+    kept, notes = [], []
+    for r in results:
+        source = (r.get("teacher_spec"), r.get("digests"))
+        if made_of.get(r["teacher"], source) == source:
+            kept.append(r)
+        else:
+            notes.append(f"left out {r['teacher']}/{r['recipe']} at lr {r['lr']:g}, {r['steps']} steps: made of "
+                         f"another teacher or text than its {baseline} runs (rerun it)")  # fmt: skip
+    return kept, notes
 
 
 def fair_table(

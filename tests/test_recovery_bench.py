@@ -228,10 +228,27 @@ def test_a_kept_run_record_is_reused_only_for_the_same_teacher_and_text(bench, f
     assert len(calls) == 3
     args.stop_at = None  # a recipe whose settings changed (here its LR multiple) since the record: run again
     monkeypatch.setitem(bench.RECIPES, "plain", ["recovery=plain", "recovery.lr_scale=2"])
-    assert bench.fair_run(other, tmp_path, None, digests, "plain", 1e-3, 6, args)["recipe_settings"]["recovery"][
-        "lr_scale"
-    ] == 2
+    assert (
+        bench.fair_run(other, tmp_path, None, digests, "plain", 1e-3, 6, args)["recipe_settings"]["recovery"][
+            "lr_scale"
+        ]
+        == 2
+    )
     assert len(calls) == 4
+
+
+def test_the_report_leaves_out_records_of_another_text_than_the_baselines(fair):
+    plain = _result("t", "plain", 1e-3, 6, [(0, 0.5), (6, 0.1)])
+    new, old = (
+        {**r, "digests": {"corpus": d}}
+        for r, d in (
+            (_result("t", "guided", 1e-3, 6, [(6, 0.05)]), "a"),
+            (_result("t", "guided", 4e-4, 6, [(6, 0.01)]), "b"),
+        )
+    )
+    kept, notes = fair.same_text([{**plain, "digests": {"corpus": "a"}}, new, old])
+    assert [r["lr"] for r in kept if r["recipe"] == "guided"] == [1e-3]
+    assert len(notes) == 1 and notes[0].startswith("left out t/guided at lr 0.0004, 6 steps")
 
 
 def test_an_unknown_teacher_is_refused_in_one_line(fair):
