@@ -235,6 +235,9 @@ def test_a_kept_run_record_is_reused_only_for_the_same_teacher_and_text(bench, f
         == 2
     )
     assert len(calls) == 4
+    kept = bench.recipe_settings("guided")  # a key removed since the record was made is not compared
+    assert bench.same_settings({**kept, "recovery": {**kept["recovery"], "gone": 0.0}}, kept)
+    assert not bench.same_settings({**kept, "recovery": {**kept["recovery"], "lr_scale": 2.0}}, kept)
 
 
 def test_the_report_leaves_out_records_of_another_text_than_the_baselines(fair):

@@ -175,8 +175,6 @@ class RecoveryConfig:
     optimizer: str = "adamw"  # adamw: AdamW, warm-up, cosine to train.min_lr_ratio (the paper) | schedule_free:
     # schedule-free AdamW (Defazio et al. 2024, the `schedulefree` package), constant LR after the warm-up; the
     # weights scored, saved (final/, best/) and exported are the average its iterates follow, good at every step
-    average_power: float = 0.0  # schedule-free's average weights the iterate of update k by (k+1)^average_power
-    # (its `r`; 0: a uniform average after the warm-up, the package's default; higher forgets the early iterates faster)
     lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (the schedule_free preset: 2; guided: 4)
     warmup_share: float | None = None  # warm-up as a share of the run's steps, replacing train.warmup_steps
     hidden_l2: float = 0.0  # weight of the teacher's hidden states as a guide, added to the KL: per token, the mean
@@ -469,8 +467,6 @@ def _check_optimizer(config: FCSDConfig) -> None:
     recovery = config.recovery
     if recovery.optimizer not in OPTIMIZERS:
         raise ValueError(f"recovery.optimizer={recovery.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if not (math.isfinite(recovery.average_power) and recovery.average_power >= 0):
-        raise ValueError(f"recovery.average_power={recovery.average_power}: it must be a finite number >= 0")
     if not (math.isfinite(recovery.lr_scale) and recovery.lr_scale > 0):
         raise ValueError(f"recovery.lr_scale={recovery.lr_scale}: it must be a finite number > 0")
     share = recovery.warmup_share

@@ -118,7 +118,7 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
 
             params = parameter_groups(student, params)
     if recovery.optimizer == "schedule_free":
-        return schedule_free(params, peak, warmup, train, recovery.average_power)
+        return schedule_free(params, peak, warmup, train)
     if recovery.optimizer == "schedule_free_muon":
         from fcsd.distill.muon import schedule_free_muon
 
@@ -143,7 +143,7 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
     return optimizer, scheduler
 
 
-def schedule_free(params, lr: float, warmup: int, train, average_power: float = 0.0):
+def schedule_free(params, lr: float, warmup: int, train):
     """Schedule-free AdamW (Defazio et al. 2024, "The Road Less Scheduled"; the ``schedulefree`` package) at ``lr``
     after a linear warm-up of ``warmup`` steps (applied by the returned LambdaLR, which the optimizer reads as its
     scheduled LR), then constant: no horizon to anneal towards. Its training iterate runs ahead of an average of the
@@ -153,7 +153,7 @@ def schedule_free(params, lr: float, warmup: int, train, average_power: float = 
     import schedulefree
 
     optimizer = schedulefree.AdamWScheduleFree(
-        params, lr=lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay, warmup_steps=0, r=average_power
+        params, lr=lr, betas=tuple(train.adam_betas), weight_decay=train.weight_decay, warmup_steps=0
     )
     optimizer.train()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, LinearWarmup(warmup))

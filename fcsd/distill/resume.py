@@ -54,7 +54,6 @@ RESUME_KEYS = (
     "recovery.progressive",
     "recovery.progressive_shares",
     "recovery.optimizer",  # its state (schedule-free's average) means nothing to the other
-    "recovery.average_power",  # how that average weighs the iterates
     "recovery.hidden_l2",  # part of the loss, with the share of the run it fades over
     "recovery.hidden_l2_share",
     "recovery.batch_ramp",  # how many updates the ramp's steps make
