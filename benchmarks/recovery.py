@@ -43,12 +43,9 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "non_expert": ["recovery=non_expert"],
     "progressive": ["recovery=plain", "recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
     "guided": ["recovery=guided"],  # the default: schedule-free at 4x, the hidden-state guide, the batch ramp
-    "guided_muon": ["recovery=guided", "recovery.optimizer=muon", "recovery.warmup_share=0.05"],
-    "guided_adamw": ["recovery=guided", "recovery.optimizer=adamw", "recovery.warmup_share=0.05"],  # Muon's control
     "guided_t2": ["recovery=guided", "train.temperature=2"],
     "guided_ramp_long": ["recovery=guided", "recovery.batch_ramp_shares=[0.1,0.4]"],  # 4 updates to 10%, 2 to 50%
     "guided_ramp_8": ["recovery=guided", "recovery.batch_ramp=[8,4,2]", "recovery.batch_ramp_shares=[0.05,0.15,0.3]"],
-    "guided_sf_muon": ["recovery=guided", "recovery.optimizer=schedule_free_muon"],
     "guided_seed1": ["recovery=guided", "train.seed=1"],  # another data order: the noise between reruns
     "plain_seed1": ["recovery=plain", "train.seed=1"],
     "guided_frozen_embeddings": ["recovery=guided", "train.freeze_embeddings=true"],  # fewer noisy parameters

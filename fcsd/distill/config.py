@@ -23,7 +23,7 @@ SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
 EP_DISPATCHERS = ("plain", "dedup", "hierarchical")
 EARLY_STOP_METRICS = ("plus", "base")
-OPTIMIZERS = ("adamw", "schedule_free", "muon", "schedule_free_muon")  # recovery.optimizer
+OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
 # parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
 PARAM_GROUPS = ("embeddings", "attention", "norms", "router", "experts", "shared_experts", "dense_mlp")
 

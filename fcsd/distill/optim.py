@@ -119,18 +119,7 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
             params = parameter_groups(student, params)
     if recovery.optimizer == "schedule_free":
         return schedule_free(params, peak, warmup, train)
-    if recovery.optimizer == "schedule_free_muon":
-        from fcsd.distill.muon import schedule_free_muon
-
-        return schedule_free_muon(student, params, peak, warmup, train)
-    if recovery.optimizer == "muon":
-        from fcsd.distill.muon import MuonAdamW, muon_groups
-
-        optimizer = MuonAdamW(
-            muon_groups(student, params), lr=peak, betas=train.adam_betas, weight_decay=train.weight_decay
-        )
-    else:
-        optimizer = torch.optim.AdamW(params, lr=peak, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=peak, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
     warm = warm_steps(config)
     if warm == 0:
         scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -176,8 +165,7 @@ def evaluation_weights(optimizer):
     """The weights to score and save in the model for the duration: a schedule-free optimizer's average (its
     ``eval`` mode), restored to the training iterate afterwards; nothing to do for AdamW."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-    training = inner.param_groups[0].get("train_mode") or getattr(inner, "train_mode", False)  # the wrapper's
-    if not (hasattr(inner, "eval") and training):  # AdamW, or already switched
+    if not (hasattr(inner, "eval") and inner.param_groups[0].get("train_mode")):  # AdamW, or already switched
         yield
         return
     inner.eval()
