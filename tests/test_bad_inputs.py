@@ -1483,6 +1483,22 @@ def test_small_data_holds_out_at_most_a_fifth_and_says_so(env, caplog):
     assert f"data.eval_sequences=1000: {config.data.path} packs into {len(train) + len(held)} sequences" in caplog.text
 
 
+def test_the_held_out_rows_of_an_eval_file_do_not_change_with_the_seed(env):
+    """Runs of two seeds train in two orders and are scored on the same held-out rows of data.eval_path (the
+    file's documents were packed in the seed's order, so another seed scored other windows)."""
+    from fcsd.distill.models import load_tokenizer
+    from fcsd.distill.run_data import load_run_data
+
+    loaded = []
+    for seed in (0, 1):
+        overrides = [f"data.eval_path={env / 'data/train.jsonl'}", "data.eval_sequences=4", f"train.seed={seed}"]
+        config = to_config(compose([*run_convert(env, *overrides)[2:], f"model.name={env / 'model'}"]))
+        loaded.append(load_run_data(config, load_tokenizer(config)))
+    (train0, held0, _), (train1, held1, _) = loaded
+    assert torch.equal(held0.input_ids, held1.input_ids) and torch.equal(held0.position_ids, held1.position_ids)
+    assert not torch.equal(train0.input_ids, train1.input_ids)  # the seed still orders the training documents
+
+
 def test_skipped_rows_are_counted_once(tmp_path, caplog):
     from fcsd.distill.data import load_texts
 

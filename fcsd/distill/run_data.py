@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def load_run_data(config: FCSDConfig, tokenizer, sources: tuple | None = None) -> tuple[Packed, Packed, dict]:
-    """Training rows, held-out rows and a summary; held-out rows come from ``data.eval_path`` or the end of the
-    shuffled training rows (then removed from training). ``sources``: ``data.path`` and ``data.eval_path`` already
+    """Training rows, held-out rows and a summary; held-out rows come from ``data.eval_path`` (the same rows
+    whatever ``train.seed``) or the end of the shuffled training rows (then removed from training). ``sources``: ``data.path`` and ``data.eval_path`` already
     resolved (:mod:`fcsd.distill.preflight`)."""
     data = config.data
     path, eval_path = sources or (resolve_data(data.path), resolve_data(data.eval_path))
@@ -29,7 +29,8 @@ def load_run_data(config: FCSDConfig, tokenizer, sources: tuple | None = None) -
     }
     packed, summary = load_packed(path, tokenizer, data.seq_len, split=data.split, max_rows=data.max_rows, **options)
     if eval_path:
-        held, _ = load_packed(eval_path, tokenizer, data.seq_len, **options)
+        # packed in one order whatever train.seed is: runs of several seeds are scored on the same rows
+        held, _ = load_packed(eval_path, tokenizer, data.seq_len, **{**options, "seed": HELDOUT_SEED})
         held = held.rows(slice(0, data.eval_sequences))
         train = packed
     else:
@@ -39,6 +40,7 @@ def load_run_data(config: FCSDConfig, tokenizer, sources: tuple | None = None) -
     return train, held, summary
 
 
+HELDOUT_SEED = 0  # the order data.eval_path's documents are packed in (the first data.eval_sequences rows score)
 HELDOUT_SHARE = 5  # rows of the training data held out: at most one in this many, the rest trains
 
 
