@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 
 def load_run_data(config: FCSDConfig, tokenizer, sources: tuple | None = None) -> tuple[Packed, Packed, dict]:
     """Training rows, held-out rows and a summary; held-out rows come from ``data.eval_path`` (the same rows
-    whatever ``train.seed``) or the end of the shuffled training rows (then removed from training). ``sources``: ``data.path`` and ``data.eval_path`` already
-    resolved (:mod:`fcsd.distill.preflight`)."""
+    whatever ``train.seed``) or the end of the shuffled training rows (then removed from training). ``sources``:
+    ``data.path`` and ``data.eval_path`` already resolved (:mod:`fcsd.distill.preflight`)."""
     data = config.data
     path, eval_path = sources or (resolve_data(data.path), resolve_data(data.eval_path))
     options = {
