@@ -360,11 +360,16 @@ def recipe_settings(recipe: str) -> dict:
 
 def same_settings(kept: dict, now: dict) -> bool:
     """Whether a record's recipe settings are today's: its overrides equal, and every setting today's config has
-    equal (a key since removed, which a changed value would have put in the overrides, is not compared; a record
-    from before the field is taken as today's)."""
+    equal, a key the record lacks (added since) taken at its default; a key since removed is not compared (a
+    changed value of it was in the overrides); a record from before the field is taken as today's."""
+    from dataclasses import asdict
+
+    from fcsd.distill.config import RecoveryConfig, TrainConfig
+
     if kept.get("overrides") != now["overrides"]:
         return False
-    return all(kept.get(group, {}).get(key, value) == value for group in ("recovery", "train")
+    defaults = {"recovery": json.loads(json.dumps(asdict(RecoveryConfig()))), "train": asdict(TrainConfig())}
+    return all(kept.get(group, {}).get(key, defaults[group].get(key)) == value for group in ("recovery", "train")
                for key, value in now[group].items())  # fmt: skip
 
 
@@ -491,7 +496,8 @@ def main() -> None:
             args.recipes = "plain,guided"
         args.heldout, args.eval_every = "files", args.eval_every or 30
         results, notes = fair.same_text(fair.load_results(args.results) if args.report_only else fair_sweep(args))
-        print("\n".join(notes))
+        if notes:
+            print("\n".join(notes))
         scales = {r["recipe"]: r.get("lr_scale", 1.0) for r in results}
         print("\n".join(fair.fair_report(results, fair.TEACHERS, *FAIR_MARKS, lr_scales=scales)))
         if args.markdown:

@@ -318,13 +318,16 @@ def load_results(folder: Path) -> list[dict]:
 
 
 def same_text(results: list[dict], baseline: str = "plain") -> tuple[list[dict], list[str]]:
-    """The records each teacher's comparison may use: those made of the same teacher and text as its ``baseline``
-    records (a sweep continued after the text changed leaves older records beside the new ones), and a note for
-    each record left out."""
-    made_of = {}
+    """The records each teacher's comparison may use: those made of the same teacher and text as most of its
+    ``baseline`` records (a sweep continued after the text changed leaves older records beside the new ones), and a
+    note for each record left out."""
+    counts: dict[str, list] = {}
     for r in results:
         if r["recipe"] == baseline:
-            made_of.setdefault(r["teacher"], (r.get("teacher_spec"), r.get("digests")))
+            counts.setdefault(r["teacher"], []).append(json.dumps([r.get("teacher_spec"), r.get("digests")]))
+    made_of = {}  # per teacher, what most of its baseline records were made of
+    for teacher, sources in counts.items():
+        made_of[teacher] = tuple(json.loads(max(sources, key=sources.count)))
     kept, notes = [], []
     for r in results:
         source = (r.get("teacher_spec"), r.get("digests"))

@@ -238,6 +238,11 @@ def test_a_kept_run_record_is_reused_only_for_the_same_teacher_and_text(bench, f
     kept = bench.recipe_settings("guided")  # a key removed since the record was made is not compared
     assert bench.same_settings({**kept, "recovery": {**kept["recovery"], "gone": 0.0}}, kept)
     assert not bench.same_settings({**kept, "recovery": {**kept["recovery"], "lr_scale": 2.0}}, kept)
+    # a key added since: the record's run had its default, so a preset that sets another value runs again
+    older = {**kept, "recovery": {k: v for k, v in kept["recovery"].items() if k != "hidden_l2"}}
+    assert not bench.same_settings(older, kept)  # guided sets hidden_l2 = 4, the default is 0
+    older = {**kept, "recovery": {k: v for k, v in kept["recovery"].items() if k != "warm_share"}}
+    assert bench.same_settings(older, kept)  # guided leaves warm_share at its default
 
 
 def test_the_report_leaves_out_records_of_another_text_than_the_baselines(fair):
@@ -252,6 +257,12 @@ def test_the_report_leaves_out_records_of_another_text_than_the_baselines(fair):
     kept, notes = fair.same_text([{**plain, "digests": {"corpus": "a"}}, new, old])
     assert [r["lr"] for r in kept if r["recipe"] == "guided"] == [1e-3]
     assert len(notes) == 1 and notes[0].startswith("left out t/guided at lr 0.0004, 6 steps")
+    # a stale plain record sorted first does not decide: most of the plain records do
+    stale = {**plain, "lr": 4e-4, "digests": {"corpus": "b"}}
+    fresh = [{**plain, "lr": lr, "digests": {"corpus": "a"}} for lr in (1e-3, 2.5e-3)]
+    kept, notes = fair.same_text([stale, *fresh, new, old])
+    assert sorted((r["recipe"], r["lr"]) for r in kept) == [("guided", 1e-3), ("plain", 1e-3), ("plain", 2.5e-3)]
+    assert len(notes) == 2
 
 
 def test_an_unknown_teacher_is_refused_in_one_line(fair):
