@@ -560,7 +560,8 @@ def guide_weight(config: FCSDConfig, step: int) -> float:
 
 
 def peak_lr(config: FCSDConfig) -> float:
-    """The run's peak LR (issue 37's LR rule, docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
+    """The run's peak LR, of its base parameter group (``recovery.lr_mult`` scales groups, a warm start has its own;
+    issue 37's LR rule, docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
     model (the paper's 2e-5 for its models, a model preset's, or the user's), times the recipe's
     ``recovery.lr_scale`` (the guided default: 4; on the fair recovery benchmark's four teachers guided did best at
     4x plain's best LR, or within 1% of its best there)."""

@@ -176,7 +176,8 @@ def _run_stages(config: FCSDConfig, overrides: list[str], root: Path) -> dict:
     rows += second
     best = choose(second, 2)
     selection = {"batch_tokens": best["batch_tokens"], "lr": best["lr"], "loss": best["loss"]}
-    selection["peak_lr"] = best["lr"] * config.recovery.lr_scale  # the LR rule: train.lr x the recipe's multiple
+    selection["lr_scale"] = config.recovery.lr_scale  # the LR rule: the run's peak is train.lr x the recipe's multiple
+    selection["peak_lr"] = best["lr"] * config.recovery.lr_scale
     selection["command"] = final_command(config, overrides, selection)
     write_outputs(root, rows, selection, sweep.select_last)
     if sweep.launch_final:
@@ -225,9 +226,9 @@ def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: in
             loss = f"**{loss}**"
         lines.append(f"| {row['stage']} | {row['batch_tokens']:,} | {row['lr']:g} | {row['status']} | {row['steps']} "
                      f"| {loss} | `{row['run']}` |")  # fmt: skip
-    scale = selection["peak_lr"] / selection["lr"]
     lines += ["", f"Chosen: batch {selection['batch_tokens']:,} tokens, LR {selection['lr']:g} (train.lr; the run's "
-              f"peak LR {selection['peak_lr']:g}, the recipe's recovery.lr_scale {scale:g} times it).", "",
+              f"peak LR {selection['peak_lr']:g}, the recipe's recovery.lr_scale {selection['lr_scale']:g} times it).",
+              "",
               f"Full conversion: `{selection['command']}`"]  # fmt: skip
     (root / "sweep_table.md").write_text("\n".join(lines) + "\n")
     (root / "selection.json").write_text(json.dumps(selection, indent=2))
