@@ -373,14 +373,32 @@ def same_settings(kept: dict, now: dict) -> bool:
                for key, value in now[group].items())  # fmt: skip
 
 
+def heldout_fingerprint(out: Path, model: Path, texts, teacher_name: str, eval_sequences: int) -> str:
+    """A fingerprint of the held-out rows a run of ``teacher_name`` is scored on, as fcsd packs them now (the held-out
+    file's digest does not change when fcsd packs it otherwise)."""
+    from fcsd.distill.config import compose, to_config
+    from fcsd.distill.data import tokens_fingerprint
+    from fcsd.distill.models import load_tokenizer
+    from fcsd.distill.run_data import load_run_data
+
+    overrides = [f"model.name={model}", f"data.path={texts[0]}", f"data.eval_path={texts[1]}",
+                 f"data.cache_dir={out / 'packed' / teacher_name}", f"data.seq_len={SEQ_LEN}",
+                 f"data.eval_sequences={eval_sequences}"]  # fmt: skip
+    config = to_config(compose(overrides))
+    _, held, _ = load_run_data(config, load_tokenizer(config))
+    return tokens_fingerprint(held.input_ids)
+
+
 def fair_run(spec, model: Path, texts, digests: dict, recipe: str, lr: float, steps: int, args) -> dict | None:
     """One run of the fair benchmark: the record kept under ``--results`` when it was made of the same teacher and
     text, else a new run through :func:`run` (None: past ``--stop-at``, not started)."""
     kept = args.results / spec.name / f"{recipe}-lr{fair.lr_tag(lr)}-{steps}.json"
     settings = recipe_settings(recipe)
+    rows = heldout_fingerprint(args.out, model, texts, spec.name, args.eval_sequences)
     if kept.exists():
         record = json.loads(kept.read_text())
         same = record.get("teacher_spec") == spec.spec() and record.get("digests") == digests
+        same = same and record.get("heldout_rows", rows) == rows  # records before the field: as today's
         if same and same_settings(record.get("recipe_settings", settings), settings):
             return record
         print(f"  {kept.name}: made of another teacher, text or recipe, run again", flush=True)
@@ -390,6 +408,7 @@ def fair_run(spec, model: Path, texts, digests: dict, recipe: str, lr: float, st
     print(f"{spec.name} / {recipe} at train.lr {lr:g}: {steps} steps", flush=True)
     result = run(args.out, spec.family, model, texts, recipe, steps, args, lr=lr, teacher_name=spec.name)
     record = {**result, "role": spec.role, "teacher_spec": spec.spec(), "digests": digests, "recipe_settings": settings}
+    record["heldout_rows"] = rows
     fair.save_result(args.results, record)
     return record
 

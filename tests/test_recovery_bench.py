@@ -211,8 +211,10 @@ def test_a_kept_run_record_is_reused_only_for_the_same_teacher_and_text(bench, f
         return _result(teacher_name, recipe, lr, steps, [(0, 0.5), (steps, 0.1)])
 
     monkeypatch.setattr(bench, "run", fake_run)
+    rows = {"now": "rows-a"}  # the held-out rows as fcsd packs them (a fake: there is no model here)
+    monkeypatch.setattr(bench, "heldout_fingerprint", lambda *a: rows["now"])
     spec = fair.Teacher("t", "qwen3_moe", "prose", 10, "reported")
-    args = SimpleNamespace(results=tmp_path / "results", out=tmp_path, stop_at=None)
+    args = SimpleNamespace(results=tmp_path / "results", out=tmp_path, stop_at=None, eval_sequences=64)
     digests = {"corpus": {"sha256": "a"}}
     first = bench.fair_run(spec, tmp_path, None, digests, "plain", 1e-3, 6, args)
     assert (tmp_path / "results" / "t" / "plain-lr0.001-6.json").exists()
@@ -235,6 +237,9 @@ def test_a_kept_run_record_is_reused_only_for_the_same_teacher_and_text(bench, f
         == 2
     )
     assert len(calls) == 4
+    rows["now"] = "rows-b"  # fcsd packs the held-out file otherwise: the same file, other rows scored
+    assert bench.fair_run(other, tmp_path, None, digests, "plain", 1e-3, 6, args)["heldout_rows"] == "rows-b"
+    assert len(calls) == 5
     kept = bench.recipe_settings("guided")  # a key removed since the record was made is not compared
     assert bench.same_settings({**kept, "recovery": {**kept["recovery"], "gone": 0.0}}, kept)
     assert not bench.same_settings({**kept, "recovery": {**kept["recovery"], "lr_scale": 2.0}}, kept)
