@@ -20,6 +20,7 @@ recovery recipe of ``fcsd convert``, on two tiny teachers this script pretrains 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -373,6 +374,7 @@ def same_settings(kept: dict, now: dict) -> bool:
                for key, value in now[group].items())  # fmt: skip
 
 
+@functools.cache  # one packing per teacher and sweep, not one per record looked up
 def heldout_fingerprint(out: Path, model: Path, texts, teacher_name: str, eval_sequences: int) -> str:
     """A fingerprint of the held-out rows a run of ``teacher_name`` is scored on, as fcsd packs them now (the held-out
     file's digest does not change when fcsd packs it otherwise)."""

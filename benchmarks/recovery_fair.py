@@ -321,17 +321,18 @@ def same_text(results: list[dict], baseline: str = "plain") -> tuple[list[dict],
     """The records each teacher's comparison may use: those made of the same teacher and text as most of its
     ``baseline`` records (a sweep continued after the text changed leaves older records beside the new ones), and a
     note for each record left out."""
-    counts: dict[str, list] = {}
+
+    def made_of(r: dict) -> str:
+        return json.dumps([r.get("teacher_spec"), r.get("digests")], sort_keys=True)
+
+    sources: dict[str, list[str]] = {}
     for r in results:
         if r["recipe"] == baseline:
-            counts.setdefault(r["teacher"], []).append(json.dumps([r.get("teacher_spec"), r.get("digests")]))
-    made_of = {}  # per teacher, what most of its baseline records were made of
-    for teacher, sources in counts.items():
-        made_of[teacher] = tuple(json.loads(max(sources, key=sources.count)))
+            sources.setdefault(r["teacher"], []).append(made_of(r))
+    usual = {teacher: max(made, key=made.count) for teacher, made in sources.items()}  # most baseline records'
     kept, notes = [], []
     for r in results:
-        source = (r.get("teacher_spec"), r.get("digests"))
-        if made_of.get(r["teacher"], source) == source:
+        if usual.get(r["teacher"], made_of(r)) == made_of(r):
             kept.append(r)
         else:
             notes.append(f"left out {r['teacher']}/{r['recipe']} at lr {r['lr']:g}, {r['steps']} steps: made of "
