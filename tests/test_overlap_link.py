@@ -208,6 +208,17 @@ def _windows(timeline: dict) -> list[tuple[str, str, set[str]]]:
     return out
 
 
+def _window_shares(timelines: list[dict], phase: str) -> list[float]:
+    """Per transfer of ``phase`` (the blocking counts exchange left out): the share of its link time that the rank
+    spent between the launch and the wait, i.e. computing while the transfer was in flight."""
+    return [
+        min(1.0, (t["waited"] - t["launched"]) / (t["delivered"] - t["start"]))
+        for timeline in timelines
+        for t in timeline["transfers"]
+        if t["phase"] == phase and t["kind"] != "counts"
+    ]
+
+
 def test_bench_overlap_link_end_to_end_prints_the_figures_and_draws_the_steps(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     # a link slow enough that each transfer outlasts the Python between a launch and its wait by far, so the regular
@@ -219,14 +230,17 @@ def test_bench_overlap_link_end_to_end_prints_the_figures_and_draws_the_steps(tm
     assert printed.err.strip().splitlines()[-1].startswith("timeline: ")
     assert result["link"]["bandwidth"] == 2e7 and result["link"]["latency"] == pytest.approx(2e-4)
     for layout, phases in (("all_to_all", ("forward", "backward")), ("all_reduce", ("prefill",))):
-        modes = result["layouts"][layout]["modes"]
+        modes, timelines = result["layouts"][layout]["modes"], result["layouts"][layout]["timeline"]
         for phase in phases:
             kinds = modes["farskip_overlap"]["phases"][phase]
             assert kinds["total"]["link_ms"] > 0 and 0 <= kinds["total"]["hidden_share"] <= 1
-            regular = modes["regular"]["phases"][phase]["total"]["hidden_share"]
-            # regular: waited at once, so nearly nothing hidden; the overlapped schedule hides a share that depends
-            # on how fast this machine computes against the link (0.13-0.4 seen, lowest beside other jobs)
-            assert regular < 0.2 and kinds["total"]["hidden_share"] > max(0.05, 5 * regular + 0.02)
+            # regular: waited at once, so its typical transfer has nearly no compute in flight; the overlapped
+            # schedule's typical one has a share that depends on how fast this machine computes against the link
+            # (0.13-0.4 seen, lowest beside other jobs). Judged per transfer (the median), not in total: one
+            # preemption between a launch and its wait (~1 ms on a busy CI machine) made the regular total 0.10
+            regular = statistics.median(_window_shares(timelines["regular"], phase))
+            overlapped = statistics.median(_window_shares(timelines["farskip_overlap"], phase))
+            assert regular < 0.05 and overlapped > max(0.05, 3 * regular), (phase, regular, overlapped)
     kinds = set(result["layouts"]["all_to_all"]["modes"]["farskip_overlap"]["phases"]["backward"])
     assert kinds == {"dispatch (backward)", "combine (backward)", "total"}
     assert set(result["layouts"]["all_reduce"]["modes"]["farskip_overlap"]["phases"]["prefill"]) == {
