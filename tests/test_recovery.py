@@ -198,8 +198,9 @@ def test_frozen_groups_get_no_gradient_and_no_optimizer_state(assets, tmp_path):
     assert all(params[name].requires_grad for name in set(params) - frozen)
     in_optimizer = {id(p): group["initial_lr"] for group in optimizer.param_groups for p in group["params"]}
     assert all(id(params[name]) not in in_optimizer for name in frozen)
-    assert {round(in_optimizer[id(params[n])], 9) for n, g in groups.items() if g == "attention"} == {3e-3}
-    assert {round(in_optimizer[id(params[n])], 9) for n, g in groups.items() if g == "norms"} == {1e-3}
+    # the default recipe (guided) peaks at recovery.lr_scale=4 x train.lr=1e-3; a group's multiplier scales that peak
+    assert {round(in_optimizer[id(params[n])], 9) for n, g in groups.items() if g == "attention"} == {1.2e-2}
+    assert {round(in_optimizer[id(params[n])], 9) for n, g in groups.items() if g == "norms"} == {4e-3}
     teacher = build("qwen3_moe")
     before = {name: params[name].detach().clone() for name in frozen}
     micro_batch_loss(student, student, _batch(97), config, teacher).total.backward()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from fcsd.connectivity.families import family_for_config, final_norm, find_decoder_layers
-from fcsd.distill.config import FCSDConfig, trainable_groups
+from fcsd.distill.config import FCSDConfig, peak_lr, trainable_groups
 
 
 def parameter_groups(model: nn.Module) -> dict[str, str]:
@@ -49,8 +49,9 @@ def parameter_groups(model: nn.Module) -> dict[str, str]:
 
 def optimizer_groups(student: nn.Module, config: FCSDConfig) -> list[dict]:
     """Freeze what ``recovery.trainable`` (and ``train.freeze_embeddings``) leaves out, and return AdamW parameter
-    groups, one per LR multiplier (``recovery.lr_mult``; ``lr`` = ``train.lr`` x multiplier). Raises when nothing
-    is left to train."""
+    groups, one per LR multiplier (``recovery.lr_mult``; ``lr`` = the run's peak LR x multiplier, the peak being
+    ``train.lr`` x ``recovery.lr_scale``: :func:`fcsd.distill.config.peak_lr`). Raises when nothing is left to
+    train."""
     recovery = config.recovery
     trained = set(trainable_groups(recovery))
     if config.train.freeze_embeddings:  # paper Tab. 2 "KL embed."
@@ -68,4 +69,5 @@ def optimizer_groups(student: nn.Module, config: FCSDConfig) -> list[dict]:
             f"recovery.trainable={recovery.trainable!r} leaves no parameter to train (train.freeze_embeddings="
             f"{config.train.freeze_embeddings}): add a group"
         )
-    return [{"params": params, "lr": config.train.lr * mult} for mult, params in sorted(by_mult.items())]
+    peak = peak_lr(config)
+    return [{"params": params, "lr": peak * mult} for mult, params in sorted(by_mult.items())]
