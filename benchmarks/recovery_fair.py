@@ -189,6 +189,13 @@ def sweep_table(results: list[dict], teacher: str, recipe: str, steps: int) -> d
     return {r["lr"]: r for r in results if r["teacher"] == teacher and r["recipe"] == recipe and r["steps"] == steps}
 
 
+def best_run(results: list[dict], teacher: str, recipe: str, steps: int) -> dict | None:
+    """``recipe``'s run on ``teacher`` at ``steps`` steps with the lowest final KL: a long budget's only run (at the
+    short sweep's best LR) or the best of the LRs run at it (None: no run)."""
+    table = sweep_table(results, teacher, recipe, steps)
+    return min(table.values(), key=final_kl) if table else None
+
+
 def kl_at_step(result: dict, step: int) -> float | None:
     """The held-out KL at ``step`` (None: not evaluated there)."""
     return next((kl for s, kl, _ in result["curve"] if s == step), None)
@@ -217,6 +224,11 @@ def recipe_sweep(results: list[dict], teacher: str, recipe: str, steps: int, sca
 
 def _ratio(value: float | None) -> str:
     return "not reached" if value is None else f"{value:.2f}x"
+
+
+def _other_lr(run: dict, lr: float, scale: float) -> str:
+    """`` (at LR)`` when ``run`` is not at ``lr`` (a long run at another LR than the short sweep's best)."""
+    return "" if run["lr"] == lr else f" (at {run['lr'] * scale:g})"
 
 
 def _agreement(result: dict) -> str:
@@ -279,13 +291,15 @@ def fair_report(
             f"({target:.4f}): {_ratio(ratio)}; final KL@{short} {final_kl(mine_best):.4f} vs {target:.4f}"
         )
         row = {"teacher": name, "short": ratio}
-        longs = [sweep_table(mine, name, r, long).get(best[r]["lr"]) for r in (baseline, default)]
+        longs = [best_run(mine, name, r, long) for r in (baseline, default)]
         if all(longs):
             long_target = final_kl(longs[0])
             row["long"] = tokens_ratio(longs[1], long_target, long)
             row["long_short"] = tokens_ratio(longs[1], target, short)
             text += (
-                f"; {long}-step runs: tokens to {baseline}'s KL@{long} ({long_target:.4f}): {_ratio(row['long'])}, "
+                f"; {long}-step runs: tokens to {baseline}'s KL@{long}"
+                f"{_other_lr(longs[0], best[baseline]['lr'], lr_scales.get(baseline, 1.0))} ({long_target:.4f}): "
+                f"{_ratio(row['long'])}, "
                 f"final KL {final_kl(longs[1]):.4f} vs {long_target:.4f} ({final_kl(longs[1]) / long_target - 1:+.1%})"
             )
         lines.append(text)
@@ -367,7 +381,7 @@ def fair_table(
         if baseline not in sweeps:
             continue
         target = final_kl(sweeps[baseline]["table"][sweeps[baseline]["lr"]])
-        base_long = sweep_table(results, name, baseline, long).get(sweeps[baseline]["lr"])
+        base_long = best_run(results, name, baseline, long)
         first = True
         for recipe, sweep in sweeps.items():
             lr, edge, scale = sweep["lr"], sweep["edge"], lr_scales.get(recipe, 1.0)
@@ -379,7 +393,7 @@ def fair_table(
                 chosen = f"{lr * scale:g} (one LR)"
             run = sweep["table"][lr]
             near = min(run["curve"], key=lambda point: (abs(point[0] - short // 3), point[0]))
-            long_run = sweep_table(results, name, recipe, long).get(lr)
+            long_run = best_run(results, name, recipe, long)
             cells = [
                 f"{name} ({spec.role})" if first else "",
                 recipe,
@@ -387,7 +401,7 @@ def fair_table(
                 chosen,
                 f"{near[1]:.4f} (step {near[0]})",
                 f"{final_kl(run):.4f}",
-                "-" if long_run is None else f"{final_kl(long_run):.4f}",
+                "-" if long_run is None else f"{final_kl(long_run):.4f}" + _other_lr(long_run, lr, scale),
                 _ratio(tokens_ratio(run, target, short)),
                 "-"
                 if long_run is None or base_long is None

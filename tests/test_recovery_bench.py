@@ -129,9 +129,10 @@ def test_the_report_compares_best_lrs_and_sums_up_only_the_reported_teachers(fai
             _result(name, "guided", 4e-4, 6, [(0, 0.5), (3, 0.10), (6, 0.08)]),
             _result(name, "guided", 1e-3, 6, [(0, 0.5), (6, 0.085)]),
         ]
-    results += [  # long runs at the best LRs on the reported teacher only
+    results += [  # long runs at the best LRs on the reported teacher only, and plain at one more LR, better there
         _result("held", "plain", 1e-3, 18, [(0, 0.5), (18, 0.07)]),
-        _result("held", "guided", 4e-4, 18, [(0, 0.5), (3, 0.09), (6, 0.07), (18, 0.06)]),
+        _result("held", "plain", 2.5e-3, 18, [(0, 0.5), (18, 0.068)]),
+        _result("held", "guided", 4e-4, 18, [(0, 0.5), (3, 0.09), (6, 0.07), (12, 0.066), (18, 0.06)]),
     ]
     lines = fair.fair_report(results, teachers, 6, 18, lr_scales={"guided": 4.0})
     text = "\n".join(lines)
@@ -139,10 +140,10 @@ def test_the_report_compares_best_lrs_and_sums_up_only_the_reported_teachers(fai
     assert "best 0.0016 AT THE LOW EDGE" in text  # guided's effective LR: 4e-4 x 4
     assert "neighbours / best: 0.0004: 1.200, 0.0025: 1.100" in text
     assert text.count("tokens to plain's KL@6 (0.1000): 0.50x") == 2
-    assert "tokens to plain's KL@18 (0.0700): 0.33x" in text
+    assert "tokens to plain's KL@18 (at 0.0025) (0.0680): 0.67x" in text  # plain's best at 18 steps, not at 6
     summary = lines[-1]
     assert summary.startswith("reported teachers only") and "held" in summary and "seen" not in summary
-    assert "0.50x of plain's tokens to its KL@6, 0.33x to its KL@18" in summary
+    assert "0.50x of plain's tokens to its KL@6, 0.67x to its KL@18" in summary
     rows = fair.fair_table(results, teachers, 6, 18, lr_scales={"guided": 4.0})
     held_rows = rows[rows.index(next(r for r in rows if r.startswith("| held (reported)"))) :]
     assert held_rows[0].split(" | ")[1:4] == [
@@ -152,7 +153,8 @@ def test_the_report_compares_best_lrs_and_sums_up_only_the_reported_teachers(fai
     ]
     guided = held_rows[1].split(" | ")
     assert guided[1] == "guided" and guided[3] == "0.0016 (low edge) (1.062)"
-    assert guided[4:] == ["0.1000 (step 3)", "0.0800", "0.0600", "0.50x", "0.33x", "0.400/0.500/0.800 |"]
+    assert guided[4:] == ["0.1000 (step 3)", "0.0800", "0.0600", "0.50x", "0.67x", "0.400/0.500/0.800 |"]
+    assert held_rows[0].split(" | ")[6] == "0.0680 (at 0.0025)"
 
 
 def _words(seed: int, count: int) -> str:
