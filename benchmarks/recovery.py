@@ -50,6 +50,18 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "guided_seed1": ["recovery=guided", "train.seed=1"],  # another data order: the noise between reruns
     "plain_seed1": ["recovery=plain", "train.seed=1"],
     "guided_frozen_embeddings": ["recovery=guided", "train.freeze_embeddings=true"],  # fewer noisy parameters
+    # issue 37 item 3, more levers: per-group LRs, Adam's betas, the guide's weight and fade
+    "guided_norms10": ["recovery=guided", "+recovery.lr_mult.norms=10"],  # norms rescale what FarSkip left out
+    "guided_router_norms4": ["recovery=guided", "+recovery.lr_mult.norms=4", "+recovery.lr_mult.router=4"],
+    "guided_attention2": ["recovery=guided", "+recovery.lr_mult.attention=2"],  # what reads the partial residual
+    "guided_norms_quarter": ["recovery=guided", "+recovery.lr_mult.norms=0.25", "+recovery.lr_mult.router=0.25"],
+    "guided_experts2": ["recovery=guided", "+recovery.lr_mult.experts=2"],
+    "guided_experts4": ["recovery=guided", "+recovery.lr_mult.experts=4"],
+    "guided_experts2_seed1": ["recovery=guided", "+recovery.lr_mult.experts=2", "train.seed=1"],
+    "guided_beta2_99": ["recovery=guided", "train.adam_betas=[0.9,0.99]"],
+    "guided_beta1_95": ["recovery=guided", "train.adam_betas=[0.95,0.95]"],
+    "guided_guide8": ["recovery=guided", "recovery.hidden_l2=8"],
+    "guided_guide_quarter": ["recovery=guided", "recovery.hidden_l2_share=0.25"],
     "guided_no_ramp": ["recovery=guided", "recovery.batch_ramp=[]", "recovery.batch_ramp_shares=[]"],
     "schedule_free": ["recovery=schedule_free"],  # 2x the LR, 0.5% warm-up, its average scored and saved
     "schedule_free_lr4": ["recovery=schedule_free", "recovery.lr_scale=4"],
@@ -441,7 +453,7 @@ def fair_sweep(args) -> list[dict]:
 
 
 def fair_plot(results: list[dict], path: Path, recipes=("plain", "guided")) -> None:
-    """Held-out KL against tokens per declared teacher: each recipe's best-LR run at each budget."""
+    """Held-out KL against tokens per declared teacher: each recipe's best run at each budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -451,16 +463,12 @@ def fair_plot(results: list[dict], path: Path, recipes=("plain", "guided")) -> N
     figure, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for axis, name in zip(axes[0], names, strict=True):
         for recipe in recipes:
-            table = fair.sweep_table(results, name, recipe, FAIR_MARKS[0])
-            if not table:
-                continue
-            lr = min(table, key=lambda x: fair.final_kl(table[x]))
             for steps, style in zip(FAIR_MARKS, ("-", "--"), strict=True):
-                result = fair.sweep_table(results, name, recipe, steps).get(lr)
+                result = fair.best_run(results, name, recipe, steps)
                 if result is None:
                     continue
                 points = [(s * STEP_TOKENS, kl) for s, kl, _ in result["curve"] if s > 0]
-                effective = lr * result.get("lr_scale", 1.0)
+                effective = result["lr"] * result.get("lr_scale", 1.0)
                 axis.plot(*zip(*points, strict=True), style, label=f"{recipe}, LR {effective:g}, {steps} steps")
         role = fair.TEACHERS[name].role
         axis.set(xscale="log", yscale="log", xlabel="tokens seen", ylabel="held-out KL", title=f"{name} ({role})")
