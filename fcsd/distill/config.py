@@ -168,7 +168,7 @@ class RecoveryConfig:
     warm_lr_mult: float = 10.0  # the warm start's peak LR as a multiple of train.lr (Zebra-Llama: 10x)
     trainable: Any = "all"  # all | non_expert (everything but the routed experts) | a list of groups of
     # PARAM_GROUPS, e.g. [attention,norms,router]; the rest is frozen (no gradient, no optimizer state)
-    lr_mult: dict[str, float] = field(default_factory=dict)  # per-group multiplier of the peak LR, e.g. {attention: 2.0}
+    lr_mult: dict[str, float] = field(default_factory=dict)  # per-group multiplier of the peak LR, e.g. {attention: 2}
     progressive: list[str] = field(default_factory=list)  # progressive conversion: layer specs trained first, in
     # order, each within farskip.layers (e.g. [last:50%,last:75%]), then farskip.layers; weights carried over
     progressive_shares: list[float] = field(default_factory=list)  # share of the run's steps for each of them
