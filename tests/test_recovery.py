@@ -210,6 +210,18 @@ def test_frozen_groups_get_no_gradient_and_no_optimizer_state(assets, tmp_path):
     assert any(params[name] in optimizer.state for name in set(params) - frozen)
 
 
+def test_a_run_with_group_multipliers_logs_the_base_lr(assets, tmp_path):
+    """The optimizer's first group is the smallest multiplier (attention at 0.5 here); the logged LR is the base
+    group's, as in the same run without multipliers."""
+    args = convert_args(assets, "train.max_steps=3", "farskip.layers=all")
+    logged = {}
+    for name, extra in (("base", []), ("mult", ["+recovery.lr_mult.attention=0.5"])):
+        assert main([*args, *extra, f"output_dir={tmp_path / name}"]) in (0, None)
+        logged[name] = [r["train/lr"] for r in records(tmp_path / name) if "train/lr" in r]
+    assert len(logged["base"]) == 3 and logged["base"][-1] > 0
+    assert logged["mult"] == pytest.approx(logged["base"], rel=1e-12)
+
+
 WARM = ["recovery=warm_start", "recovery.warm_share=0.5"]
 # on the schedule-free recipe (no guide), so that the partial stage's KL says what converting the rest costs
 PROGRESSIVE = ["recovery=schedule_free", "recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.5]"]

@@ -50,8 +50,8 @@ def parameter_groups(model: nn.Module) -> dict[str, str]:
 def optimizer_groups(student: nn.Module, config: FCSDConfig) -> list[dict]:
     """Freeze what ``recovery.trainable`` (and ``train.freeze_embeddings``) leaves out, and return AdamW parameter
     groups, one per LR multiplier (``recovery.lr_mult``; ``lr`` = the run's peak LR x multiplier, the peak being
-    ``train.lr`` x ``recovery.lr_scale``: :func:`fcsd.distill.config.peak_lr`). Raises when nothing is left to
-    train."""
+    ``train.lr`` x ``recovery.lr_scale``: :func:`fcsd.distill.config.peak_lr`; ``lr_mult`` keeps the multiplier, so
+    the run logs the base LR whatever group comes first). Raises when nothing is left to train."""
     recovery = config.recovery
     trained = set(trainable_groups(recovery))
     if config.train.freeze_embeddings:  # paper Tab. 2 "KL embed."
@@ -70,4 +70,4 @@ def optimizer_groups(student: nn.Module, config: FCSDConfig) -> list[dict]:
             f"{config.train.freeze_embeddings}): add a group"
         )
     peak = peak_lr(config)
-    return [{"params": params, "lr": peak * mult} for mult, params in sorted(by_mult.items())]
+    return [{"params": params, "lr": peak * mult, "lr_mult": mult} for mult, params in sorted(by_mult.items())]

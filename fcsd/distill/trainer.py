@@ -77,7 +77,7 @@ def train(checked: Checked) -> RunResult:
             loss, grad_norm, terms, applied = s.optimizer_steps(step)
         except Diverged as error:
             raise diverged(error, step + 1, s.run) from None
-        lr = s.scheduler.get_last_lr()[0]
+        lr = s.scheduler.get_last_lr()[0] / s.optimizer.param_groups[0].get("lr_mult", 1.0)  # the base group's
         s.scheduler.step()
         done = step + 1
         s.tokens_seen += train_cfg.batch_tokens
