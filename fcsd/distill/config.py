@@ -165,7 +165,7 @@ class RecoveryConfig:
     warm_share: float = 0.0  # share of the run's steps (train.max_steps / max_tokens count every stage) spent in
     # the layer-local warm start: each converted layer fed FarSkip inputs built from the teacher's own streams and
     # fitted to the teacher layer's update, all layers at once; then end-to-end KL (0: no warm start)
-    warm_lr_mult: float = 10.0  # the warm start's peak LR as a multiple of train.lr (Zebra-Llama: 10x)
+    warm_lr_mult: float = 10.0  # the warm start's peak LR as a multiple of the run's peak LR (Zebra-Llama: 10x)
     trainable: Any = "all"  # all | non_expert (everything but the routed experts) | a list of groups of
     # PARAM_GROUPS, e.g. [attention,norms,router]; the rest is frozen (no gradient, no optimizer state)
     lr_mult: dict[str, float] = field(default_factory=dict)  # per-group multiplier of the peak LR, e.g. {attention: 2}
@@ -560,7 +560,7 @@ def guide_weight(config: FCSDConfig, step: int) -> float:
 
 
 def peak_lr(config: FCSDConfig) -> float:
-    """The run's peak LR, of its base parameter group (``recovery.lr_mult`` scales groups, a warm start has its own;
+    """The run's peak LR, of its base parameter group (``recovery.lr_mult`` scales groups, a warm start multiplies it;
     issue 37's LR rule, docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
     model (the paper's 2e-5 for its models, a model preset's, or the user's), times the recipe's
     ``recovery.lr_scale`` (the guided default: 4; on the fair recovery benchmark's four teachers guided did best at
