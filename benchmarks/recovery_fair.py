@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import sysconfig
 from dataclasses import asdict, dataclass
@@ -193,7 +194,7 @@ def best_run(results: list[dict], teacher: str, recipe: str, steps: int) -> dict
     """``recipe``'s run on ``teacher`` at ``steps`` steps with the lowest final KL: a long budget's only run (at the
     short sweep's best LR) or the best of the LRs run at it (None: no run)."""
     table = sweep_table(results, teacher, recipe, steps)
-    return min(table.values(), key=final_kl) if table else None
+    return min(table.values(), key=lambda run: (final_kl(run), run["lr"])) if table else None  # a tie: the lower LR
 
 
 def kl_at_step(result: dict, step: int) -> float | None:
@@ -228,7 +229,7 @@ def _ratio(value: float | None) -> str:
 
 def _other_lr(run: dict, lr: float, scale: float) -> str:
     """`` (at LR)`` when ``run`` is not at ``lr`` (a long run at another LR than the short sweep's best)."""
-    return "" if run["lr"] == lr else f" (at {run['lr'] * scale:g})"
+    return "" if math.isclose(run["lr"], lr) else f" (at {run['lr'] * scale:g})"
 
 
 def _agreement(result: dict) -> str:
@@ -299,8 +300,9 @@ def fair_report(
             text += (
                 f"; {long}-step runs: tokens to {baseline}'s KL@{long}"
                 f"{_other_lr(longs[0], best[baseline]['lr'], lr_scales.get(baseline, 1.0))} ({long_target:.4f}): "
-                f"{_ratio(row['long'])}, "
-                f"final KL {final_kl(longs[1]):.4f} vs {long_target:.4f} ({final_kl(longs[1]) / long_target - 1:+.1%})"
+                f"{_ratio(row['long'])}, final KL {final_kl(longs[1]):.4f}"
+                f"{_other_lr(longs[1], best[default]['lr'], lr_scales.get(default, 1.0))} vs {long_target:.4f} "
+                f"({final_kl(longs[1]) / long_target - 1:+.1%})"
             )
         lines.append(text)
         if spec.role == "reported":

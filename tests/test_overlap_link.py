@@ -211,12 +211,14 @@ def _windows(timeline: dict) -> list[tuple[str, str, set[str]]]:
 def _window_shares(timelines: list[dict], phase: str) -> list[float]:
     """Per transfer of ``phase`` (the blocking counts exchange left out): the share of its link time that the rank
     spent between the launch and the wait, i.e. computing while the transfer was in flight."""
-    return [
+    shares = [
         min(1.0, (t["waited"] - t["launched"]) / (t["delivered"] - t["start"]))
         for timeline in timelines
         for t in timeline["transfers"]
         if t["phase"] == phase and t["kind"] != "counts"
     ]
+    assert shares, f"no {phase} transfer recorded"
+    return shares
 
 
 def test_bench_overlap_link_end_to_end_prints_the_figures_and_draws_the_steps(tmp_path, monkeypatch, capsys):
@@ -241,6 +243,7 @@ def test_bench_overlap_link_end_to_end_prints_the_figures_and_draws_the_steps(tm
             regular = statistics.median(_window_shares(timelines["regular"], phase))
             overlapped = statistics.median(_window_shares(timelines["farskip_overlap"], phase))
             assert regular < 0.05 and overlapped > max(0.05, 3 * regular), (phase, regular, overlapped)
+            assert kinds["total"]["hidden_share"] > 0.05  # the measured steps: a preemption only adds to this one
     kinds = set(result["layouts"]["all_to_all"]["modes"]["farskip_overlap"]["phases"]["backward"])
     assert kinds == {"dispatch (backward)", "combine (backward)", "total"}
     assert set(result["layouts"]["all_reduce"]["modes"]["farskip_overlap"]["phases"]["prefill"]) == {
