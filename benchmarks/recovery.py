@@ -177,6 +177,18 @@ def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0, name:
     return folder
 
 
+def data_overrides(out: Path, model: Path, texts, teacher_name: str, eval_sequences: int) -> list[str]:
+    """The model and data keys of a run of ``fcsd convert``: what its held-out rows are packed from."""
+    return [
+        f"model.name={model}",
+        f"data.path={texts[0]}",
+        *([f"data.eval_path={texts[1]}"] if texts[1] else []),
+        f"data.cache_dir={out / 'packed' / teacher_name}",
+        f"data.seq_len={SEQ_LEN}",
+        f"data.eval_sequences={eval_sequences}",
+    ]
+
+
 def run(
     out: Path,
     family: str,
@@ -200,13 +212,8 @@ def run(
         folder = out / "runs" / f"{args.heldout}-{args.eval_sequences}" / teacher_name / f"{recipe}-lr{lr:g}-{steps}"
     result_file = folder / "bench.json"
     overrides = [
-        f"model.name={model}",
-        f"data.path={texts[0]}",
-        *([f"data.eval_path={texts[1]}"] if texts[1] else []),
-        f"data.cache_dir={out / 'packed' / (teacher_name or '')}",
+        *data_overrides(out, model, texts, teacher_name or "", args.eval_sequences),
         f"output_dir={folder}",
-        f"data.seq_len={SEQ_LEN}",
-        f"data.eval_sequences={args.eval_sequences}",
         f"train.batch_tokens={STEP_TOKENS}",
         f"train.micro_batch_size={STEP_TOKENS // SEQ_LEN}",
         f"train.max_steps={steps}",
@@ -399,10 +406,7 @@ def heldout_fingerprint(out: Path, model: Path, texts, teacher_name: str, eval_s
     from fcsd.distill.models import load_tokenizer
     from fcsd.distill.run_data import load_run_data
 
-    overrides = [f"model.name={model}", f"data.path={texts[0]}", f"data.eval_path={texts[1]}",
-                 f"data.cache_dir={out / 'packed' / teacher_name}", f"data.seq_len={SEQ_LEN}",
-                 f"data.eval_sequences={eval_sequences}"]  # fmt: skip
-    config = to_config(compose(overrides))
+    config = to_config(compose(data_overrides(out, model, texts, teacher_name, eval_sequences)))
     _, held, _ = load_run_data(config, load_tokenizer(config))
     return tokens_fingerprint(held.input_ids)
 
