@@ -188,6 +188,11 @@ class RecoveryConfig:
     # at the step's LR x 1/sqrt(split) (Adam's square-root rule); a split is lowered to one the step's rows per
     # process divide, with a note
     batch_ramp_shares: list[float] = field(default_factory=list)  # share of the run's steps for each ramp stage
+    echo: int = 1  # data echoing (Choi et al. 2019): in the run's first recovery.echo_share of steps, each step's
+    # updates (a batch ramp's too) run this many times over the same rows, each at its usual LR; the teacher
+    # runs once on them and its outputs (with the guide, every layer's hidden states) are kept for the step. Fewer
+    # tokens and teacher forwards for the same KL, for more student passes: BENCHMARKS.md measures both (1: off)
+    echo_share: float = 0.0  # share of the run's steps that are echoed (with recovery.echo > 1)
 
 
 @dataclass
@@ -449,6 +454,7 @@ def check_recovery(config: FCSDConfig) -> None:
     _check_optimizer(config)
     _check_guide(config)
     _check_batch_ramp(config)
+    _check_echo(config)
     horizon = schedule_steps(config.train)
     if warmup_steps(config) > horizon:  # only train.warmup_steps can be: a valid share of the run always fits it
         raise ValueError(
@@ -508,6 +514,19 @@ def _check_batch_ramp(config: FCSDConfig) -> None:
         raise ValueError("recovery.batch_ramp cannot be combined with recovery.warm_share yet: choose one")
 
 
+def _check_echo(config: FCSDConfig) -> None:
+    recovery = config.recovery
+    if not isinstance(recovery.echo, int) or recovery.echo < 1 or not 0 <= recovery.echo_share <= 1:
+        raise ValueError(
+            f"recovery.echo={recovery.echo} recovery.echo_share={recovery.echo_share}: echo is a whole number of "
+            "passes >= 1 (1: off) and echo_share a share of the run's steps in [0, 1]"
+        )
+    if recovery.echo > 1 and recovery.echo_share == 0:
+        raise ValueError(f"recovery.echo={recovery.echo} echoes no step: set recovery.echo_share, e.g. 0.25")
+    if recovery.echo > 1 and recovery.warm_share > 0:
+        raise ValueError("recovery.echo cannot be combined with recovery.warm_share yet: choose one")
+
+
 def _shares_fit(shares: list[float], count: int) -> bool:
     """One share of the run per stage, each in (0, 1), leaving steps for the rest of the run."""
     return len(shares) == count and all(0 < s < 1 for s in shares) and sum(shares) < 1
@@ -529,6 +548,19 @@ def ramp_stages(config: FCSDConfig) -> list[tuple[int, int, int]]:
     ends = stage_ends(config.recovery.batch_ramp_shares, schedule_steps(config.train))
     stages = zip([0, *ends], ends, config.recovery.batch_ramp, strict=False)
     return [(start, end, split) for start, end, split in stages if end > start]
+
+
+def echo_steps(config: FCSDConfig) -> int:
+    """How many of the run's first steps are echoed (``recovery.echo`` > 1 times ``recovery.echo_share``)."""
+    if config.recovery.echo <= 1:
+        return 0
+    return round(config.recovery.echo_share * schedule_steps(config.train))
+
+
+def echo_passes(config: FCSDConfig, step: int) -> int:
+    """How many times step ``step`` (0-based) trains on its rows (data echoing, Choi et al. 2019): each of its
+    updates, in order, ``recovery.echo`` times over in the run's first :func:`echo_steps` steps, else once."""
+    return config.recovery.echo if step < echo_steps(config) else 1
 
 
 def update_split(config: FCSDConfig, step: int) -> int:

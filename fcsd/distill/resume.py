@@ -58,6 +58,8 @@ RESUME_KEYS = (
     "recovery.hidden_l2_share",
     "recovery.batch_ramp",  # how many updates the ramp's steps make
     "recovery.batch_ramp_shares",
+    "recovery.echo",  # how many updates the echoed steps make
+    "recovery.echo_share",
 )
 PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value

@@ -22,7 +22,15 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import guide_weight, layer_stages, ramp_stages, update_split, warm_steps
+from fcsd.distill.config import (
+    echo_passes,
+    echo_steps,
+    guide_weight,
+    layer_stages,
+    ramp_stages,
+    update_split,
+    warm_steps,
+)
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.finite import NonFiniteStop, check_weights_finite, diverged
 from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
@@ -152,6 +160,8 @@ class TrainingSession:
                 "recovery.batch_ramp does not run under DeepSpeed (its engine fixes the micro-batches of an update): "
                 "set recovery.batch_ramp=[] recovery.batch_ramp_shares=[], or use FSDP2"
             )
+        if deepspeed and config.recovery.echo > 1:
+            raise ValueError("recovery.echo is not tested under DeepSpeed: set recovery.echo=1, or use FSDP2")
         self.announce_ramp()
         if self.plan.micro_batch_size != train_cfg.micro_batch_size:
             print_once(
@@ -272,17 +282,26 @@ class TrainingSession:
             parts.append(f"steps {start + 1}-{end} in {fitted} updates{lowered}")
         if parts:
             print_once(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")
+        echoed = echo_steps(self.config)
+        if echoed:
+            print_once(
+                f"data echoing: steps 1-{echoed} train {self.config.recovery.echo} times on their rows (the teacher "
+                "run once on them)"
+            )
 
     def optimizer_steps(self, step: int) -> tuple[float, float, dict, bool]:
         """Train on step ``step``'s rows: one optimizer update, or several sharing the rows in a batch ramp
-        (``recovery.batch_ramp``, each at the step's LR / sqrt(split)), each kept or skipped by the spike guard.
+        (``recovery.batch_ramp``, each at the step's LR / sqrt(split)), all of them repeated in an echoed step
+        (``recovery.echo``), each kept or skipped by the spike guard.
         Returns the step's loss per token, mean gradient norm, loss terms, and whether every update was applied."""
         plan, accelerator = self.plan, self.accelerator
         split = plan.fit_split(update_split(self.config, step))
         step_rows = plan.rows(step, len(self.train_rows), self.config.train.seed)
         totals, tokens, norms, applied_all, refused = {}, 0, [], True, {}
-        for update, micro_batches in enumerate(plan.update_rows(step_rows, split, accelerator.process_index)):
-            loss, grad_norm, terms, count = self.forward_backward(step, micro_batches)
+        updates, passes = plan.update_rows(step_rows, split, accelerator.process_index), echo_passes(self.config, step)
+        memos = {} if passes > 1 else None  # data echoing: the teacher's outputs for the step's rows, computed once
+        for update, micro_batches in enumerate(updates * passes):
+            loss, grad_norm, terms, count = self.forward_backward(step, micro_batches, memos)
             with scaled_lr(self.optimizer, split**-0.5):
                 applied, reason = apply_update(self.optimizer, accelerator.scaler, self.guard, loss, grad_norm)
             if reason:
@@ -293,18 +312,21 @@ class TrainingSession:
             tokens, applied_all = tokens + count, applied_all and applied
             norms.append(grad_norm)
         if refused:  # one line a step, on the main process: not one per update of a batch ramp, nor per process
-            updates = ", ".join(map(str, refused))
+            numbers = ", ".join(map(str, refused))
             where = f"step {step + 1}" + (
-                f" (update{'s' * (len(refused) > 1)} {updates} of {split})" if split > 1 else ""
+                f" (update{'s' * (len(refused) > 1)} {numbers} of {split * passes})" if split * passes > 1 else ""
             )
             print_once(f"{where} not applied: {'; '.join(dict.fromkeys(refused.values()))}")
         means = {name: value / tokens for name, value in totals.items()}
         return means.pop("loss"), sum(norms) / len(norms), means, applied_all
 
-    def forward_backward(self, step: int, micro_batches: list[list[int]]) -> tuple[float, float, dict, int]:
+    def forward_backward(
+        self, step: int, micro_batches: list[list[int]], memos: dict | None = None
+    ) -> tuple[float, float, dict, int]:
         """Forward/backward of one optimizer update's micro-batches (row indices) on this process, the loss
-        normalised by the update's token count over all processes, then gradient clipping. Returns (loss per token,
-        gradient norm, loss terms, that token count)."""
+        normalised by the update's token count over all processes, then gradient clipping. ``memos`` (data echoing)
+        keeps the teacher's outputs per micro-batch across the step's passes. Returns (loss per token, gradient norm,
+        loss terms, that token count)."""
         accelerator, config, rows = self.accelerator, self.config, self.train_rows
         # accelerate syncs gradients (DDP) on the update's last micro-batch and divides the loss by their count
         accelerator.gradient_accumulation_steps, accelerator.step = len(micro_batches), 0
@@ -324,8 +346,17 @@ class TrainingSession:
                     parts = layer_local_loss(self.unwrapped, self.teacher, batch)[0]
                 else:
                     guide = guide_weight(config, step)
+                    memo = None if memos is None else memos.setdefault(tuple(micro), {})
                     parts = micro_batch_loss(
-                        self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward, guide
+                        self.model,
+                        self.unwrapped,
+                        batch,
+                        config,
+                        self.teacher,
+                        cached,
+                        self.head_in_forward,
+                        guide,
+                        memo,
                     )
                 accelerator.backward(parts.total * scale)
             sums["loss"] += parts.total.detach()

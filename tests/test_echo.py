@@ -1,0 +1,133 @@
+"""Data echoing (issue 37 item 3; ``recovery.echo``): which steps are echoed, that an echoed step trains as the same
+rows taken again by the next steps, with the teacher run once on them, one process against DDP and EP x FSDP2, and a
+run killed inside the echoed steps resuming exactly."""
+
+import pytest
+import torch
+from test_batch_ramp import PLAIN_SF, RAMP
+from test_recovery import config_for, convert_args, killed_at, one_thread, records  # noqa: F401 (autouse)
+from test_trainer import assert_same_training, pretrained_assets
+
+import fcsd
+from fcsd.cli import main
+from fcsd.distill import objectives, trainer
+from fcsd.distill.config import echo_passes, echo_steps
+from fcsd.distill.optim import StepPlan
+
+ECHO = ["recovery.echo=2", "recovery.echo_share=0.5"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return pretrained_assets(tmp_path_factory.mktemp("assets"), rows=120, steps=40, batch_size=4)
+
+
+def _final_weights(out):
+    return fcsd.from_pretrained(str(out / "final")).state_dict()
+
+
+def test_the_echo_covers_its_share_of_the_steps_and_refuses_a_malformed_one(assets, tmp_path):
+    config = config_for(assets, tmp_path / "a", "recovery.echo=3", "recovery.echo_share=0.25")
+    config.train.max_steps = 20
+    assert echo_steps(config) == 5 and [echo_passes(config, step) for step in range(20)] == [3] * 5 + [1] * 15
+    assert echo_steps(config_for(assets, tmp_path / "b", "recovery=guided")) == 0  # off in the default
+    for overrides, said in (
+        (["recovery.echo=0"], "recovery.echo=0 recovery.echo_share=0.0: echo is a whole number"),
+        (["recovery.echo=2", "recovery.echo_share=1.5"], "echo_share a share of the run's steps in [0, 1]"),
+        (["recovery.echo=2"], "recovery.echo=2 echoes no step: set recovery.echo_share"),
+        (["recovery=warm_start", *ECHO], "recovery.echo cannot be combined with recovery.warm_share"),
+    ):
+        with pytest.raises(ValueError, match=said.replace(".", r"\.").replace("[", r"\[")):
+            config_for(assets, tmp_path / "c", *overrides)
+
+
+def _counting_teacher(monkeypatch) -> list:
+    calls, original = [], objectives.teacher_targets
+
+    def counted(*args, **keywords):
+        calls.append(1)
+        return original(*args, **keywords)
+
+    monkeypatch.setattr(objectives, "teacher_targets", counted)
+    return calls
+
+
+def test_an_echoed_step_trains_as_its_rows_taken_again_with_the_teacher_run_once(assets, tmp_path, monkeypatch):
+    """Step 0 echoed twice equals steps 0 and 1 of a run whose step 1 gets step 0's rows again, and it runs the
+    teacher as often as one unechoed step; the same step unechoed does not train so."""
+    steps = ["train.max_steps=2", "train.stop_after=1", "train.lr=1e-3", "train.log_every=1"]
+    echoed = convert_args(assets, *PLAIN_SF, *ECHO, *steps)
+    calls = _counting_teacher(monkeypatch)
+    assert main([*echoed, "train.eval_every=0", f"output_dir={tmp_path / 'echo'}"]) in (0, None)
+    echo_calls = len(calls)
+    once = convert_args(assets, *PLAIN_SF, *steps)
+    calls.clear()
+    assert main([*once, "train.eval_every=0", f"output_dir={tmp_path / 'once'}"]) in (0, None)
+    assert echo_calls == len(calls) > 0  # one teacher forward per micro-batch of the step, not two
+    rows = StepPlan.rows
+    monkeypatch.setattr(StepPlan, "rows", lambda self, step, count, seed: rows(self, 0, count, seed))
+    again = convert_args(assets, *PLAIN_SF, "train.max_steps=2", "train.lr=1e-3", "train.log_every=1")
+    assert main([*again, f"output_dir={tmp_path / 'again'}"]) in (0, None)
+    echo_w, again_w, once_w = (_final_weights(tmp_path / name) for name in ("echo", "again", "once"))
+    for name, value in echo_w.items():
+        torch.testing.assert_close(value, again_w[name], msg=name)
+    assert any(not torch.allclose(value, once_w[name]) for name, value in echo_w.items())
+    # the step logs the mean of its two updates' losses
+    (logged,) = [r["train/loss"] for r in records(tmp_path / "echo") if "train/loss" in r]
+    first, second = [r["train/loss"] for r in records(tmp_path / "again") if "train/loss" in r]
+    assert logged == pytest.approx((first + second) / 2, rel=1e-5) and first != second
+
+
+def test_the_kept_teacher_outputs_train_as_the_teacher_run_again_with_the_guide_and_the_ramp(
+    assets, tmp_path, monkeypatch
+):
+    """With the guide (every layer's teacher states kept) and the batch ramp (each update's micro-batches kept),
+    the echoed run equals the same run computing the teacher again on each pass."""
+    args = convert_args(assets, "recovery=guided", *RAMP, "recovery.echo=3", "recovery.echo_share=0.5")
+    args += ["train.max_steps=4", "train.save_every=0"]
+    calls = _counting_teacher(monkeypatch)
+    assert main([*args, "train.eval_every=0", f"output_dir={tmp_path / 'kept'}"]) in (0, None)
+    kept_calls = len(calls)
+    original = trainer.micro_batch_loss
+    monkeypatch.setattr(trainer, "micro_batch_loss", lambda *positional: original(*positional[:8]))  # no memo
+    calls.clear()
+    assert main([*args, "train.eval_every=0", f"output_dir={tmp_path / 'again'}"]) in (0, None)
+    # step 1 is 4 updates of one micro-batch, step 2 two: running the teacher on every pass adds 2 x (4 + 2) calls
+    assert len(calls) - kept_calls == (3 - 1) * (4 + 2)
+    assert_same_training(tmp_path / "kept", tmp_path / "again")
+
+
+@pytest.mark.parametrize("layout", ["ddp", "ep_fsdp"])
+def test_two_gloo_processes_echo_as_one(assets, tmp_path, layout):
+    """Every pass of an echoed step syncs (DDP) or reduces (EP x FSDP2) its own gradients: the same losses,
+    gradient norms and weights as one process."""
+    from launch import torchrun
+
+    args = convert_args(assets, "recovery=guided", *RAMP, *ECHO, "train.micro_batch_size=1", "train.max_steps=4")
+    assert main([*args, "train.save_every=0", f"output_dir={tmp_path / 'one'}"]) in (0, None)
+    extra = [] if layout == "ddp" else ["parallel.ep_size=2", "parallel.fsdp=true"]
+    torchrun(2, "-m", "fcsd.cli", *args, *extra, "train.save_every=0", f"output_dir={tmp_path / 'two'}", timeout=600)
+    # as the batch ramp's test: float noise of another reduction order over 12 Adam updates, against the LR 4e-3
+    # a pass missing a reduction would leave
+    assert_same_training(tmp_path / "two", tmp_path / "one", rtol=1e-4, atol=1e-4)
+
+
+def test_the_run_says_which_steps_it_echoes_and_a_run_killed_inside_them_resumes_exactly(
+    assets, tmp_path, monkeypatch, capsys
+):
+    args = convert_args(assets, "recovery=guided", *RAMP, *ECHO, "train.max_steps=8", "train.save_every=1")
+    args.append("train.log_every=1")
+    assert main([*args, f"output_dir={tmp_path / 'u'}"]) in (0, None)
+    assert "data echoing: steps 1-4 train 2 times on their rows (the teacher run once on them)" in (
+        capsys.readouterr().out
+    )
+    killed_at(monkeypatch, [*args, f"output_dir={tmp_path / 'k'}"], 3)
+    capsys.readouterr()
+    assert main([*args, "recovery.echo=3", f"output_dir={tmp_path / 'k'}", "--resume"]) == 2
+    assert "recovery.echo" in capsys.readouterr().err
+    assert main([*args, f"output_dir={tmp_path / 'k'}", "--resume"]) in (0, None)
+    for key in ("train/loss", "train/grad_norm", "eval/kl"):
+        assert [r[key] for r in records(tmp_path / "k") if key in r] == [
+            r[key] for r in records(tmp_path / "u") if key in r
+        ]
+    assert_same_training(tmp_path / "k", tmp_path / "u")
