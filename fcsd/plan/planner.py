@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fcsd.distill.config import echo_steps
 from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, search
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
@@ -146,6 +147,12 @@ def make_plan(
             source.name, chosen.layout, choice.spec, config, defaults, target, extra, (model_type, serving)
         )
         plan.notes += replaced
+        if echo_steps(config):
+            plan.notes.append(
+                f"recovery.echo={config.recovery.echo}: the run's first {echo_steps(config)} steps train "
+                f"{config.recovery.echo} times on their rows; the peak above holds the teacher outputs they keep, the "
+                "step time is an unechoed step's (an echoed one adds its student passes)"
+            )
         if chosen.layout.teacher == "cache" and config.recovery.hidden_l2 > 0:
             plan.notes.append(
                 "the chosen layout caches the teacher, which holds no hidden states: the guided recipe runs there "

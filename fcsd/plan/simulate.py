@@ -326,6 +326,7 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     layers of the stack (:mod:`fcsd.plan.depth`), in worker processes inside
     :func:`fcsd.plan.workers.simulation_workers`."""
     config = step_config(fcsd_config, layout, layout.processes)
+    from fcsd.plan.echo import with_echo_outputs
     from fcsd.plan.teacher_dtype import fp8_teacher, with_fp8_teacher
     from fcsd.plan.workers import results
 
@@ -338,7 +339,9 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     estimate = _estimate(combined, layout, layout.micro_batch * config.data.seq_len, accumulation_steps(config, layout))
     if fp8_teacher(config, layout):  # simulated with a bf16 teacher: the bytes FP8 saves (fcsd.plan.teacher_dtype)
         estimate = with_fp8_teacher(estimate, model_config)
-    return estimate
+    return with_echo_outputs(
+        estimate, model_config, config, target
+    )  # data echoing's kept teacher outputs (fcsd.plan.echo)
 
 
 _REDUCTIONS: dict[tuple, tuple] = {}  # (id of the model config, layer spec) -> (the config, its Reduction)
