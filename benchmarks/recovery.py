@@ -55,6 +55,8 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "guided_router_norms4": ["recovery=guided", "+recovery.lr_mult.norms=4", "+recovery.lr_mult.router=4"],
     "guided_attention2": ["recovery=guided", "+recovery.lr_mult.attention=2"],  # what reads the partial residual
     "guided_norms_quarter": ["recovery=guided", "+recovery.lr_mult.norms=0.25", "+recovery.lr_mult.router=0.25"],
+    "guided_echo2": ["recovery=guided", "recovery.echo=2", "recovery.echo_share=0.5"],
+    "guided_echo4": ["recovery=guided", "recovery.echo=4", "recovery.echo_share=0.25"],
     "guided_experts2": ["recovery=guided", "+recovery.lr_mult.experts=2"],
     "guided_experts4": ["recovery=guided", "+recovery.lr_mult.experts=4"],
     "guided_experts2_seed1": ["recovery=guided", "+recovery.lr_mult.experts=2", "train.seed=1"],

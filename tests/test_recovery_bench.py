@@ -157,6 +157,21 @@ def test_the_report_compares_best_lrs_and_sums_up_only_the_reported_teachers(fai
     assert held_rows[0].split(" | ")[6] == "0.0680 (at 0.0025)"
 
 
+def test_an_echoed_run_is_charged_its_student_passes_beside_its_tokens(fair):
+    """Data echoing reaches a KL in fewer tokens for more student passes: the table gives both, and the compute
+    (teacher forward 1, student forward and backward 3 per pass) of a run without echo equals its tokens."""
+    plain = _result("t", "plain", 1e-3, 12, [(0, 0.5), (6, 0.2), (12, 0.10)])
+    echoed = _result("t", "echo", 1e-3, 12, [(0, 0.5), (3, 0.10), (12, 0.05)])
+    echoed["recipe_settings"] = {"recovery": {"echo": 4, "echo_share": 0.25}}  # steps 1-3 make 4 passes
+    assert fair.student_passes(echoed, 2) == 8 and fair.student_passes(echoed, 6) == 15
+    assert fair.tokens_ratio(echoed, 0.10, 12) == 0.25
+    assert fair.compute_ratio(echoed, 0.10, 12) == pytest.approx((3 + 3 * 12) / 48)
+    assert fair.compute_ratio(plain, 0.10, 12) == fair.tokens_ratio(plain, 0.10, 12) == 1.0
+    teachers = {"t": fair.Teacher("t", "qwen3_moe", "code", 10, "reported")}
+    rows = fair.fair_table([plain, echoed], teachers, 12, 36)
+    assert rows[2].split(" | ")[7] == "1.00x" and rows[3].split(" | ")[7] == "0.25x (compute 0.81x)"
+
+
 def _words(seed: int, count: int) -> str:
     """``count`` random five-letter words: text no window of which repeats elsewhere."""
     import random
