@@ -205,7 +205,7 @@ def run(
     """One recipe through ``fcsd convert``; its held-out curve (KL, NLL, and accuracy and agreement with the
     teacher), tokens, teacher forwards and wall time. ``lr`` (``train.lr``; default ``--lr``) and ``teacher_name``
     (a declared teacher of ``--fair``) give the run its own folder."""
-    from fcsd.distill.config import compose, layer_stages, to_config
+    from fcsd.distill.config import compose, echo_steps, layer_stages, to_config
     from fcsd.distill.convert import convert
 
     lr = args.lr if lr is None else lr
@@ -255,6 +255,7 @@ def run(
         "tokens_per_step": STEP_TOKENS,
         "teacher_forwards_per_step": STEP_TOKENS // SEQ_LEN,  # one per sequence, in either stage
         "warm_steps": round(config.recovery.warm_share * steps),
+        "echo_steps": echo_steps(config),  # steps trained recovery.echo times on their rows (data echoing)
         "final_stage_start": final_stage,
         "wall_s": wall,
     }

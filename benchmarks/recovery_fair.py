@@ -202,27 +202,30 @@ def kl_at_step(result: dict, step: int) -> float | None:
     return next((kl for s, kl, _ in result["curve"] if s == step), None)
 
 
+def first_step_at(result: dict, target: float) -> int | None:
+    """The first step ``result`` scored a held-out KL at or below ``target`` (None: never)."""
+    return next((s for s, kl, _ in result["curve"] if kl <= target), None)
+
+
 def tokens_ratio(result: dict, target: float, budget_steps: int) -> float | None:
     """Steps of ``result`` to its first held-out KL at or below ``target``, as a share of ``budget_steps`` (None:
     never reached)."""
-    step = next((s for s, kl, _ in result["curve"] if kl <= target), None)
+    step = first_step_at(result, target)
     return None if step is None else step / budget_steps
 
 
 def student_passes(result: dict, steps: int) -> int:
     """The student's forward/backward passes over a step's tokens in ``result``'s first ``steps`` steps: one a step,
-    ``recovery.echo`` in the steps data echoing repeats (the teacher still runs once a step)."""
-    recovery = result.get("recipe_settings", {}).get("recovery", {})
-    echo = recovery.get("echo", 1)
-    echoed = round(recovery.get("echo_share", 0.0) * result["steps"]) if echo > 1 else 0
-    return steps + (echo - 1) * min(steps, echoed)
+    ``recovery.echo`` in the ``echo_steps`` data echoing repeats (the teacher still runs once a step)."""
+    echo = result.get("recipe_settings", {}).get("recovery", {}).get("echo", 1)
+    return steps + (echo - 1) * min(steps, result.get("echo_steps", 0))
 
 
 def compute_ratio(result: dict, target: float, budget_steps: int) -> float | None:
     """Compute to ``result``'s first held-out KL at or below ``target``, as a share of ``budget_steps`` plain steps:
     a step costs a teacher forward (1) and a student forward and backward (3) per pass, in forward-equivalents
     (None: never reached). Equal to :func:`tokens_ratio` for every recipe but data echoing."""
-    step = next((s for s, kl, _ in result["curve"] if kl <= target), None)
+    step = first_step_at(result, target)
     return None if step is None else (step + 3 * student_passes(result, step)) / (4 * budget_steps)
 
 

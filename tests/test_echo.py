@@ -11,7 +11,7 @@ from test_trainer import assert_same_training, pretrained_assets
 import fcsd
 from fcsd.cli import main
 from fcsd.distill import objectives, trainer
-from fcsd.distill.config import echo_passes, echo_steps
+from fcsd.distill.config import check_recovery, echo_passes, echo_steps
 from fcsd.distill.optim import StepPlan
 
 ECHO = ["recovery.echo=2", "recovery.echo_share=0.5"]
@@ -34,11 +34,16 @@ def test_the_echo_covers_its_share_of_the_steps_and_refuses_a_malformed_one(asse
     for overrides, said in (
         (["recovery.echo=0"], "recovery.echo=0 recovery.echo_share=0.0: echo is a whole number"),
         (["recovery.echo=2", "recovery.echo_share=1.5"], "echo_share a share of the run's steps in [0, 1]"),
-        (["recovery.echo=2"], "recovery.echo=2 echoes no step: set recovery.echo_share"),
+        (["recovery.echo=2"], "recovery.echo=2 with recovery.echo_share=0.0 echoes nothing: set both"),
+        (["recovery.echo_share=0.5"], "recovery.echo=1 with recovery.echo_share=0.5 echoes nothing: set both"),
+        (["recovery.echo=2", "recovery.echo_share=0.01", "train.max_steps=20"], "rounds to no echoed step: raise it"),
         (["recovery=warm_start", *ECHO], "recovery.echo cannot be combined with recovery.warm_share"),
     ):
         with pytest.raises(ValueError, match=said.replace(".", r"\.").replace("[", r"\[")):
             config_for(assets, tmp_path / "c", *overrides)
+    config.recovery.echo = True  # the Python API: a bool is not a number of passes
+    with pytest.raises(ValueError, match="echo is a whole number"):
+        check_recovery(config)
 
 
 def _counting_teacher(monkeypatch) -> list:
@@ -89,12 +94,31 @@ def test_the_kept_teacher_outputs_train_as_the_teacher_run_again_with_the_guide_
     assert main([*args, "train.eval_every=0", f"output_dir={tmp_path / 'kept'}"]) in (0, None)
     kept_calls = len(calls)
     original = trainer.micro_batch_loss
-    monkeypatch.setattr(trainer, "micro_batch_loss", lambda *positional: original(*positional[:8]))  # no memo
+    monkeypatch.setattr(trainer, "micro_batch_loss", lambda *args, teacher_memo=None: original(*args))  # no memo
     calls.clear()
     assert main([*args, "train.eval_every=0", f"output_dir={tmp_path / 'again'}"]) in (0, None)
     # step 1 is 4 updates of one micro-batch, step 2 two: running the teacher on every pass adds 2 x (4 + 2) calls
     assert len(calls) - kept_calls == (3 - 1) * (4 + 2)
     assert_same_training(tmp_path / "kept", tmp_path / "again")
+
+
+def test_the_teacher_runs_once_per_micro_batch_of_each_step_even_on_rows_the_step_or_the_last_one_held(
+    assets, tmp_path, monkeypatch
+):
+    """The kept outputs belong to a micro-batch's place in its step, not to its rows: a step holding one row eight
+    times (as a step crossing an epoch of a small data set may hold a row twice) and steps all holding the same
+    rows run the teacher as often as without echoing, so every process runs the same teacher forwards (under FSDP2
+    each is a collective) and no step reads another's outputs."""
+    rows = StepPlan.rows
+    monkeypatch.setattr(StepPlan, "rows", lambda self, step, count, seed: rows(self, 0, count, seed)[:1] * 8)
+    calls = _counting_teacher(monkeypatch)
+    steps = [*PLAIN_SF, "train.max_steps=3", "train.eval_every=0", "train.save_every=0"]
+    assert main([*convert_args(assets, *steps), f"output_dir={tmp_path / 'once'}"]) in (0, None)
+    once = len(calls)
+    calls.clear()
+    echoed = convert_args(assets, *steps, "recovery.echo=3", "recovery.echo_share=1.0")
+    assert main([*echoed, f"output_dir={tmp_path / 'echo'}"]) in (0, None)
+    assert len(calls) == once
 
 
 @pytest.mark.parametrize("layout", ["ddp", "ep_fsdp"])
@@ -123,8 +147,9 @@ def test_the_run_says_which_steps_it_echoes_and_a_run_killed_inside_them_resumes
     )
     killed_at(monkeypatch, [*args, f"output_dir={tmp_path / 'k'}"], 3)
     capsys.readouterr()
-    assert main([*args, "recovery.echo=3", f"output_dir={tmp_path / 'k'}", "--resume"]) == 2
-    assert "recovery.echo" in capsys.readouterr().err
+    for changed in ("recovery.echo=3", "recovery.echo_share=0.75"):
+        assert main([*args, changed, f"output_dir={tmp_path / 'k'}", "--resume"]) == 2
+        assert changed.split("=")[0] in capsys.readouterr().err
     assert main([*args, f"output_dir={tmp_path / 'k'}", "--resume"]) in (0, None)
     for key in ("train/loss", "train/grad_norm", "eval/kl"):
         assert [r[key] for r in records(tmp_path / "k") if key in r] == [

@@ -82,6 +82,8 @@ def test_an_echoed_step_keeps_every_micro_batchs_teacher_outputs_and_the_estimat
     kept = echo_output_bytes(model_config, config, layout, 8, 64, "cpu")
     assert kept == 7 * 64 * (model_config.hidden_size * (model_config.num_hidden_layers + 2)) * 4  # fp32 on CPU
     assert echoed.extra["echo_outputs"] == kept and echoed.at_peak["echo"] == kept
+    cache = Layout("single", 1, micro_batch=1, teacher="cache")  # the cached rows are read again: nothing kept
+    assert echo_output_bytes(model_config, config, cache, 8, 64, "cpu") == 0
     config.recovery.echo = 1
     assert estimate_step(model_config, config, layout, "cpu").peak == echoed.peak - kept
     config.recovery.echo = 2

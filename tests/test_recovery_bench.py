@@ -162,7 +162,7 @@ def test_an_echoed_run_is_charged_its_student_passes_beside_its_tokens(fair):
     (teacher forward 1, student forward and backward 3 per pass) of a run without echo equals its tokens."""
     plain = _result("t", "plain", 1e-3, 12, [(0, 0.5), (6, 0.2), (12, 0.10)])
     echoed = _result("t", "echo", 1e-3, 12, [(0, 0.5), (3, 0.10), (12, 0.05)])
-    echoed["recipe_settings"] = {"recovery": {"echo": 4, "echo_share": 0.25}}  # steps 1-3 make 4 passes
+    echoed["recipe_settings"], echoed["echo_steps"] = {"recovery": {"echo": 4}}, 3  # steps 1-3 make 4 passes
     assert fair.student_passes(echoed, 2) == 8 and fair.student_passes(echoed, 6) == 15
     assert fair.tokens_ratio(echoed, 0.10, 12) == 0.25
     assert fair.compute_ratio(echoed, 0.10, 12) == pytest.approx((3 + 3 * 12) / 48)

@@ -516,14 +516,24 @@ def _check_batch_ramp(config: FCSDConfig) -> None:
 
 def _check_echo(config: FCSDConfig) -> None:
     recovery = config.recovery
-    if not isinstance(recovery.echo, int) or recovery.echo < 1 or not 0 <= recovery.echo_share <= 1:
+    echo, share = recovery.echo, recovery.echo_share
+    if isinstance(echo, bool) or not isinstance(echo, int) or echo < 1 or not 0 <= share <= 1:
         raise ValueError(
-            f"recovery.echo={recovery.echo} recovery.echo_share={recovery.echo_share}: echo is a whole number of "
-            "passes >= 1 (1: off) and echo_share a share of the run's steps in [0, 1]"
+            f"recovery.echo={echo} recovery.echo_share={share}: echo is a whole number of passes >= 1 (1: off) and "
+            "echo_share a share of the run's steps in [0, 1]"
         )
-    if recovery.echo > 1 and recovery.echo_share == 0:
-        raise ValueError(f"recovery.echo={recovery.echo} echoes no step: set recovery.echo_share, e.g. 0.25")
-    if recovery.echo > 1 and recovery.warm_share > 0:
+    if (echo > 1) != (share > 0):
+        raise ValueError(
+            f"recovery.echo={echo} with recovery.echo_share={share} echoes nothing: set both (e.g. recovery.echo=2 "
+            "recovery.echo_share=0.5), or neither"
+        )
+    if echo > 1 and echo_steps(config) == 0:
+        horizon = schedule_steps(config.train)
+        raise ValueError(
+            f"recovery.echo_share={share} of the run's {horizon} steps rounds to no echoed step: raise it "
+            f"(recovery.echo_share={min(0.5 / horizon + 1e-3, 1.0):.3f} echoes one) or train longer"
+        )
+    if echo > 1 and recovery.warm_share > 0:
         raise ValueError("recovery.echo cannot be combined with recovery.warm_share yet: choose one")
 
 

@@ -81,6 +81,8 @@ def train(checked: Checked) -> RunResult:
             s.guard.history = []  # the warm start's losses are on another scale than the KL's
         if s.convert_for(step):
             s.guard.history = []  # more converted layers: a higher loss is expected, not a spike
+        if step == echo_steps(s.config) and step > 0:
+            s.guard.history = []  # the echoed passes' losses are on rows already trained on: lower than fresh rows
         try:
             loss, grad_norm, terms, applied = s.optimizer_steps(step)
         except Diverged as error:
@@ -299,9 +301,12 @@ class TrainingSession:
         step_rows = plan.rows(step, len(self.train_rows), self.config.train.seed)
         totals, tokens, norms, applied_all, refused = {}, 0, [], True, {}
         updates, passes = plan.update_rows(step_rows, split, accelerator.process_index), echo_passes(self.config, step)
-        memos = {} if passes > 1 else None  # data echoing: the teacher's outputs for the step's rows, computed once
+        # data echoing: the teacher's outputs for each update's micro-batches, by position (the same on every
+        # process, whichever rows they hold), computed on the first pass
+        memos = [{} for _ in updates] if passes > 1 else None
         for update, micro_batches in enumerate(updates * passes):
-            loss, grad_norm, terms, count = self.forward_backward(step, micro_batches, memos)
+            memo = None if memos is None else memos[update % len(updates)]
+            loss, grad_norm, terms, count = self.forward_backward(step, micro_batches, memo)
             with scaled_lr(self.optimizer, split**-0.5):
                 applied, reason = apply_update(self.optimizer, accelerator.scaler, self.guard, loss, grad_norm)
             if reason:
@@ -325,8 +330,8 @@ class TrainingSession:
     ) -> tuple[float, float, dict, int]:
         """Forward/backward of one optimizer update's micro-batches (row indices) on this process, the loss
         normalised by the update's token count over all processes, then gradient clipping. ``memos`` (data echoing)
-        keeps the teacher's outputs per micro-batch across the step's passes. Returns (loss per token, gradient norm,
-        loss terms, that token count)."""
+        keeps the teacher's outputs by micro-batch position across the step's passes. Returns (loss per token,
+        gradient norm, loss terms, that token count)."""
         accelerator, config, rows = self.accelerator, self.config, self.train_rows
         # accelerate syncs gradients (DDP) on the update's last micro-batch and divides the loss by their count
         accelerator.gradient_accumulation_steps, accelerator.step = len(micro_batches), 0
@@ -337,7 +342,7 @@ class TrainingSession:
         # gradient is exactly that of (sum of token losses) / global_tokens
         scale = accelerator.num_processes * len(micro_batches) / global_tokens
         sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=device)}
-        for micro in micro_batches:
+        for position, micro in enumerate(micro_batches):
             packed = rows.rows(micro)
             batch = Packed(packed.input_ids.to(device), packed.position_ids.to(device))
             cached = None if self.cache is None else tuple(t.to(device) for t in self.cache.rows(micro))
@@ -346,7 +351,7 @@ class TrainingSession:
                     parts = layer_local_loss(self.unwrapped, self.teacher, batch)[0]
                 else:
                     guide = guide_weight(config, step)
-                    memo = None if memos is None else memos.setdefault(tuple(micro), {})
+                    memo = None if memos is None else memos.setdefault(position, {})
                     parts = micro_batch_loss(
                         self.model,
                         self.unwrapped,
@@ -356,7 +361,7 @@ class TrainingSession:
                         cached,
                         self.head_in_forward,
                         guide,
-                        memo,
+                        teacher_memo=memo,
                     )
                 accelerator.backward(parts.total * scale)
             sums["loss"] += parts.total.detach()

@@ -10,16 +10,17 @@ import dataclasses
 def echo_output_bytes(model_config, config, layout, accumulation: int, tokens: int, target: str = "cuda") -> int:
     """Bytes of the teacher's outputs kept beyond the simulated micro-batch's: ``accumulation - 1`` micro-batches of
     ``tokens`` tokens, each its final hidden states (the logits where the LM head runs inside the forward, FSDP2)
-    and, with the guide on (``config`` as :func:`fcsd.plan.run.step_config` resolves it), the hidden states of the
-    embeddings and of every layer, in the teacher's dtype (``teacher.dtype=auto``: bf16 on GPU, fp32 on CPU)."""
+    and, with the guide on (``config`` as :func:`fcsd.plan.run.step_config` resolves it) or ``train.objective=kl_l2``,
+    the hidden states of the embeddings and of every layer, in the teacher's dtype (``teacher.dtype=auto``: bf16 on
+    GPU, fp32 on CPU). None with the teacher cache, whose rows are read again."""
     from fcsd.connectivity.families import text_config
     from fcsd.distill.config import echo_steps
 
-    if echo_steps(config) == 0 or accumulation < 2:
+    if echo_steps(config) == 0 or accumulation < 2 or layout.teacher == "cache":  # cached rows are read again
         return 0
     text = text_config(model_config)
     per_token = text.vocab_size if layout.fsdp else text.hidden_size
-    if config.recovery.hidden_l2 > 0:
+    if config.recovery.hidden_l2 > 0 or config.train.objective == "kl_l2":
         per_token += (text.num_hidden_layers + 1) * text.hidden_size
     dtype = config.teacher.dtype
     width = 4 if dtype == "float32" or (dtype == "auto" and target != "cuda") else 2

@@ -209,8 +209,7 @@ class Run:
                     self.teacher,
                     cached,
                     self.head_in_forward,
-                    None,
-                    memo,
+                    teacher_memo=memo,
                 )
                 with phase("activations"):
                     loss = parts.total * (1.0 / max(parts.tokens, 1))
