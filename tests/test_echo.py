@@ -121,6 +121,20 @@ def test_the_teacher_runs_once_per_micro_batch_of_each_step_even_on_rows_the_ste
     assert len(calls) == once
 
 
+def test_the_spike_guard_forgets_the_echoed_passes_losses_when_the_echo_ends(assets, tmp_path, monkeypatch):
+    """Losses on rows already trained on are lower than fresh rows': the first unechoed step is not judged by them."""
+    seen, original = [], trainer.TrainingSession.optimizer_steps
+
+    def recording(self, step):
+        seen.append(len(self.guard.history))
+        return original(self, step)
+
+    monkeypatch.setattr(trainer.TrainingSession, "optimizer_steps", recording)
+    args = convert_args(assets, *PLAIN_SF, *ECHO, "train.max_steps=4", "train.save_every=0")
+    assert main([*args, f"output_dir={tmp_path / 'g'}"]) in (0, None)
+    assert seen == [0, 2, 0, 1]  # steps 1-2 make two updates each; step 3 starts afresh
+
+
 @pytest.mark.parametrize("layout", ["ddp", "ep_fsdp"])
 def test_two_gloo_processes_echo_as_one(assets, tmp_path, layout):
     """Every pass of an echoed step syncs (DDP) or reduces (EP x FSDP2) its own gradients: the same losses,
