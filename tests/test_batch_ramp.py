@@ -65,8 +65,12 @@ def test_a_split_steps_rows_are_shared_by_its_updates_as_a_whole_step_by_the_pro
     assert [plan.fit_split(k) for k in (1, 2, 3, 4, 8)] == [1, 2, 2, 4, 4]  # 4 rows per process
 
 
-def _final_weights(out):
-    return fcsd.from_pretrained(str(out / "final")).state_dict()
+def assert_trains_as(run, same, other) -> None:
+    """The final weights of the run in folder ``run`` equal those of ``same`` and differ from those of ``other``."""
+    mine, same_w, other_w = (fcsd.from_pretrained(str(out / "final")).state_dict() for out in (run, same, other))
+    for name, value in mine.items():
+        torch.testing.assert_close(value, same_w[name], msg=name)
+    assert any(not torch.allclose(value, other_w[name]) for name, value in mine.items())
 
 
 def test_a_split_step_trains_as_the_smaller_steps_it_stands_for(assets, tmp_path):
@@ -80,10 +84,7 @@ def test_a_split_step_trains_as_the_smaller_steps_it_stands_for(assets, tmp_path
     assert main([*halves, f"output_dir={tmp_path / 'halves'}"]) in (0, None)
     whole = convert_args(assets, *PLAIN_SF, "train.max_steps=2", "train.stop_after=1", "train.lr=1e-3")
     assert main([*whole, f"output_dir={tmp_path / 'whole'}"]) in (0, None)
-    split_w, halves_w, whole_w = (_final_weights(tmp_path / name) for name in ("split", "halves", "whole"))
-    for name, value in split_w.items():
-        torch.testing.assert_close(value, halves_w[name], msg=name)
-    assert any(not torch.allclose(value, whole_w[name]) for name, value in split_w.items())
+    assert_trains_as(tmp_path / "split", tmp_path / "halves", tmp_path / "whole")
 
 
 RAMP = ["recovery.batch_ramp=[4,2]", "recovery.batch_ramp_shares=[0.25,0.25]"]

@@ -3,12 +3,10 @@ rows taken again by the next steps, with the teacher run once on them, one proce
 run killed inside the echoed steps resuming exactly."""
 
 import pytest
-import torch
-from test_batch_ramp import PLAIN_SF, RAMP
+from test_batch_ramp import PLAIN_SF, RAMP, assert_trains_as
 from test_recovery import config_for, convert_args, killed_at, one_thread, records  # noqa: F401 (autouse)
 from test_trainer import assert_same_training, pretrained_assets
 
-import fcsd
 from fcsd.cli import main
 from fcsd.distill import objectives, trainer
 from fcsd.distill.config import check_recovery, echo_passes, echo_steps
@@ -20,10 +18,6 @@ ECHO = ["recovery.echo=2", "recovery.echo_share=0.5"]
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     return pretrained_assets(tmp_path_factory.mktemp("assets"), rows=120, steps=40, batch_size=4)
-
-
-def _final_weights(out):
-    return fcsd.from_pretrained(str(out / "final")).state_dict()
 
 
 def test_the_echo_covers_its_share_of_the_steps_and_refuses_a_malformed_one(assets, tmp_path):
@@ -73,10 +67,7 @@ def test_an_echoed_step_trains_as_its_rows_taken_again_with_the_teacher_run_once
     monkeypatch.setattr(StepPlan, "rows", lambda self, step, count, seed: rows(self, 0, count, seed))
     again = convert_args(assets, *PLAIN_SF, "train.max_steps=2", "train.lr=1e-3", "train.log_every=1")
     assert main([*again, f"output_dir={tmp_path / 'again'}"]) in (0, None)
-    echo_w, again_w, once_w = (_final_weights(tmp_path / name) for name in ("echo", "again", "once"))
-    for name, value in echo_w.items():
-        torch.testing.assert_close(value, again_w[name], msg=name)
-    assert any(not torch.allclose(value, once_w[name]) for name, value in echo_w.items())
+    assert_trains_as(tmp_path / "echo", tmp_path / "again", tmp_path / "once")
     # the step logs the mean of its two updates' losses
     (logged,) = [r["train/loss"] for r in records(tmp_path / "echo") if "train/loss" in r]
     first, second = [r["train/loss"] for r in records(tmp_path / "again") if "train/loss" in r]
