@@ -218,6 +218,10 @@ def student_passes(result: dict, steps: int) -> int:
     """The student's forward/backward passes over a step's tokens in ``result``'s first ``steps`` steps: one a step,
     ``recovery.echo`` in the ``echo_steps`` data echoing repeats (the teacher still runs once a step)."""
     echo = result.get("recipe_settings", {}).get("recovery", {}).get("echo", 1)
+    if echo > 1 and "echo_steps" not in result:
+        raise ValueError(
+            f"the record of {result['recipe']} on {result['teacher']} echoes but has no echo_steps: run it again"
+        )
     return steps + (echo - 1) * min(steps, result.get("echo_steps", 0))
 
 

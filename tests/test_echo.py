@@ -112,6 +112,40 @@ def test_the_teacher_runs_once_per_micro_batch_of_each_step_even_on_rows_the_ste
     assert len(calls) == once
 
 
+def test_an_echoed_step_runs_its_updates_in_order_then_again_and_drops_the_passes_of_a_refused_one(
+    assets, tmp_path, monkeypatch, capsys
+):
+    """A ramp's two updates echoed twice run as u1, u2, u1, u2; an update the guard refuses is not run again on its
+    later passes (same rows, and every process refuses alike), so one refusal is not counted once per pass."""
+    seen, calls = [], []
+    original_fb, original_apply = trainer.TrainingSession.forward_backward, trainer.apply_update
+
+    def recording(self, step, micro_batches, memos=None):
+        seen.append((step, micro_batches))
+        return original_fb(self, step, micro_batches, memos)
+
+    def refuse_first(optimizer, scaler, guard, loss, grad_norm):
+        calls.append(loss)
+        if len(calls) == 1:
+            return False, "planted refusal"
+        return original_apply(optimizer, scaler, guard, loss, grad_norm)
+
+    monkeypatch.setattr(trainer.TrainingSession, "forward_backward", recording)
+    monkeypatch.setattr(trainer, "apply_update", refuse_first)
+    ramp = ["recovery.batch_ramp=[2]", "recovery.batch_ramp_shares=[0.5]", "train.micro_batch_size=4"]
+    args = convert_args(assets, *PLAIN_SF, *ramp, "recovery.echo=3", "recovery.echo_share=0.5", "train.max_steps=2")
+    assert main([*args, "train.save_every=0", f"output_dir={tmp_path / 'o'}"]) in (0, None)
+    first = [micro for step, micro in seen if step == 0]
+    assert len(first) == 1 + 3 and first[0] != first[1]  # u1 refused, then u2 three times: u1 never again
+    assert first[1] == first[2] == first[3]
+    assert "step 1 (update 1 of 6) not applied: planted refusal" in capsys.readouterr().out
+    seen.clear()
+    monkeypatch.setattr(trainer, "apply_update", original_apply)
+    assert main([*args, "train.save_every=0", f"output_dir={tmp_path / 'p'}"]) in (0, None)
+    first = [micro for step, micro in seen if step == 0]
+    assert first[0] != first[1] and first == first[:2] * 3  # u1, u2, u1, u2, u1, u2
+
+
 def test_the_spike_guard_forgets_the_echoed_passes_losses_when_the_echo_ends(assets, tmp_path, monkeypatch):
     """Losses on rows already trained on are lower than fresh rows': the first unechoed step is not judged by them."""
     seen, original = [], trainer.TrainingSession.optimizer_steps

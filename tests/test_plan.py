@@ -84,6 +84,14 @@ def test_an_echoed_step_keeps_every_micro_batchs_teacher_outputs_and_the_estimat
     assert echoed.extra["echo_outputs"] == kept and echoed.at_peak["echo"] == kept
     cache = Layout("single", 1, micro_batch=1, teacher="cache")  # the cached rows are read again: nothing kept
     assert echo_output_bytes(model_config, config, cache, 8, 64, "cpu") == 0
+    states = (model_config.num_hidden_layers + 1) * model_config.hidden_size
+    fsdp = Layout("fsdp2", 2, micro_batch=1)  # the LM head inside the forward: the logits are kept
+    assert echo_output_bytes(model_config, config, fsdp, 8, 64) == 7 * 64 * (model_config.vocab_size + states) * 2
+    config.recovery.hidden_l2, config.train.objective = 0.0, "kl_l2"  # the L2 term keeps every layer's states too
+    assert echo_output_bytes(model_config, config, layout, 8, 64, "cpu") == kept
+    config.train.objective = "kl"
+    assert echo_output_bytes(model_config, config, layout, 8, 64, "cpu") == 7 * 64 * model_config.hidden_size * 4
+    config.recovery.hidden_l2 = 4.0
     config.recovery.echo = 1
     assert estimate_step(model_config, config, layout, "cpu").peak == echoed.peak - kept
     config.recovery.echo = 2

@@ -167,6 +167,10 @@ def test_an_echoed_run_is_charged_its_student_passes_beside_its_tokens(fair):
     assert fair.tokens_ratio(echoed, 0.10, 12) == 0.25
     assert fair.compute_ratio(echoed, 0.10, 12) == pytest.approx((3 + 3 * 12) / 48)
     assert fair.compute_ratio(plain, 0.10, 12) == fair.tokens_ratio(plain, 0.10, 12) == 1.0
+    del echoed["echo_steps"]
+    with pytest.raises(ValueError, match="echoes but has no echo_steps"):
+        fair.compute_ratio(echoed, 0.10, 12)
+    echoed["echo_steps"] = 3
     teachers = {"t": fair.Teacher("t", "qwen3_moe", "code", 10, "reported")}
     rows = fair.fair_table([plain, echoed], teachers, 12, 36)
     assert rows[2].split(" | ")[7] == "1.00x" and rows[3].split(" | ")[7] == "0.25x (compute 0.81x)"

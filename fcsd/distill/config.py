@@ -111,7 +111,7 @@ class TrainConfig:
     log_every: int = 1  # metrics every N steps
     spike_factor: float = 4.0  # skip an update whose loss exceeds this multiple of the recent median
     spike_window: int = 20  # updates in that median (spike detection starts once it is full); a step is one
-    # update, or several in a batch ramp (recovery.batch_ramp)
+    # update, or several in a batch ramp (recovery.batch_ramp) or an echoed step (recovery.echo)
     max_bad_steps: int = 5  # consecutive skipped updates before the run stops with an error
     # steps in a row whose loss is not finite (all skipped) that stop the run in one line, before it writes final/,
     # an export or a summary: weights that give a NaN loss on that many batches are broken themselves (a damaged

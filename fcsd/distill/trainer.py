@@ -304,13 +304,19 @@ class TrainingSession:
         # data echoing: the teacher's outputs for each update's micro-batches, by position (the same on every
         # process, whichever rows they hold), computed on the first pass
         memos = [{} for _ in updates] if passes > 1 else None
+        dropped = set()  # positions whose update the guard refused: their later passes are not run (every process
+        # decides alike, on the reduced loss and norm), so one refused update is not refused once per pass
         for update, micro_batches in enumerate(updates * passes):
-            memo = None if memos is None else memos[update % len(updates)]
+            position = update % len(updates)
+            if position in dropped:
+                continue
+            memo = None if memos is None else memos[position]
             loss, grad_norm, terms, count = self.forward_backward(step, micro_batches, memo)
             with scaled_lr(self.optimizer, split**-0.5):
                 applied, reason = apply_update(self.optimizer, accelerator.scaler, self.guard, loss, grad_norm)
             if reason:
                 refused[update + 1] = reason
+                dropped.add(position)
             self.optimizer.zero_grad(set_to_none=True)
             for name, value in {"loss": loss, **terms}.items():
                 totals[name] = totals.get(name, 0.0) + value * count
