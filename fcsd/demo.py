@@ -61,10 +61,12 @@ def run_demo(config) -> dict:
     teacher = from_pretrained(str(root / "model"))
     report = {"teacher": scores(teacher, 0.0), WRITER: table_row(None, *writer_answers(scored, general))}
     converted = apply_farskip(teacher, config.farskip.layers)
-    report["converted, before training"] = scores(converted, runs["kl"].eval_before["eval/kl"])
+    from fcsd.distill.heldout import kl_name, kl_of
+
+    report["converted, before training"] = scores(converted, kl_of(runs["kl"].eval_before))
     for objective, label in (("kl", "after FCSD (KL)"), ("sft", "after SFT, same budget")):
-        report[label] = scores(from_pretrained(str(runs[objective].final_dir)), runs[objective].eval_after["eval/kl"])
-    text = format_report(report, config, len(scored), len(general))
+        report[label] = scores(from_pretrained(str(runs[objective].final_dir)), kl_of(runs[objective].eval_after))
+    text = format_report(report, config, len(scored), len(general), kl_name(runs["kl"].eval_before))
     print(text)
     (out / "demo_report.md").write_text(text + "\n")
     print(f"wrote {out / 'demo_report.md'}")
@@ -105,17 +107,18 @@ def writer_answers(scored: list[dict], general: list[dict]) -> tuple[list[str], 
     return tuple([writer_answer(row["messages"][-1]["content"], rng) for row in rows] for rows in (scored, general))
 
 
-def format_report(report: dict, config, n_scored: int, n_general: int) -> str:
-    """The demo's markdown table: one row per model, held-out KL then exact match per scored task, over the scored
-    tasks, and over held-out prompts of the other tasks; what the data models, below it."""
+def format_report(report: dict, config, n_scored: int, n_general: int, kl_label: str = "held-out KL") -> str:
+    """The demo's markdown table: one row per model, held-out KL (``kl_label``: with the teacher cache, its top-k
+    figure) then exact match per scored task, over the scored tasks, and over held-out prompts of the other tasks;
+    what the data models, below it."""
     from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, WRITER_ERRORS, WRITER_PHRASE, WRITER_PHRASING
 
     tasks = [key for key in next(iter(report.values())) if key not in ("kl", "all", OTHER_TASKS)]
-    header = ["model", "held-out KL", *tasks, "all scored", OTHER_TASKS]
+    header = ["model", kl_label, *tasks, "all scored", OTHER_TASKS]
     lines = [
         f"FarSkip layers `{config.farskip.layers}`, {config.train.max_steps} steps of {config.train.batch_tokens} "
         f"tokens. Exact match (greedy, zero-shot, chat template) on {n_scored} held-out prompts of the scored tasks "
-        f"and on {n_general} of the other tasks; held-out KL to the teacher on the scored rows",
+        f"and on {n_general} of the other tasks; {kl_label} to the teacher on the scored rows",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|",

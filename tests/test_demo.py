@@ -124,6 +124,20 @@ def test_the_demo_teacher_scores_the_same_in_the_table_and_in_lm_eval(demo_root)
     assert abs(task_score(results, suite.tasks[0]) - 100 * exact_match_of(ours, rows)["all"]) <= 2.0
 
 
+def test_convert_demo_with_the_teacher_cache_reports_its_top_k_kl(demo_root, tmp_path, capsys):
+    """With ``teacher.mode=cache`` the runs score the cache's top-k KL (no full KL): the report says so (it stopped
+    with a KeyError before)."""
+    out = tmp_path / "demo"
+    cache = ["teacher.mode=cache", f"teacher.cache_dir={tmp_path / 'cache'}", "teacher.top_k=16"]
+    argv = ["convert", "demo", "train.max_steps=2", "train.warmup_steps=1", *cache, f"output_dir={out}", "progress=false"]
+    assert main(["cache-teacher", *argv[1:]]) == 0
+    assert main(argv) == 0
+    assert "| model | held-out top-k KL (from the teacher cache) |" in capsys.readouterr().out
+    report = json.loads((out / "demo_report.json").read_text())
+    rows = ("converted, before training", "after FCSD (KL)", "after SFT, same budget")
+    assert all(report[row]["kl"] > 0 for row in rows)  # two steps: the KL need not have fallen yet
+
+
 def test_convert_demo_prints_the_comparison_table(demo_root, tmp_path, capsys):
     """`fcsd convert demo` end to end on a tiny budget: FCSD and SFT runs, then the five-row report."""
     out = tmp_path / "demo"
