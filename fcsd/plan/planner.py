@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fcsd.distill.config import echo_steps
+from fcsd.distill.config import echo_steps, schedule_steps
 from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, search
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
@@ -103,7 +103,14 @@ def make_plan(
 
         check_fp8_teacher(config, source.config, cluster)
         notes.append(fp8_note(source.config))
-    tokens = float(config.train.max_tokens)
+    steps = schedule_steps(config.train)  # the run fcsd convert makes: train.max_steps ends it first when it is shorter
+    tokens = float(steps * config.train.batch_tokens)
+    if steps < config.train.max_tokens // config.train.batch_tokens:
+        notes.append(
+            f"train.max_steps={config.train.max_steps} ends the run at {steps:,} steps ({tokens:.3g} tokens), before "
+            f"train.max_tokens={config.train.max_tokens:.3g}: the plan prices those steps; raise train.max_steps for "
+            "a longer run"
+        )
     given = [o.split("=", 1)[1] for o in overrides or [] if o.startswith("farskip.layers=")]
     specs = specs or given[-1:] or DEFAULT_SPECS  # the user's farskip.layers is the one spec planned
     options = layer_options(shape, specs, cluster, config.train.batch_tokens, config.data.seq_len)
@@ -148,10 +155,12 @@ def make_plan(
         )
         plan.notes += replaced
         if echo_steps(config):
+            echo, echoed = config.recovery.echo, echo_steps(config)
             plan.notes.append(
-                f"recovery.echo={config.recovery.echo}: the run's first {echo_steps(config)} steps train "
-                f"{config.recovery.echo} times on their rows; the peak above holds the teacher outputs they keep, the "
-                "step time is an unechoed step's (an echoed one adds its student passes)"
+                f"recovery.echo={echo} recovery.echo_share={config.recovery.echo_share}: the first {echoed} of the "
+                f"run's {schedule_steps(config.train):,} steps train {echo} times on their rows; the peak above holds "
+                f"the teacher outputs they keep, the step time and the run's time are unechoed steps' (the echo adds "
+                f"{(echo - 1) * echoed:,} student forward and backward passes, each about 3/4 of a step)"
             )
         if chosen.layout.teacher == "cache" and config.recovery.hidden_l2 > 0:
             plan.notes.append(
