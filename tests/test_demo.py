@@ -129,7 +129,15 @@ def test_convert_demo_with_the_teacher_cache_reports_its_top_k_kl(demo_root, tmp
     with a KeyError before)."""
     out = tmp_path / "demo"
     cache = ["teacher.mode=cache", f"teacher.cache_dir={tmp_path / 'cache'}", "teacher.top_k=16"]
-    argv = ["convert", "demo", "train.max_steps=2", "train.warmup_steps=1", *cache, f"output_dir={out}", "progress=false"]
+    argv = [
+        "convert",
+        "demo",
+        "train.max_steps=2",
+        "train.warmup_steps=1",
+        *cache,
+        f"output_dir={out}",
+        "progress=false",
+    ]
     assert main(["cache-teacher", *argv[1:]]) == 0
     assert main(argv) == 0
     assert "| model | held-out top-k KL (from the teacher cache) |" in capsys.readouterr().out

@@ -31,7 +31,7 @@ def test_the_echo_covers_its_share_of_the_steps_and_refuses_a_malformed_one(asse
         (["recovery.echo=2"], "recovery.echo=2 with recovery.echo_share=0.0 echoes nothing: set both"),
         (["recovery.echo_share=0.5"], "recovery.echo=1 with recovery.echo_share=0.5 echoes nothing: set both"),
         (["recovery.echo=2", "recovery.echo_share=0.01", "train.max_steps=20"], "rounds to no echoed step: raise it"),
-        (["recovery=warm_start", *ECHO], "recovery.echo cannot be combined with recovery.warm_share"),
+        (["recovery=warm_start", *ECHO], "recovery.echo cannot be combined with the layer-local warm start"),
     ):
         with pytest.raises(ValueError, match=said.replace(".", r"\.").replace("[", r"\[")):
             config_for(assets, tmp_path / "c", *overrides)

@@ -534,7 +534,10 @@ def _check_echo(config: FCSDConfig) -> None:
             f"(recovery.echo_share={min(0.5 / horizon + 1e-3, 1.0):.3f} echoes one) or train longer"
         )
     if echo > 1 and recovery.warm_share > 0:
-        raise ValueError("recovery.echo cannot be combined with recovery.warm_share yet: choose one")
+        raise ValueError(
+            f"recovery.echo cannot be combined with the layer-local warm start (recovery.warm_share="
+            f"{recovery.warm_share}, set by recovery={recovery.name}) yet: use recovery.echo=1, or another recipe"
+        )
 
 
 def _shares_fit(shares: list[float], count: int) -> bool:

@@ -284,12 +284,12 @@ class TrainingSession:
             parts.append(f"steps {start + 1}-{end} in {fitted} updates{lowered}")
         if parts:
             print_once(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")
-        echoed = echo_steps(self.config)
+        echoed, config = echo_steps(self.config), self.config
         if echoed:
-            print_once(
-                f"data echoing: steps 1-{echoed} train {self.config.recovery.echo} times on their rows (the teacher "
-                "run once on them)"
-            )
+            steps = "step 1" if echoed == 1 else f"steps 1-{echoed}"
+            teacher = {"online": " (the teacher run once on them)", "cache": " (the teacher cache's rows read again)"}
+            said = "" if config.train.objective == "sft" else teacher.get(config.teacher.mode, "")
+            print_once(f"data echoing: {steps} train {config.recovery.echo} times on their rows{said}")
 
     def optimizer_steps(self, step: int) -> tuple[float, float, dict, bool]:
         """Train on step ``step``'s rows: one optimizer update, or several sharing the rows in a batch ramp
