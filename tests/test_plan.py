@@ -354,6 +354,12 @@ def test_plan_commands_name_what_accelerate_and_convert_need(tmp_path, capsys):
     assert config.output_dir == str(out) and plan["commands"]["serve"].startswith(f"vllm serve {out}/export")
     assert any(n.startswith("train.micro_batch_size=7 replaced by the plan's") for n in plan["notes"])
 
+    # train.max_steps shorter than --tokens ends the run first: the plan prices the steps fcsd convert makes
+    assert main([*argv, "train.max_steps=10"]) == 0  # --tokens 1e6 alone: 15 steps
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["steps"] == 10 and plan["tokens"] == 10 * plan["batch_tokens"]
+    assert any(n.startswith("train.max_steps=10 ends the run at 10 steps") for n in plan["notes"])
+
 
 MEASURED_LAYOUTS = [  # chosen layouts of the paper models' plans, run reduced (fcsd plan --measure) on 4 processes
     ("deepseek_v2_lite", "h100", 1, Layout("ep_fsdp", 8, 8, "online", 2, True)),
