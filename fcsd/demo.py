@@ -24,6 +24,7 @@ def run_demo(config) -> dict:
     from fcsd.evaluate.exact_match import exact_match_of, greedy_answers
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.parallel.processes import main_process_first, quiet_unless_main
+    from fcsd.run_folder import RunFolder
 
     with main_process_first() as is_main:
         root = prepare_demo()
@@ -31,11 +32,15 @@ def run_demo(config) -> dict:
     out = Path(config.output_dir)
     runs = {}
     for objective in ("kl", "sft"):
-        train = dataclasses.replace(config.train, objective=objective)
+        folder = RunFolder(out / f"fcsd-{objective}")
+        # --resume continues the run a stop cut short; the demo's other runs (not started, or finished: the report
+        # needs their results) are trained as a plain `fcsd convert demo` trains them
+        resume = config.train.resume and bool(folder.checkpoints()) and not folder.final.exists()
+        if config.train.resume and not resume:
+            say(f"demo: {folder.root} holds no run to continue: training it")
+        train = dataclasses.replace(config.train, objective=objective, resume=resume)
         recovery = dataclasses.replace(config.recovery)
-        run_config = dataclasses.replace(
-            config, train=train, recovery=recovery, output_dir=str(out / f"fcsd-{objective}")
-        )
+        run_config = dataclasses.replace(config, train=train, recovery=recovery, output_dir=str(folder.root))
         resolve_guide(run_config)  # SFT: the guided recipe without its guide, which belongs to the KL
         say(f"demo: training the converted model with train.objective={objective}")
         runs[objective] = convert(run_config)

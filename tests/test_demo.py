@@ -124,6 +124,22 @@ def test_the_demo_teacher_scores_the_same_in_the_table_and_in_lm_eval(demo_root)
     assert abs(task_score(results, suite.tasks[0]) - 100 * exact_match_of(ours, rows)["all"]) <= 2.0
 
 
+def test_a_demo_stopped_in_its_fcsd_run_resumes_it_and_then_trains_the_sft_run(demo_root, tmp_path, monkeypatch):
+    """``--resume`` continues the stopped FCSD run and trains the SFT run the stop never reached (it stopped with
+    "output_dir ... does not exist" before)."""
+    from test_recovery import killed_at
+
+    out = tmp_path / "demo"
+    argv = ["convert", "demo", "train.max_steps=4", "train.save_every=2", f"output_dir={out}", "progress=false"]
+    killed_at(monkeypatch, argv, 3)
+    assert (out / "fcsd-kl" / "checkpoints").exists() and not (out / "fcsd-sft").exists()
+    assert main([*argv, "--resume"]) == 0
+    for run in ("fcsd-kl", "fcsd-sft"):
+        assert json.loads((out / run / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
+    report = json.loads((out / "demo_report.json").read_text())
+    assert report["after SFT, same budget"]["kl"] > 0
+
+
 def test_convert_demo_with_the_teacher_cache_reports_its_top_k_kl(demo_root, tmp_path, capsys):
     """With ``teacher.mode=cache`` the runs score the cache's top-k KL (no full KL): the report says so (it stopped
     with a KeyError before)."""
