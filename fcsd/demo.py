@@ -37,7 +37,7 @@ def run_demo(config) -> dict:
         # needs their results) are trained as a plain `fcsd convert demo` trains them
         resume = config.train.resume and bool(folder.checkpoints()) and not folder.final.exists()
         if config.train.resume and not resume:
-            say(f"demo: {folder.root} holds no run to continue: training it")
+            say(f"demo: {folder.root} holds no stopped run to continue: training it")
         train = dataclasses.replace(config.train, objective=objective, resume=resume)
         recovery = dataclasses.replace(config.recovery)
         run_config = dataclasses.replace(config, train=train, recovery=recovery, output_dir=str(folder.root))
