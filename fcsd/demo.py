@@ -116,12 +116,13 @@ def format_report(report: dict, config, n_scored: int, n_general: int, kl_label:
     """The demo's markdown table: one row per model, held-out KL (``kl_label``: with the teacher cache, its top-k
     figure) then exact match per scored task, over the scored tasks, and over held-out prompts of the other tasks;
     what the data models, below it."""
+    from fcsd.distill.config import end_step
     from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, WRITER_ERRORS, WRITER_PHRASE, WRITER_PHRASING
 
     tasks = [key for key in next(iter(report.values())) if key not in ("kl", "all", OTHER_TASKS)]
     header = ["model", kl_label, *tasks, "all scored", OTHER_TASKS]
     lines = [
-        f"FarSkip layers `{config.farskip.layers}`, {config.train.max_steps} steps of {config.train.batch_tokens} "
+        f"FarSkip layers `{config.farskip.layers}`, {end_step(config.train)} steps of {config.train.batch_tokens} "
         f"tokens. Exact match (greedy, zero-shot, chat template) on {n_scored} held-out prompts of the scored tasks "
         f"and on {n_general} of the other tasks; {kl_label} to the teacher on the scored rows",
         "",

@@ -124,6 +124,17 @@ def test_the_demo_teacher_scores_the_same_in_the_table_and_in_lm_eval(demo_root)
     assert abs(task_score(results, suite.tasks[0]) - 100 * exact_match_of(ours, rows)["all"]) <= 2.0
 
 
+def test_the_report_counts_the_steps_the_runs_made():
+    """A demo with train.stop_after stops its runs early: the report's steps are theirs, not the schedule's."""
+    from fcsd.demo import format_report
+    from fcsd.distill.config import FCSDConfig
+
+    config = FCSDConfig()
+    config.train.max_steps, config.train.stop_after, config.train.batch_tokens = 8, 3, 2048
+    row = {"kl": 0.1, "add": 1.0, "all": 1.0, "other tasks": 1.0}
+    assert "3 steps of 2048 tokens" in format_report({"teacher": row}, config, 10, 10)
+
+
 def test_a_demo_stopped_in_its_fcsd_run_resumes_it_and_then_trains_the_sft_run(demo_root, tmp_path, monkeypatch):
     """``--resume`` continues the stopped FCSD run and trains the SFT run the stop never reached (it stopped with
     "output_dir ... does not exist" before)."""
