@@ -154,11 +154,11 @@ def make_plan(
             source.name, chosen.layout, choice.spec, config, defaults, target, extra, (model_type, serving)
         )
         plan.notes += replaced
-        if echo_steps(config):
-            echo, echoed = config.recovery.echo, echo_steps(config)
+        echo, echoed = config.recovery.echo, echo_steps(config)
+        if echoed:
             plan.notes.append(
                 f"recovery.echo={echo} recovery.echo_share={config.recovery.echo_share}: the first {echoed} of the "
-                f"run's {schedule_steps(config.train):,} steps train {echo} times on their rows; the peak above holds "
+                f"run's {steps:,} steps train {echo} times on their rows; the peak above holds "
                 f"the teacher outputs they keep, the step time and the run's time are unechoed steps' (the echo adds "
                 f"{(echo - 1) * echoed:,} student forward and backward passes, each about 3/4 of a step)"
             )
@@ -296,8 +296,6 @@ def run_config_for(config, cluster: Cluster):
     of its GPUs, and the LR warm-up shortened to a tenth of a run shorter than it (``fcsd convert`` refuses a
     warm-up longer than the run)."""
     import copy
-
-    from fcsd.distill.config import schedule_steps
 
     sized, notes = copy.deepcopy(config), []
     sequences = sized.train.batch_tokens // sized.data.seq_len
