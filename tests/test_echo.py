@@ -146,6 +146,16 @@ def test_an_echoed_step_runs_its_updates_in_order_then_again_and_drops_the_passe
     assert first[0] != first[1] and first == first[:2] * 3  # u1, u2, u1, u2, u1, u2
 
 
+def test_the_echo_line_says_what_runs_on_the_echoed_rows(assets, tmp_path, capsys):
+    """The teacher once (online), nothing (SFT trains on the rows' tokens alone): the line does not promise a
+    teacher forward a run does not make."""
+    args = convert_args(assets, *PLAIN_SF, "train.max_steps=2", "recovery.echo=2", "recovery.echo_share=0.5")
+    assert main([*args, "train.save_every=0", f"output_dir={tmp_path / 'kl'}"]) in (0, None)
+    assert "data echoing: step 1 trains 2 times on its rows (the teacher run once on them)\n" in capsys.readouterr().out
+    assert main([*args, "train.objective=sft", "train.save_every=0", f"output_dir={tmp_path / 'sft'}"]) in (0, None)
+    assert "data echoing: step 1 trains 2 times on its rows\n" in capsys.readouterr().out
+
+
 def test_the_spike_guard_forgets_the_echoed_passes_losses_when_the_echo_ends(assets, tmp_path, monkeypatch):
     """Losses on rows already trained on are lower than fresh rows': the first unechoed step is not judged by them."""
     seen, original = [], trainer.TrainingSession.optimizer_steps

@@ -286,10 +286,10 @@ class TrainingSession:
             print_once(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")
         echoed, config = echo_steps(self.config), self.config
         if echoed:
-            steps = "step 1" if echoed == 1 else f"steps 1-{echoed}"
+            which, rows = ("step 1 trains", "its") if echoed == 1 else (f"steps 1-{echoed} train", "their")
             teacher = {"online": " (the teacher run once on them)", "cache": " (the teacher cache's rows read again)"}
             said = "" if config.train.objective == "sft" else teacher.get(config.teacher.mode, "")
-            print_once(f"data echoing: {steps} train {config.recovery.echo} times on their rows{said}")
+            print_once(f"data echoing: {which} {config.recovery.echo} times on {rows} rows{said}")
 
     def optimizer_steps(self, step: int) -> tuple[float, float, dict, bool]:
         """Train on step ``step``'s rows: one optimizer update, or several sharing the rows in a batch ramp
