@@ -23,7 +23,7 @@ SWEEP_SCHEDULES = ("full", "truncated")
 EP_MODES = ("farskip_overlap", "farskip_reference")
 EP_DISPATCHERS = ("plain", "dedup", "hierarchical")
 EARLY_STOP_METRICS = ("plus", "base")
-OPTIMIZERS = ("adamw", "schedule_free", "schedule_free_soap")  # recovery.optimizer
+OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
 # parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
 PARAM_GROUPS = ("embeddings", "attention", "norms", "router", "experts", "shared_experts", "dense_mlp")
 
@@ -193,16 +193,6 @@ class RecoveryConfig:
     # runs once on them and its outputs (with the guide, every layer's hidden states) are kept for the step. Fewer
     # tokens and teacher forwards for the same KL, for more student passes: BENCHMARKS.md measures both (1: off)
     echo_share: float = 0.0  # share of the run's steps that are echoed (with recovery.echo > 1)
-    fade_in_share: float = 0.0  # FarSkip faded in: over this share of the run's first steps each converted layer's
-    # inputs move linearly from the stock model's to FarSkip's (fcsd.distill.fade_in; 0: converted from step 1)
-    easy_first_share: float = 0.0  # the rows of the run's first share of steps, ordered easy first (frequent tokens)
-    on_policy: float = 0.5  # share of a step's rows the student samples (after on_policy_prompt tokens of the row)
-    on_policy_share: float = 0.0  # share of the run's first steps with on-policy rows (0: off)
-    on_policy_prompt: int = 32
-    seq_ramp: list[int] = field(default_factory=list)  # sequence-length warm-up (Li et al. 2022): in the run's first
-    # steps each packed row of data.seq_len tokens is cut into windows of these lengths, stage by stage (e.g. [64,
-    # 128]): the same tokens per step in more, shorter sequences; each length divides data.seq_len (off in every preset)
-    seq_ramp_shares: list[float] = field(default_factory=list)  # share of the run's steps for each seq_ramp stage
 
 
 @dataclass
@@ -465,7 +455,6 @@ def check_recovery(config: FCSDConfig) -> None:
     _check_guide(config)
     _check_batch_ramp(config)
     _check_echo(config)
-    _check_seq_ramp(config)
     horizon = schedule_steps(config.train)
     if warmup_steps(config) > horizon:  # only train.warmup_steps can be: a valid share of the run always fits it
         raise ValueError(
@@ -551,22 +540,6 @@ def _check_echo(config: FCSDConfig) -> None:
         )
 
 
-def _check_seq_ramp(config: FCSDConfig) -> None:
-    lengths, shares = list(config.recovery.seq_ramp), list(config.recovery.seq_ramp_shares)
-    if not lengths and not shares:
-        return
-    seq_len = config.data.seq_len
-    whole = all(
-        isinstance(n, int) and not isinstance(n, bool) and 2 <= n < seq_len and seq_len % n == 0 for n in lengths
-    )
-    if not _shares_fit(shares, len(lengths)) or not whole:
-        raise ValueError(
-            f"recovery.seq_ramp={lengths} needs window lengths >= 2 that divide data.seq_len={seq_len} and are "
-            f"shorter, each with a share in (0, 1) in recovery.seq_ramp_shares (now {shares}) summing below 1 (e.g. "
-            f"recovery.seq_ramp=[{max(2, seq_len // 4)}] recovery.seq_ramp_shares=[0.2]); to turn it off set both to []"
-        )
-
-
 def _shares_fit(shares: list[float], count: int) -> bool:
     """One share of the run per stage, each in (0, 1), leaving steps for the rest of the run."""
     return len(shares) == count and all(0 < s < 1 for s in shares) and sum(shares) < 1
@@ -601,21 +574,6 @@ def echo_passes(config: FCSDConfig, step: int) -> int:
     """How many times step ``step`` (0-based) trains on its rows (data echoing, Choi et al. 2019): each of its
     updates, in order, ``recovery.echo`` times over in the run's first :func:`echo_steps` steps, else once."""
     return config.recovery.echo if step < echo_steps(config) else 1
-
-
-def window_length(config: FCSDConfig, step: int) -> int:
-    """The sequence length step ``step`` (0-based) trains on: its ``recovery.seq_ramp`` stage's window, else
-    ``data.seq_len`` (sequence-length warm-up, Li et al. 2022)."""
-    ends = stage_ends(config.recovery.seq_ramp_shares, schedule_steps(config.train))
-    stages = zip([0, *ends], ends, config.recovery.seq_ramp, strict=False)
-    return next((length for start, end, length in stages if start <= step < end), config.data.seq_len)
-
-
-def fade_in_beta(config: FCSDConfig, step: int) -> float:
-    """How much of the stock connectivity step ``step`` (0-based) keeps (``recovery.fade_in_share``): 1 at the first
-    step, falling linearly to 0 at the end of the share."""
-    steps = round(config.recovery.fade_in_share * schedule_steps(config.train))
-    return max(0.0, 1.0 - step / steps) if steps else 0.0
 
 
 def update_split(config: FCSDConfig, step: int) -> int:

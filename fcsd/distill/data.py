@@ -225,11 +225,6 @@ class Packed:
     def rows(self, index) -> Packed:
         return Packed(self.input_ids[index], self.position_ids[index])
 
-    def windows(self, length: int) -> Packed:
-        """The same tokens as rows of ``length`` (which divides the row length): a window that starts inside a
-        document keeps its positions, which rotary attention reads only as differences, and is a sequence of its own."""
-        return Packed(self.input_ids.reshape(-1, length), self.position_ids.reshape(-1, length))
-
 
 def pack_documents(documents: list[list[int]], seq_len: int, max_sequences: int | None = None) -> Packed:
     """Concatenate tokenised documents and cut them into ``seq_len`` rows (the tail shorter than a row is dropped)."""

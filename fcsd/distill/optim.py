@@ -119,8 +119,6 @@ def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
             params = parameter_groups(student, params)
     if recovery.optimizer == "schedule_free":
         return schedule_free(params, peak, warmup, train)
-    if recovery.optimizer == "schedule_free_soap":
-        return schedule_free_soap(params, peak, warmup, train)
     optimizer = torch.optim.AdamW(params, lr=peak, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
     warm = warm_steps(config)
     if warm == 0:
@@ -151,32 +149,6 @@ def schedule_free(params, lr: float, warmup: int, train):
     return optimizer, scheduler
 
 
-def schedule_free_soap(params, lr: float, warmup: int, train):
-    """SOAP (Vyas et al. 2024: Adam in the eigenbasis of Shampoo's preconditioner, ``pytorch_optimizer``'s) made
-    schedule-free by ``schedulefree.ScheduleFreeWrapper``: the base takes no momentum of its own (the wrapper's
-    interpolation is the momentum) and the average is scored and saved, as :func:`schedule_free`'s."""
-    import schedulefree
-    from pytorch_optimizer import SOAP
-
-    class _SOAP(SOAP):
-        def init_group(self, group, **kwargs):  # the wrapper keeps its own entries ("z") in the same state
-            kept = {}
-            for p in group["params"]:
-                if "exp_avg" not in self.state[p] and self.state[p]:
-                    kept[p] = dict(self.state[p])
-                    self.state[p].clear()
-            super().init_group(group, **kwargs)
-            for p, entries in kept.items():
-                self.state[p].update(entries)
-
-    base = _SOAP(params, lr=lr, betas=(0.0, train.adam_betas[1]), weight_decay=0.0, precondition_frequency=10)
-    optimizer = schedulefree.ScheduleFreeWrapper(
-        base, momentum=train.adam_betas[0], weight_decay_at_y=train.weight_decay
-    )
-    optimizer.train()
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(base, LinearWarmup(warmup))
-
-
 class LinearWarmup:
     """LR factor ``(step + 1) / (warmup + 1)`` for ``warmup`` steps, then 1 (a plain object: the scheduler's state
     dict saves it)."""
@@ -193,8 +165,7 @@ def evaluation_weights(optimizer):
     """The weights to score and save in the model for the duration: a schedule-free optimizer's average (its
     ``eval`` mode), restored to the training iterate afterwards; nothing to do for AdamW."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
-    training = inner.param_groups[0].get("train_mode") or getattr(inner, "train_mode", False)  # the wrapper's
-    if not (hasattr(inner, "eval") and training):  # AdamW, or already switched
+    if not (hasattr(inner, "eval") and inner.param_groups[0].get("train_mode")):  # AdamW, or already switched
         yield
         return
     inner.eval()

@@ -25,13 +25,11 @@ from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save
 from fcsd.distill.config import (
     echo_passes,
     echo_steps,
-    fade_in_beta,
     guide_weight,
     layer_stages,
     ramp_stages,
     update_split,
     warm_steps,
-    window_length,
 )
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.finite import NonFiniteStop, check_weights_finite, diverged
@@ -85,7 +83,6 @@ def train(checked: Checked) -> RunResult:
             s.guard.history = []  # more converted layers: a higher loss is expected, not a spike
         if step == echo_steps(s.config) and step > 0:
             s.guard.history = []  # the echoed passes' losses are on rows already trained on: lower than fresh rows
-        s.fade_in(step)
         try:
             loss, grad_norm, terms, applied = s.optimizer_steps(step)
         except Diverged as error:
@@ -239,8 +236,6 @@ class TrainingSession:
         self.nonfinite = NonFiniteStop(train_cfg.max_nonfinite_steps, saved.get("nonfinite_streak", 0))
         if self.early is not None and saved.get("early_stop"):
             self.early.load(saved["early_stop"])
-        self.fading = None  # the fade-in schedule while FarSkip is faded in
-        self.easy_first = easy_first_order(config, self.plan, self.train_rows)
         self.layer_stages = layer_stages(config) if config.recovery.progressive else []
         self.layers = None
         self.convert_for(self.start_step, check=True)
@@ -280,18 +275,6 @@ class TrainingSession:
             return True
         return False
 
-    def fade_in(self, step: int) -> None:
-        """Set the connectivity of step ``step`` under ``recovery.fade_in_share`` (:mod:`fcsd.distill.fade_in`)."""
-        from fcsd.distill.fade_in import install_fade_in, remove_fade_in
-
-        beta = fade_in_beta(self.config, step)
-        if beta > 0:
-            self.fading = self.fading or install_fade_in(self.unwrapped, beta)
-            self.fading.beta = beta
-        elif self.fading is not None:
-            remove_fade_in(self.unwrapped)
-            self.fading = None
-
     def announce_ramp(self) -> None:
         """One line saying which steps the batch ramp splits, and any split lowered to fit this process's rows."""
         parts = []
@@ -316,8 +299,6 @@ class TrainingSession:
         plan, accelerator = self.plan, self.accelerator
         split = plan.fit_split(update_split(self.config, step))
         step_rows = plan.rows(step, len(self.train_rows), self.config.train.seed)
-        if step < len(self.easy_first):
-            step_rows = self.easy_first[step]
         totals, tokens, norms, applied_all, refused = {}, 0, [], True, {}
         updates, passes = plan.update_rows(step_rows, split, accelerator.process_index), echo_passes(self.config, step)
         # data echoing: the teacher's outputs for each update's micro-batches, by position (the same on every
@@ -360,25 +341,17 @@ class TrainingSession:
         accelerator, config, rows = self.accelerator, self.config, self.train_rows
         # accelerate syncs gradients (DDP) on the update's last micro-batch and divides the loss by their count
         accelerator.gradient_accumulation_steps, accelerator.step = len(micro_batches), 0
-        device, window = accelerator.device, window_length(config, step)
-        local_tokens = sum(
-            _loss_tokens(rows.rows(micro).windows(window), config.train.objective) for micro in micro_batches
-        )
+        device = accelerator.device
+        local_tokens = sum(_loss_tokens(rows.rows(micro), config.train.objective) for micro in micro_batches)
         global_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=device), "sum"))
         # accelerate divides by the accumulation steps and DDP/FSDP average over processes: undo both, so the
         # gradient is exactly that of (sum of token losses) / global_tokens
         scale = accelerator.num_processes * len(micro_batches) / global_tokens
         sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=device)}
         for position, micro in enumerate(micro_batches):
-            packed = rows.rows(micro).windows(window)
-            if step < round(config.recovery.on_policy_share * self.plan.schedule_steps):
-                packed = on_policy_rows(
-                    self.unwrapped, packed, config.recovery.on_policy, config.recovery.on_policy_prompt
-                )
+            packed = rows.rows(micro)
             batch = Packed(packed.input_ids.to(device), packed.position_ids.to(device))
-            cached = None
-            if self.cache is not None:  # (rows, seq_len, top-k) each
-                cached = tuple(t.reshape(-1, window, t.shape[-1]).to(device) for t in self.cache.rows(micro))
+            cached = None if self.cache is None else tuple(t.to(device) for t in self.cache.rows(micro))
             with accelerator.accumulate(self.model), accelerator.autocast():
                 if step < self.warm_steps:
                     parts = layer_local_loss(self.unwrapped, self.teacher, batch)[0]
@@ -439,15 +412,10 @@ class TrainingSession:
     def evaluate(self, step: int) -> dict:
         """Held-out KL and NLL at ``step``, logged."""
         held_offset = len(self.train_rows)  # held-out rows follow the training rows in a teacher cache
-        beta = None if self.fading is None else self.fading.beta
-        if beta is not None:
-            self.fading.beta = 0.0  # the student scored is the converted model
         with evaluation_weights(self.optimizer), self.accelerator.autocast():
             result = heldout_metrics(
                 self.unwrapped, self.held_rows, self.config, self.teacher, self.cache, held_offset, self.head_in_forward
             )
-        if beta is not None:
-            self.fading.beta = beta
         self.metrics.log({"step": step, **result})
         return result
 
@@ -523,50 +491,6 @@ class TrainingSession:
         return RunResult(
             run.root, run.final, done, self.eval_before, eval_after, self.data_summary, early_summary, best
         )
-
-
-def on_policy_rows(model, packed: Packed, fraction: float, prompt: int) -> Packed:
-    """On-policy distillation (GKD, Agarwal et al. 2024): the first ``fraction`` of the rows keep their first
-    ``prompt`` tokens and the student samples the rest (temperature 1), to be scored by the teacher as any row."""
-    count, length = math.ceil(fraction * len(packed)), packed.input_ids.shape[1]
-    if count == 0:
-        return packed
-    training = model.training
-    model.eval()
-    with torch.no_grad():
-        start = packed.input_ids[:count, :prompt]
-        sampled = model.generate(
-            input_ids=start,
-            attention_mask=torch.ones_like(start),
-            max_new_tokens=length - prompt,
-            min_new_tokens=length - prompt,
-            do_sample=True,
-            top_k=0,
-            top_p=1.0,
-            temperature=1.0,
-            pad_token_id=0,
-        )[:, :length]
-    model.train(training)
-    ids, positions = packed.input_ids.clone(), packed.position_ids.clone()
-    ids[:count] = sampled
-    positions[:count] = torch.arange(length)
-    return Packed(ids, positions)
-
-
-def easy_first_order(config, plan, rows: Packed) -> list[list[int]]:
-    """The rows of the run's first ``recovery.easy_first_share`` of steps, those steps' own rows, sorted from the
-    most frequent tokens to the rarest (mean unigram surprisal over the training rows): easy text first."""
-    from fcsd.distill.config import schedule_steps
-
-    steps = round(config.recovery.easy_first_share * schedule_steps(config.train))
-    if not steps:
-        return []
-    counts = torch.bincount(rows.input_ids.flatten()).double() + 1
-    surprisal = -(counts / counts.sum()).log()
-    chosen = [row for step in range(steps) for row in plan.rows(step, len(rows), config.train.seed)]
-    score = surprisal[rows.input_ids[chosen]].mean(dim=1)
-    ordered = [chosen[i] for i in score.argsort().tolist()]
-    return [ordered[i * plan.sequences : (i + 1) * plan.sequences] for i in range(steps)]
 
 
 def _fill_deepspeed_config(accelerator, plan, grad_clip: float) -> None:
