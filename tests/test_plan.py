@@ -465,6 +465,24 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     assert accepted_by_convert(commands["train"]).recovery.hidden_l2 == config.recovery.hidden_l2
 
 
+def test_a_preset_caching_its_teacher_keeps_the_guide_for_the_online_layouts_the_plan_prices(tmp_path, capsys):
+    """A run config whose teacher mode is the cache (the Llama-4 Scout preset's) keeps the guided recipe's guide
+    until a layout chooses its teacher: an online layout is priced with it (as the command the plan prints for it
+    runs), a cached one without, and the plan prints no note that the guide was turned off."""
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.planner import run_config as plan_config
+    from fcsd.plan.run import step_config
+
+    chat = [{"messages": [{"role": "user", "content": "add 1 and 1"}, {"role": "assistant", "content": "2"}]}]
+    save_chat_model(tmp_path / "model", chat * 8, vocab_size=120)
+    source = load_model_config(str(tmp_path / "model"))
+    config, _, _ = plan_config(source, ["teacher.mode=cache"], 1e6, make_cluster("h200", 8, 1))
+    assert config.recovery.hidden_l2 == 4.0 and "hidden_l2" not in capsys.readouterr().err
+    online, cached = Layout("ep_fsdp", 8, 4, "online", 1, True), Layout("ep_fsdp", 8, 4, "cache", 1, True)
+    assert step_config(config, online, 8).recovery.hidden_l2 == 4.0
+    assert step_config(config, cached, 8).recovery.hidden_l2 == 0.0
+
+
 def test_a_layout_whose_step_raises_is_an_invalid_candidate(monkeypatch):
     """A step the trainer's code cannot run in some layout raises on fake tensors as on real ones: the search marks
     that candidate invalid with the error's first line and goes on with the others instead of crashing the plan."""

@@ -679,8 +679,10 @@ def warm_steps(config: FCSDConfig) -> int:
     return round(config.recovery.warm_share * schedule_steps(config.train))
 
 
-def to_config(cfg) -> FCSDConfig:
-    """The typed config object, after checking the values the schema cannot express."""
+def to_config(cfg, resolve: bool = True) -> FCSDConfig:
+    """The typed config object, after checking the values the schema cannot express; with ``resolve``, the guide
+    turned off (with a note) where the config's teacher mode or objective cannot serve it (:func:`resolve_guide`;
+    ``fcsd plan`` resolves it per candidate layout instead, whose teacher mode it chooses)."""
     from omegaconf import OmegaConf
 
     unknown = unknown_keys(cfg, FCSDConfig)
@@ -769,7 +771,7 @@ def to_config(cfg) -> FCSDConfig:
         if not ok:
             raise ValueError(message)
     check_recovery(config)
-    note = resolve_guide(config)
+    note = resolve_guide(config) if resolve else None
     if note and os.environ.get("RANK", "0") == "0":  # once per launch, not once per process
         print(f"note: {note}", file=sys.stderr)
     if train.eval_every is not None and train.eval_every < 0:

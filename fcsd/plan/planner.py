@@ -186,7 +186,7 @@ def run_config(source: ModelSource, overrides: list[str], tokens: float | None, 
     composed = compose([*names, "early_stop.enabled=false", *user])
     if composed.data.path is None:  # the plan reads no data; the printed command names some
         composed.data.path = "plan"
-    config = to_config(composed)
+    config = to_config(composed, resolve=False)  # the guide as the recipe sets it: each layout resolves it
     defaults = copy.deepcopy(config)
     if tokens is not None:
         if tokens < config.train.batch_tokens:
