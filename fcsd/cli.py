@@ -49,6 +49,16 @@ def _perfmodel(args) -> int:
     for name in ("tp", "ep", "batch", "context", "train_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
+    for name in ("attn_tflops", "gemm_tflops", "allreduce_gbps", "alltoall_gbps"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')}={value}: a throughput must be a finite number > 0")
+    if args.plot:
+        from fcsd import ownership
+
+        inputs = {"model": args.model}
+        ownership.check_output_file(Path(args.plot), "--plot", "perfmodel plot", pm.is_own_plot, inputs)
+        ownership.check_not_in_managed(Path(args.plot), "--plot")  # not inside an export, a run's final/, ...
     config = pm.load_config(args.model, args.preset)
     pm.model_shape(config)  # a dense or unsupported model is refused here, before the sparsity sweep
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
@@ -760,18 +770,23 @@ def _resume_hint(args) -> str:
     except BaseException:  # the interrupt came before the config was valid (or came again): nothing to resume
         return ""
     run = RunFolder(config.output_dir)
-    if run.final.exists():  # written by one rename: the run finished, and a resume is refused
+    if config.model.name == "demo":  # its runs live in two folders below output_dir: the stopped one resumes
+        from fcsd.demo import demo_runs
+
+        stopped = [folder for folder in demo_runs(config.output_dir).values() if not folder.final.exists()]
+        run = next((folder for folder in stopped if folder.checkpoints()), stopped[0] if stopped else run)
+    elif run.final.exists():  # written by one rename: the run finished, and a resume is refused
         return _finished_hint(run, config)
     checkpoints = run.checkpoints()
     if not checkpoints:
-        return f"; no checkpoint was saved yet in {config.output_dir}: run the same command again to restart"
+        return f"; no checkpoint was saved yet in {run.root}: run the same command again to restart"
     import shlex
 
     from fcsd.ownership import launcher
 
     words = [*launcher(), *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"]
     command = shlex.join(words)
-    return f"; the last checkpoint is {checkpoints[-1].name} in {config.output_dir}: continue with `{command}`"
+    return f"; the last checkpoint is {checkpoints[-1].name} in {run.root}: continue with `{command}`"
 
 
 def _finished_hint(run, config) -> str:

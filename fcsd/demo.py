@@ -3,6 +3,15 @@ table, then lm-eval). A leaf: only the command line imports it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+
+def demo_runs(output_dir) -> dict:
+    """The demo's two run folders under ``output_dir``, by objective: FCSD's KL run, then the SFT baseline's."""
+    from fcsd.run_folder import RunFolder
+
+    return {objective: RunFolder(Path(output_dir) / f"fcsd-{objective}") for objective in ("kl", "sft")}
+
 
 def run_demo(config) -> dict:
     """``fcsd convert demo``: FCSD and, with the same budget, the SFT baseline (paper Tab. 2), then a table of
@@ -15,7 +24,6 @@ def run_demo(config) -> dict:
     is done (the launcher waits for the main process)."""
     import dataclasses
     import json
-    from pathlib import Path
 
     from fcsd.connectivity.patch import apply_farskip
     from fcsd.demo_assets import prepare_demo
@@ -24,15 +32,13 @@ def run_demo(config) -> dict:
     from fcsd.evaluate.exact_match import exact_match_of, greedy_answers
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.parallel.processes import main_process_first, quiet_unless_main
-    from fcsd.run_folder import RunFolder
 
     with main_process_first() as is_main:
         root = prepare_demo()
     say = quiet_unless_main(is_main)
     out = Path(config.output_dir)
     runs = {}
-    for objective in ("kl", "sft"):
-        folder = RunFolder(out / f"fcsd-{objective}")
+    for objective, folder in demo_runs(config.output_dir).items():
         # --resume continues the run a stop cut short; the demo's other runs (not started, or finished: the report
         # needs their results) are trained as a plain `fcsd convert demo` trains them
         resume = config.train.resume and bool(folder.checkpoints()) and not folder.final.exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fcsd import demo_assets
-from fcsd.cli import main
+from fcsd.cli import _resume_hint, main, parse_command
 from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, WRITER_PHRASE
 
 TEACHER_STEPS = 100  # enough for answers of the tasks' lengths, each ended by EOS (the one-truth test needs them)
@@ -144,6 +144,10 @@ def test_a_demo_stopped_in_its_fcsd_run_resumes_it_and_then_trains_the_sft_run(d
     argv = ["convert", "demo", "train.max_steps=4", "train.save_every=2", f"output_dir={out}", "progress=false"]
     killed_at(monkeypatch, argv, 3)
     assert (out / "fcsd-kl" / "checkpoints").exists() and not (out / "fcsd-sft").exists()
+    # the line a stop prints names the stopped run's checkpoint and --resume (it said "no checkpoint was saved yet:
+    # run the same command again", and the same command deletes the demo's runs)
+    hint = _resume_hint(parse_command(argv))
+    assert f"the last checkpoint is step-2 in {out / 'fcsd-kl'}" in hint and "--resume`" in hint, hint
     assert main([*argv, "--resume"]) == 0
     for run in ("fcsd-kl", "fcsd-sft"):
         assert json.loads((out / run / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
