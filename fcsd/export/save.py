@@ -106,10 +106,20 @@ def check_export_target(
     out_dir: str | Path, overwrite: bool, sources: list, what: str = "OUT_DIR", run_root: Path | None = None
 ) -> None:
     """Refuse an ``out_dir`` that is, contains or lies inside a source (a checkpoint) or the run folder ``run_root``
-    (except the run's own ``export/``), is the current or the home folder; a non-empty one unless ``overwrite``, and
-    even then unless it is an export fcsd wrote that holds nothing else (:mod:`fcsd.ownership`: never a run folder,
-    a teacher cache or a folder of other files, whatever its marker says)."""
+    (except the run's own ``export/``), is another run's ``export/``, is the current or the home folder; a non-empty
+    one unless ``overwrite``, and even then unless it is an export fcsd wrote that holds nothing else
+    (:mod:`fcsd.ownership`: never a run folder, a teacher cache or a folder of other files, whatever its marker
+    says)."""
     out_dir = Path(out_dir).expanduser().resolve()
+    owner = ownership.read_marker(out_dir.parent)
+    roots = [Path(run_root)] if run_root is not None else []
+    roots += [RunFolder.of_checkpoint(Path(source)).root for source in sources if source is not None]
+    own_run = any(root.expanduser().resolve() == out_dir.parent for root in roots)  # a run's own export/
+    if owner is not None and owner.is_kind("run") and out_dir == RunFolder(out_dir.parent).export and not own_run:
+        raise ExportError(
+            f"{what} {out_dir} is the export of the run in {out_dir.parent}, which fcsd eval and fcsd push read as "
+            f"that run's: choose another {what}"
+        )
     try:
         for source in [*sources, None]:  # None: the current and home folder checks even without a source
             ownership.check_not_an_input(out_dir, what, {"source": source}, "export")
