@@ -702,6 +702,7 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
     checks = [
         (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
         (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
+        (config.teacher.top_k >= 1, f"teacher.top_k={config.teacher.top_k}: the cache keeps at least 1 (e.g. 64)"),
         (config.model.dtype in MODEL_DTYPES, f"model.dtype={config.model.dtype!r}: choose one of {MODEL_DTYPES}"),
         (
             config.teacher.dtype in TEACHER_DTYPES,

@@ -80,8 +80,9 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     processes as ``parallel.*`` says (FSDP2 over all of them when it says nothing) and each process caches its share
     of the shards (:mod:`fcsd.parallel.cache_share`)."""
     from fcsd import ownership
+    from fcsd.connectivity.families import text_config
     from fcsd.distill.models import load_models, load_tokenizer
-    from fcsd.distill.preflight import check_data_cache_dir, run_inputs
+    from fcsd.distill.preflight import check_data_cache_dir, check_model_config, check_top_k, run_inputs
     from fcsd.distill.run_data import all_rows, load_run_data
 
     folder = cache_dir(config)  # checked before anything is loaded
@@ -89,6 +90,7 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     ownership.check_not_an_input(folder, "teacher.cache_dir", inputs, "teacher-cache")
     check_cache_folder(folder)
     check_data_cache_dir(config)
+    check_top_k(config, text_config(check_model_config(config)))
     from fcsd.parallel.cache_share import cache_meshes, share_cache
     from fcsd.parallel.processes import main_process_first
 
