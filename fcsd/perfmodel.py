@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -357,6 +358,15 @@ def load_config(model: str | None = None, preset: str | None = None):
     return load_checkpoint_config(resolve_model(model))  # an unreadable config.json is a one-line error
 
 
+PLOT_WRITER = "fcsd perfmodel"  # the PNG's Software text chunk: a later --plot replaces only such a file
+
+
+def is_own_plot(path) -> bool:
+    """A PNG ``fcsd perfmodel --plot`` wrote."""
+    head = Path(path).read_bytes()[:65536]
+    return head.startswith(b"\x89PNG") and PLOT_WRITER.encode() in head
+
+
 def plot_sweep(rows: list[PrefillResult], path, title: str) -> None:
     """Figs. 9/11: speedup against sparsity, one line per scenario."""
     import matplotlib
@@ -378,7 +388,10 @@ def plot_sweep(rows: list[PrefillResult], path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from fcsd.staging import atomic_file
+
+    with atomic_file(Path(path)) as staging:  # a stop mid-write leaves the previous plot, not half of one
+        fig.savefig(staging, format="png", dpi=120, metadata={"Software": PLOT_WRITER})
     plt.close(fig)
 
 

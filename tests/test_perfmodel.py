@@ -115,7 +115,13 @@ def test_cli_json_and_plot(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [r["scenario"] for r in out["rows"]] == list(pm.SCENARIOS)
     assert {"sparsity", "scenario", "regular_ms", "farskip_ms", "speedup"} <= out["rows"][0].keys()
-    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert plot.read_bytes()[:4] == b"\x89PNG" and pm.is_own_plot(plot)
+    written = plot.read_bytes()
+    plot.write_bytes(written.replace(pm.PLOT_WRITER.encode(), b"other tool"))  # a PNG another tool wrote: kept
+    assert main(["perfmodel", "--preset", "deepseek-v3", "--sparsity", "32", "--plot", str(plot)]) == 2
+    plot.write_bytes(written)  # its own plot: replaced, at the name given (no suffix added)
+    assert main(["perfmodel", "--preset", "deepseek-v3", "--sparsity", "32", "--plot", str(plot.with_suffix(""))]) == 0
+    assert pm.is_own_plot(plot.with_suffix(""))
     assert main(["perfmodel", "--preset", "deepseek-v3", "--scenario", "3x_magic"]) == 2
     assert "unknown scenario" in capsys.readouterr().err
 
