@@ -723,6 +723,35 @@ CASES += [
         "the Qwen3-MoE config is impossible: num_experts_per_tok=16 with 8 routed experts",
         None,
     ),
+    # the teacher cache's top-k: 0 trained on one bucket (a KL of 0, nothing learnt), too many was a traceback
+    (
+        "convert_teacher_top_k_zero",
+        lambda w: run_convert(w, "teacher.mode=cache", f"teacher.cache_dir={w / 'tc'}", "teacher.top_k=0"),
+        "teacher.top_k=0: the cache keeps at least 1",
+        None,
+    ),
+    (
+        "cache_teacher_top_k_above_the_vocabulary",
+        lambda w: ["cache-teacher", *run_convert(w, f"teacher.cache_dir={w / 'tc'}", "teacher.top_k=100000000")[1:]],
+        "teacher.top_k=100000000: the cache keeps 1 to",
+        None,
+    ),
+    # fcsd perfmodel: a throughput of 0 divided by zero, NaN printed NaN speedups; --plot replaced any file
+    *[
+        (
+            f"perfmodel_{flag[2:].replace('-', '_')}_{value}",
+            lambda w, flag=flag, value=value: ["perfmodel", "--preset", "deepseek-v3", flag, value],
+            f"{flag}={float(value)}: a throughput must be a finite number > 0",
+            None,
+        )
+        for flag, value in [("--attn-tflops", "0"), ("--gemm-tflops", "-5"), ("--allreduce-gbps", "nan")]
+    ],
+    (
+        "perfmodel_plot_over_a_user_file",
+        lambda w: ["perfmodel", "--preset", "deepseek-v3", "--plot", str(w / "data" / "train.jsonl")],
+        "exists and is not a perfmodel plot fcsd wrote, so fcsd will not replace it",
+        None,
+    ),
     # 11. two models named
     (
         "model_twice",
@@ -1643,6 +1672,22 @@ def test_an_export_into_a_folder_a_run_has_claimed_is_refused_and_the_run_keeps_
         run.stdin.close()
         assert run.wait(timeout=300) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "claimed"]  # the run's empty claim went with it
+
+
+def test_an_export_into_another_runs_export_folder_is_refused_even_with_overwrite(env, tmp_path, capsys):
+    """`fcsd export RUN_A RUN_B/export --overwrite` replaced run B's export with run A's weights, which `fcsd eval
+    RUN_B` and `fcsd push` then took for B's; now it is refused in one line and B's export is untouched."""
+    from fcsd import ownership
+
+    source = converted_checkpoint(env, tmp_path / "a", 1)
+    other = tmp_path / "run-b"
+    (other / "export").mkdir(parents=True)
+    ownership.mark(other, "run")
+    (other / "export" / "model.safetensors").write_text("run b's weights")
+    assert main(["export", str(source), str(other / "export"), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"is the export of the run in {other}" in err and "Traceback" not in err, err
+    assert (other / "export" / "model.safetensors").read_text() == "run b's weights"
 
 
 def test_ranks_of_a_killed_torchrun_stop_and_name_the_torchrun_command_that_resumes(env, tmp_path):
