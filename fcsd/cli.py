@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-code-execution", action="store_true", help=code_help)
     p.add_argument("--log-samples", action="store_true", help="keep every prompt and response in the JSON")
     p.add_argument("--device", help="cuda, cpu, ... (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("push", help="upload an exported folder to the Hugging Face hub in one commit")
@@ -640,6 +640,23 @@ def _quiet_hub_retries() -> None:
 TORCH_COMMANDS = {"convert", "cache-teacher", "sweep", "export", "eval", "probe", "plan", "bench", "routes", "launch"}
 
 
+def _check_device(args) -> None:
+    """A ``--device`` torch knows and this machine has, and ``--backend nccl`` only with a GPU: one line before any
+    work (they were tracebacks from inside torch, or a silent run on the CPU)."""
+    import torch
+
+    name = getattr(args, "device", None)
+    if name not in (None, "auto"):
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"--device {name}: not a device torch knows; e.g. --device cpu or --device cuda") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is visible on this machine; use --device cpu")
+    if getattr(args, "backend", None) == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs a CUDA device, and none is visible; use --backend gloo")
+
+
 def parse_command(argv: list[str]) -> argparse.Namespace:
     """The parsed ``fcsd argv`` (a usage error: argparse's message and ``SystemExit(2)``)."""
     if argv[:1] == ["launch"] and argv[1:2] not in ([], ["-h"], ["--help"]):  # the launch line, word for word
@@ -673,6 +690,7 @@ def main(argv: list[str] | None = None) -> int:
         ownership.set_command(argv)
         if args.command in TORCH_COMMANDS:
             stopping.import_torch()
+            _check_device(args)
         return args.func(args)
     except SystemExit:
         raise

@@ -752,6 +752,34 @@ CASES += [
         "exists and is not a perfmodel plot fcsd wrote, so fcsd will not replace it",
         None,
     ),
+    # devices: a device torch does not know, or a GPU this machine lacks, was a traceback from inside torch
+    (
+        "probe_unknown_device",
+        lambda w: ["probe", str(w / "model"), "--data", str(w / "data" / "train.jsonl"), "--device", "banana"],
+        "--device banana: not a device torch knows",
+        None,
+    ),
+    *[
+        (
+            f"{name}_without_a_gpu",
+            argv,
+            message,
+            None,
+        )
+        for name, argv, message in [
+            (
+                "routes_record_on_cuda",
+                lambda w: ["routes", "record", str(w / "model"), "--device", "cuda", "--out", str(w / "r.routes")],
+                "--device cuda: no CUDA device is visible on this machine; use --device cpu",
+            ),
+            (
+                "bench_overlap_on_nccl",
+                lambda w: ["bench", "overlap", "--backend", "nccl"],
+                "--backend nccl needs a CUDA",
+            ),
+        ]
+        if not torch.cuda.is_available()  # what a machine without a GPU says
+    ],
     # 11. two models named
     (
         "model_twice",
