@@ -35,6 +35,9 @@ def _inspect(args) -> int:
 def _probe(args) -> int:
     from fcsd.evaluate.probe import probe_checkpoint
 
+    for flag, least in (("seq_len", 2), ("num_sequences", 1), ("batch_size", 1)):
+        if getattr(args, flag) < least:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: it must be at least {least}")
     options = {k: getattr(args, k) for k in ("data", "split", "grid", "seq_len", "num_sequences", "batch_size")}
     device = args.device or ("cuda" if _cuda() else "cpu")
     probe_checkpoint(args.model, dtype=args.dtype, device=device, output_dir=args.output_dir, **options)

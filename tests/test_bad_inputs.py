@@ -780,6 +780,25 @@ CASES += [
         ]
         if not torch.cuda.is_available()  # what a machine without a GPU says
     ],
+    # numbers that crashed or planned NaN: a NaN bandwidth chose a layout with a NaN step time
+    (
+        "plan_nan_bandwidth",
+        lambda w: ["plan", str(w / "model"), "--inter-gbps", "nan"],
+        "--inter-gbps nan: it must",
+        None,
+    ),
+    (
+        "plan_nan_kl_bound",
+        lambda w: ["plan", str(w / "model"), "--probe", str(w / "data" / "train.jsonl"), "--max-kl", "nan"],
+        "--max-kl nan: a held-out KL bound is a finite number > 0",
+        None,
+    ),
+    (
+        "probe_sequences_of_no_token",
+        lambda w: ["probe", str(w / "model"), "--data", str(w / "data" / "train.jsonl"), "--seq-len", "0"],
+        "--seq-len 0: it must be at least 2",
+        None,
+    ),
     # 11. two models named
     (
         "model_twice",

@@ -86,6 +86,8 @@ def stats(args) -> int:
         placement = load_placement(args.placement)
         if placement.source:
             check_same_model(routes.header, placement.source, f"the placement {args.placement}'s routes")
+    if args.step_tokens < 1:
+        raise ValueError(f"--step-tokens {args.step_tokens}: a training step holds at least 1 token (e.g. 4096)")
     report = coupling_report(
         routes,
         parse_eps(args.ep),

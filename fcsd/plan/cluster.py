@@ -198,8 +198,9 @@ def make_cluster(
     }
     options = {"memory_gib": "--gpu-memory", "tflops": "--gpu-tflops", "host_gib": "--host-memory"}
     for key, value in changes.items():
-        if value is not None and value <= 0:
-            raise ValueError(f"{options.get(key, '--' + key.replace('_', '-'))} {value}: it must be more than 0")
+        if value is not None and not (math.isfinite(value) and value > 0):  # NaN compared false: a NaN step time
+            flag = options.get(key, "--" + key.replace("_", "-"))
+            raise ValueError(f"{flag} {value}: it must be a finite number > 0")
     chosen = replace(base, **{k: v for k, v in changes.items() if v is not None})
     cluster = Cluster(chosen, gpus_per_node, nodes, mfu, margin=margin)
     if chosen.memory_gib <= cluster.reserve_gib:
@@ -346,8 +347,8 @@ def load_cluster_file(path, margin: float = 0.1, **changes) -> Cluster:
             continue
         if key in ("gpu_memory", "host_memory"):
             gpu["memory_gib" if key == "gpu_memory" else "host_gib"] = parse_memory(value, "--" + key.replace("_", "-"))
-        elif value <= 0:
-            raise ValueError(f"--{key.replace('_', '-')} {value}: it must be more than 0")
+        elif not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{key.replace('_', '-')} {value}: it must be a finite number > 0")
         else:
             gpu[key] = value
     cluster = replace(cluster, gpu=replace(cluster.gpu, **gpu), **layout)
