@@ -799,6 +799,20 @@ CASES += [
         "--seq-len 0: it must be at least 2",
         None,
     ),
+    # fcsd sweep: a bad stage-2 LR surfaced after stage 1 had run, a zero-step run as a traceback
+    *[
+        (
+            f"sweep_{name}",
+            lambda w, setting=setting: ["sweep", *run_convert(w, f"output_dir={w / 'sw'}")[1:], setting],
+            message,
+            None,
+        )
+        for name, setting, message in [
+            ("negative_stage2_lr", "sweep.lrs=[-1]", "learning rates are finite numbers > 0"),
+            ("no_step", "sweep.steps=0", "a run needs at least one step"),
+            ("step_off_the_sequence_length", "sweep.batch_tokens=[100]", "each a multiple of data.seq_len=32"),
+        ]
+    ],
     # 11. two models named
     (
         "model_twice",

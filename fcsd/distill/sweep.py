@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -124,6 +125,7 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
     """``fcsd sweep``: both stages, then the table (markdown + CSV), the loss-curve PNG and ``selection.json`` in the
     sweep folder; returns the selection."""
     sweep, root = config.sweep, sweep_dir(config)
+    check_sweep_values(config)
     overrides = [o for o in overrides if not o.startswith(("output_dir=", "train.resume="))]
     if sweep.launcher != "basic":
         _check_launcher(sweep.launcher)
@@ -137,6 +139,28 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
         ownership.mark(root, "sweep")
         ownership.remove_stale_staging(root)
         return _run_stages(config, overrides, root)
+
+
+def check_sweep_values(config: FCSDConfig) -> None:
+    """The grid and the selection window, checked before the first run (a bad stage-2 LR surfaced after stage 1)."""
+    sweep, seq_len = config.sweep, config.data.seq_len
+    sizes = list(sweep.batch_tokens)
+    if not sizes or any(b < seq_len or b % seq_len for b in sizes):
+        raise ValueError(
+            f"sweep.batch_tokens={sizes}: give one or more step sizes, each a multiple of data.seq_len={seq_len}, "
+            f"e.g. sweep.batch_tokens=[{seq_len * 16},{seq_len * 32}]"
+        )
+    lrs = [sweep.stage1_lr, *sweep.lrs]
+    if not sweep.lrs or not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+        raise ValueError(
+            f"sweep.stage1_lr={sweep.stage1_lr} sweep.lrs={list(sweep.lrs)}: learning rates are finite numbers > 0, "
+            "and stage 2 needs at least one, e.g. sweep.lrs=[2e-5,4e-5,8e-5]"
+        )
+    if not 1 <= sweep.select_last <= sweep.steps:
+        raise ValueError(
+            f"sweep.steps={sweep.steps} sweep.select_last={sweep.select_last}: a run needs at least one step and the "
+            "selection averages the last select_last of them (1 <= select_last <= steps)"
+        )
 
 
 def check_sweep_home(config: FCSDConfig) -> None:
