@@ -483,6 +483,24 @@ def test_a_preset_caching_its_teacher_keeps_the_guide_for_the_online_layouts_the
     assert step_config(config, cached, 8).recovery.hidden_l2 == 0.0
 
 
+def test_a_plan_whose_sequences_exceed_the_models_positions_says_convert_refuses_it(tmp_path):
+    """The plan prices the run it is given, but its printed command would be refused by ``fcsd convert`` (data.seq_len
+    above max_position_embeddings): a note says so, with convert's own message."""
+    from fcsd.plan.models import load_model_config
+    from fcsd.plan.planner import run_config as plan_config
+
+    chat = [{"messages": [{"role": "user", "content": "add 1 and 1"}, {"role": "assistant", "content": "2"}]}]
+    save_chat_model(tmp_path / "model", chat * 8, vocab_size=120)
+    source = load_model_config(str(tmp_path / "model"))
+    limit = source.config.max_position_embeddings
+    cluster = make_cluster("h200", 8, 1)
+    _, _, notes = plan_config(source, [f"data.seq_len={2 * limit}", f"train.batch_tokens={16 * limit}"], 1e6, cluster)
+    refusal = f"fcsd convert refuses this run as it stands: data.seq_len={2 * limit} is above the model's"
+    assert any(note.startswith(refusal) for note in notes), notes
+    _, _, notes = plan_config(source, [f"data.seq_len={limit}", f"train.batch_tokens={16 * limit}"], 1e6, cluster)
+    assert not any("fcsd convert refuses" in note for note in notes), notes
+
+
 def test_a_layout_whose_step_raises_is_an_invalid_candidate(monkeypatch):
     """A step the trainer's code cannot run in some layout raises on fake tensors as on real ones: the search marks
     that candidate invalid with the error's first line and goes on with the others instead of crashing the plan."""

@@ -240,17 +240,23 @@ def check_model_config(config: FCSDConfig, source: str | None = None):
         from fcsd.distill.config import check_progressive_layers
 
         check_progressive_layers(config, decoder.num_hidden_layers)
+    check_seq_len(config, decoder)
+    check_placement_file(config, model_config)
+    check_export_format(config, model_config, decoder)
+    if config.teacher.mode == "cache":
+        check_top_k(config, decoder)
+    return model_config
+
+
+def check_seq_len(config: FCSDConfig, decoder) -> None:
+    """``data.seq_len`` within the model's ``max_position_embeddings`` (``decoder``: its text config): above, the run
+    would train positions the model never learned, silently."""
     limit = getattr(decoder, "max_position_embeddings", None)
     if limit and config.data.seq_len > limit:
         raise ValueError(
             f"data.seq_len={config.data.seq_len} is above the model's max_position_embeddings ({limit}); set "
             f"data.seq_len={limit} or less"
         )
-    check_placement_file(config, model_config)
-    check_export_format(config, model_config, decoder)
-    if config.teacher.mode == "cache":
-        check_top_k(config, decoder)
-    return model_config
 
 
 def check_top_k(config: FCSDConfig, decoder) -> None:

@@ -176,7 +176,9 @@ def run_config(source: ModelSource, overrides: list[str], tokens: float | None, 
     = ``tokens``; a step's sequences raised to a multiple of the GPUs when they do not split over them)."""
     import copy
 
+    from fcsd.connectivity.families import text_config
     from fcsd.distill.config import compose, hydra_override, preset_for, to_config
+    from fcsd.distill.preflight import check_seq_len
 
     names = [hydra_override("model.name", source.name)]
     preset = preset_for(source.name)
@@ -193,6 +195,10 @@ def run_config(source: ModelSource, overrides: list[str], tokens: float | None, 
             raise ValueError(f"--tokens {tokens:.3g} is less than one step ({config.train.batch_tokens} tokens)")
         config.train.max_tokens = int(tokens)
     config, notes = run_config_for(config, cluster)
+    try:
+        check_seq_len(config, text_config(source.config))
+    except ValueError as error:  # the plan still prices it; the printed command would be refused as it stands
+        notes.append(f"fcsd convert refuses this run as it stands: {error}")
     return config, defaults, notes
 
 
