@@ -53,6 +53,11 @@ def test_eval_compares_original_and_converted(assets, exported, tmp_path, capsys
         "| delta",
     ]
     assert (out / "eval_table.png").read_bytes()[:4] == b"\x89PNG"
+    # the same report folder again without --compare: the earlier report's original results go with it (they stayed
+    # beside the new table, which had no row for them)
+    assert main([*argv[:-4], "--limit", "8", "--output", str(out)]) == 0
+    assert not (out / "results_original.json").exists() and (out / "results_converted.json").exists()
+    assert set(json.loads((out / "eval_summary.json").read_text())["scores"]) == {"converted"}
 
 
 def hand_loglikelihood(model, tokenizer, context: str, continuation: str) -> float:

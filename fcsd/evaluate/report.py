@@ -76,16 +76,26 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
     in ``out``; returns the score table."""
     from lm_eval.utils import handle_non_serializable
 
+    from fcsd.staging import atomic_file
+
     ownership.mark(out, "eval")
     ownership.record(out)  # in the run folder that holds it
-    for label, result in results.items():
-        text = json.dumps(result, indent=2, default=handle_non_serializable)
-        (out / f"results_{label}.json").write_text(text)
+    marker = ownership.read_marker(out)
+    for stale in out.glob("results_*.json"):  # an earlier report's model this one does not score (--compare)
+        if stale.name not in {f"results_{label}.json" for label in results} and marker.owns(stale.name):
+            stale.unlink()
     table = score_table(results, suite)
-    (out / TABLE).write_text(format_table(table, names, suite) + "\n")
-    plot_table(table, out / "eval_table.png", f"lm-eval suite {suite.name}")
     summary = {"suite": suite.name, "models": {k: display_name(v) for k, v in names.items()}, "scores": table}
-    (out / "eval_summary.json").write_text(json.dumps(summary, indent=2))
+    texts = {
+        f"results_{label}.json": json.dumps(result, indent=2, default=handle_non_serializable)
+        for label, result in results.items()
+    }
+    texts[TABLE] = format_table(table, names, suite) + "\n"
+    texts["eval_summary.json"] = json.dumps(summary, indent=2)
+    for name, text in texts.items():  # each file whole or not at all: a stop leaves the previous one
+        with atomic_file(out / name) as staging:
+            staging.write_text(text)
+    plot_table(table, out / "eval_table.png", f"lm-eval suite {suite.name}")
     for name in [*(f"results_{label}.json" for label in results), TABLE, "eval_table.png", "eval_summary.json"]:
         ownership.record(out / name)
     return table
