@@ -813,6 +813,10 @@ CASES += [
             ("step_off_the_sequence_length", "sweep.batch_tokens=[100]", "each a multiple of data.seq_len=32"),
         ]
     ],
+    # fcsd push: a missing folder or a file was "has no fcsd_export.json", an invalid repo id listed its upload
+    ("push_missing_folder", lambda w: ["push", str(w / "nope"), "me/x", "--dry-run"], "does not exist: give", None),
+    ("push_a_file", lambda w: ["push", str(w / "data" / "train.jsonl"), "me/x"], "is a file, not a folder", None),
+    ("push_bad_repo_id", lambda w: ["push", str(w / "data"), "bad id!!", "--dry-run"], "not a hub repository id", None),
     # 11. two models named
     (
         "model_twice",

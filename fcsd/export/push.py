@@ -35,6 +35,15 @@ def push(
     ``dry_run`` the files that would be uploaded. The token comes from ``HF_TOKEN`` or the cached login and is
     never printed; ``HF_ENDPOINT`` selects the hub. Only folders whose reload-parity check passed are pushed."""
     folder = Path(folder)
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ExportError(f"{folder} {what}: give the folder `fcsd export RUN OUT_DIR` wrote (OUT_DIR)")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise ExportError(f"{repo_id!r} is not a hub repository id: give NAMESPACE/NAME, e.g. me/my-model") from None
     if not (folder / PARITY_RECORD).exists():
         raise ExportError(
             f"{folder} has no {PARITY_RECORD}: only folders written by `fcsd export` (reload parity passed) are "
