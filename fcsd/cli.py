@@ -55,13 +55,12 @@ def _perfmodel(args) -> int:
     for name in ("attn_tflops", "gemm_tflops", "allreduce_gbps", "alltoall_gbps"):
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name.replace('_', '-')}={value}: a throughput must be a finite number > 0")
+            raise ValueError(f"--{name.replace('_', '-')} {value}: a throughput must be a finite number > 0")
     if args.plot:
         from fcsd import ownership
 
         inputs = {"model": args.model}
-        ownership.check_output_file(Path(args.plot), "--plot", "perfmodel plot", pm.is_own_plot, inputs)
-        ownership.check_not_in_managed(Path(args.plot), "--plot")  # not inside an export, a run's final/, ...
+        args.plot = ownership.check_output_file(Path(args.plot), "--plot", "perfmodel plot", pm.is_own_plot, inputs)
     config = pm.load_config(args.model, args.preset)
     pm.model_shape(config)  # a dense or unsupported model is refused here, before the sparsity sweep
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
@@ -649,13 +648,17 @@ def _check_device(args) -> None:
     import torch
 
     name = getattr(args, "device", None)
-    if name not in (None, "auto"):
+    if name is not None and not (name == "auto" and args.command == "bench"):  # only bench takes auto
         try:
             device = torch.device(name)
         except RuntimeError:
-            raise ValueError(f"--device {name}: not a device torch knows; e.g. --device cpu or --device cuda") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA device is visible on this machine; use --device cpu")
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {name}: give cpu, cuda or cuda:N")
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= visible:
+            seen = f"{visible} CUDA device{'s' * (visible != 1)} visible" if visible else "no CUDA device is visible"
+            raise ValueError(f"--device {name}: {seen} on this machine; use --device cpu")
     if getattr(args, "backend", None) == "nccl" and not torch.cuda.is_available():
         raise ValueError("--backend nccl needs a CUDA device, and none is visible; use --backend gloo")
 
@@ -787,7 +790,7 @@ def _resume_hint(args) -> str:
         from fcsd.distill.config import to_config
         from fcsd.run_folder import RunFolder
 
-        config = to_config(_run_config(args))
+        config = to_config(_run_config(args), resolve=False)  # no second note about the guide
     except BaseException:  # the interrupt came before the config was valid (or came again): nothing to resume
         return ""
     run = RunFolder(config.output_dir)
@@ -795,7 +798,9 @@ def _resume_hint(args) -> str:
         from fcsd.demo import demo_runs
 
         stopped = [folder for folder in demo_runs(config.output_dir).values() if not folder.final.exists()]
-        run = next((folder for folder in stopped if folder.checkpoints()), stopped[0] if stopped else run)
+        if not stopped:
+            return f"; the demo's runs in {config.output_dir} had finished: run the same command again (it trains both)"
+        run = stopped[0]  # the demo trains its runs in order: the first unfinished one is the one stopped
     elif run.final.exists():  # written by one rename: the run finished, and a resume is refused
         return _finished_hint(run, config)
     checkpoints = run.checkpoints()

@@ -600,6 +600,13 @@ def check_output_folder(folder: Path, kind: str, what: str, inputs: dict | None 
     return folder
 
 
+def is_png_by(path: Path, writer: str) -> bool:
+    """A PNG whose ``Software`` text chunk (in its first 64 KiB) names ``writer``: a picture an fcsd command wrote."""
+    with open(path, "rb") as handle:
+        head = handle.read(65536)
+    return head.startswith(b"\x89PNG") and writer.encode() in head
+
+
 def check_output_file(path: Path, what: str, kind: str, is_own, inputs: dict | None = None) -> Path:
     """An output file (routes, a placement) may be replaced only when it is a file of its ``kind`` that fcsd wrote
     (``is_own(path)`` reads it); anything else at ``path`` is refused before any work."""

@@ -363,8 +363,9 @@ PLOT_WRITER = "fcsd perfmodel"  # the PNG's Software text chunk: a later --plot 
 
 def is_own_plot(path) -> bool:
     """A PNG ``fcsd perfmodel --plot`` wrote."""
-    head = Path(path).read_bytes()[:65536]
-    return head.startswith(b"\x89PNG") and PLOT_WRITER.encode() in head
+    from fcsd.ownership import is_png_by
+
+    return is_png_by(path, PLOT_WRITER)
 
 
 def plot_sweep(rows: list[PrefillResult], path, title: str) -> None:

@@ -741,7 +741,7 @@ CASES += [
         (
             f"perfmodel_{flag[2:].replace('-', '_')}_{value}",
             lambda w, flag=flag, value=value: ["perfmodel", "--preset", "deepseek-v3", flag, value],
-            f"{flag}={float(value)}: a throughput must be a finite number > 0",
+            f"{flag} {float(value)}: a throughput must be a finite number > 0",
             None,
         )
         for flag, value in [("--attn-tflops", "0"), ("--gemm-tflops", "-5"), ("--allreduce-gbps", "nan")]
@@ -756,7 +756,7 @@ CASES += [
     (
         "probe_unknown_device",
         lambda w: ["probe", str(w / "model"), "--data", str(w / "data" / "train.jsonl"), "--device", "banana"],
-        "--device banana: not a device torch knows",
+        "--device banana: give cpu, cuda or cuda:N",
         None,
     ),
     *[
@@ -813,6 +813,19 @@ CASES += [
             ("step_off_the_sequence_length", "sweep.batch_tokens=[100]", "each a multiple of data.seq_len=32"),
         ]
     ],
+    (
+        "routes_step_of_no_token",
+        lambda w: ["routes", "stats", str(w / "r"), "--step-tokens", "0"],
+        "--step-tokens 0",
+        None,
+    ),
+    (
+        "probe_unknown_device_type",
+        lambda w: ["probe", str(w / "model"), "--device", "meta"],
+        "give cpu, cuda or cuda:N",
+        None,
+    ),
+    ("eval_auto_device", lambda w: ["eval", str(w / "model"), "--device", "auto"], "--device auto: give cpu", None),
     # fcsd push: a missing folder or a file was "has no fcsd_export.json", an invalid repo id listed its upload
     ("push_missing_folder", lambda w: ["push", str(w / "nope"), "me/x", "--dry-run"], "does not exist: give", None),
     ("push_a_file", lambda w: ["push", str(w / "data" / "train.jsonl"), "me/x"], "is a file, not a folder", None),
@@ -1753,6 +1766,19 @@ def test_an_export_into_another_runs_export_folder_is_refused_even_with_overwrit
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"is the export of the run in {other}" in err and "Traceback" not in err, err
     assert (other / "export" / "model.safetensors").read_text() == "run b's weights"
+
+
+def test_a_runs_checkpoint_named_relatively_still_exports_to_the_runs_own_export(env, tmp_path, monkeypatch):
+    """The refusal of another run's ``export/`` resolves the source first: ``fcsd export . ../export`` from inside a
+    run's ``final/`` is that run's own export."""
+    from fcsd import ownership
+
+    run = tmp_path / "run"
+    converted_checkpoint(env, run / "final", 1)
+    ownership.mark(run, "run")
+    monkeypatch.chdir(run / "final")
+    assert main(["export", ".", "../export"]) == 0
+    assert (run / "export" / "config.json").exists()
 
 
 def test_ranks_of_a_killed_torchrun_stop_and_name_the_torchrun_command_that_resumes(env, tmp_path):

@@ -149,6 +149,7 @@ def test_a_demo_stopped_in_its_fcsd_run_resumes_it_and_then_trains_the_sft_run(d
     hint = _resume_hint(parse_command(argv))
     assert f"the last checkpoint is step-2 in {out / 'fcsd-kl'}" in hint and "--resume`" in hint, hint
     assert main([*argv, "--resume"]) == 0
+    assert "the demo's runs in" in _resume_hint(parse_command(argv))  # a stop in its report: both runs had finished
     for run in ("fcsd-kl", "fcsd-sft"):
         assert json.loads((out / run / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
     report = json.loads((out / "demo_report.json").read_text())

@@ -117,11 +117,16 @@ def test_cli_json_and_plot(tmp_path, capsys):
     assert {"sparsity", "scenario", "regular_ms", "farskip_ms", "speedup"} <= out["rows"][0].keys()
     assert plot.read_bytes()[:4] == b"\x89PNG" and pm.is_own_plot(plot)
     written = plot.read_bytes()
-    plot.write_bytes(written.replace(pm.PLOT_WRITER.encode(), b"other tool"))  # a PNG another tool wrote: kept
+    other = written.replace(pm.PLOT_WRITER.encode(), b"other tool")  # a PNG another tool wrote: kept
+    plot.write_bytes(other)
     assert main(["perfmodel", "--preset", "deepseek-v3", "--sparsity", "32", "--plot", str(plot)]) == 2
-    plot.write_bytes(written)  # its own plot: replaced, at the name given (no suffix added)
-    assert main(["perfmodel", "--preset", "deepseek-v3", "--sparsity", "32", "--plot", str(plot.with_suffix(""))]) == 0
-    assert pm.is_own_plot(plot.with_suffix(""))
+    assert "is not a perfmodel plot fcsd wrote" in capsys.readouterr().err and plot.read_bytes() == other
+    plot.write_bytes(written[:-16])  # its own plot, cut short: replaced whole
+    assert main(["perfmodel", "--preset", "deepseek-v3", "--sparsity", "32", "--plot", str(plot)]) == 0
+    assert plot.read_bytes() == written
+    bare = plot.with_suffix("")  # written at the name given, no suffix added
+    assert main(["perfmodel", "--preset", "deepseek-v3", "--sparsity", "32", "--plot", str(bare)]) == 0
+    assert pm.is_own_plot(bare)
     assert main(["perfmodel", "--preset", "deepseek-v3", "--scenario", "3x_magic"]) == 2
     assert "unknown scenario" in capsys.readouterr().err
 

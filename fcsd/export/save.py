@@ -113,7 +113,7 @@ def check_export_target(
     out_dir = Path(out_dir).expanduser().resolve()
     owner = ownership.read_marker(out_dir.parent)
     roots = [Path(run_root)] if run_root is not None else []
-    roots += [RunFolder.of_checkpoint(Path(source)).root for source in sources if source is not None]
+    roots += [RunFolder.of_checkpoint(Path(source).expanduser().resolve()).root for source in sources if source]
     own_run = any(root.expanduser().resolve() == out_dir.parent for root in roots)  # a run's own export/
     if owner is not None and owner.is_kind("run") and out_dir == RunFolder(out_dir.parent).export and not own_run:
         raise ExportError(

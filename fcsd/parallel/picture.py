@@ -43,8 +43,9 @@ def output_paths(png: str | Path) -> tuple[Path, Path]:
 
 def is_own_png(path: Path) -> bool:
     """A PNG this command wrote (its ``Software`` text chunk names it)."""
-    head = Path(path).read_bytes()[:65536]
-    return head.startswith(b"\x89PNG") and WRITER.encode() in head
+    from fcsd.ownership import is_png_by
+
+    return is_png_by(path, WRITER)
 
 
 def is_own_trace(path: Path) -> bool:

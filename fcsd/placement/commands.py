@@ -78,6 +78,8 @@ def stats(args) -> int:
     """Co-selection, cross-layer and Table I figures of ROUTES (fit on one part, reported on the held-out part)."""
     from fcsd.placement.report import coupling_report, format_report
 
+    if args.step_tokens < 1:
+        raise ValueError(f"--step-tokens {args.step_tokens}: a training step holds at least 1 token (e.g. 4096)")
     routes = load_routes(args.routes)
     if args.plot:
         ownership.check_output_folder(args.plot, "plots", "--plot", {"routes": args.routes})
@@ -86,8 +88,6 @@ def stats(args) -> int:
         placement = load_placement(args.placement)
         if placement.source:
             check_same_model(routes.header, placement.source, f"the placement {args.placement}'s routes")
-    if args.step_tokens < 1:
-        raise ValueError(f"--step-tokens {args.step_tokens}: a training step holds at least 1 token (e.g. 4096)")
     report = coupling_report(
         routes,
         parse_eps(args.ep),

@@ -198,7 +198,7 @@ def make_cluster(
     }
     options = {"memory_gib": "--gpu-memory", "tflops": "--gpu-tflops", "host_gib": "--host-memory"}
     for key, value in changes.items():
-        if value is not None and not (math.isfinite(value) and value > 0):  # NaN compared false: a NaN step time
+        if value is not None and not _positive(value):  # NaN compared false: it planned a NaN step time
             flag = options.get(key, "--" + key.replace("_", "-"))
             raise ValueError(f"{flag} {value}: it must be a finite number > 0")
     chosen = replace(base, **{k: v for k, v in changes.items() if v is not None})
@@ -347,7 +347,7 @@ def load_cluster_file(path, margin: float = 0.1, **changes) -> Cluster:
             continue
         if key in ("gpu_memory", "host_memory"):
             gpu["memory_gib" if key == "gpu_memory" else "host_gib"] = parse_memory(value, "--" + key.replace("_", "-"))
-        elif not (math.isfinite(value) and value > 0):
+        elif not _positive(value):
             raise ValueError(f"--{key.replace('_', '-')} {value}: it must be a finite number > 0")
         else:
             gpu[key] = value
