@@ -810,7 +810,7 @@ CASES += [
         for name, setting, message in [
             ("negative_stage2_lr", "sweep.lrs=[-1]", "learning rates are finite numbers > 0"),
             ("no_step", "sweep.steps=0", "a run needs at least one step"),
-            ("step_off_the_sequence_length", "sweep.batch_tokens=[100]", "each a multiple of data.seq_len=32"),
+            ("no_step_size", "sweep.batch_tokens=[]", "give one or more step sizes in tokens"),
         ]
     ],
     (

@@ -263,10 +263,10 @@ def check_top_k(config: FCSDConfig, decoder) -> None:
     """``teacher.top_k`` within the vocabulary of ``decoder`` (the model's text config): the teacher cache keeps that
     many log-probabilities per token and the rest of the mass as one bucket."""
     top_k, vocab = config.teacher.top_k, decoder.vocab_size
-    if not 1 <= top_k < vocab:
+    if not 1 <= top_k <= vocab:
         raise ValueError(
-            f"teacher.top_k={top_k}: the cache keeps 1 to {vocab - 1} of the teacher's {vocab} log-probabilities per "
-            "token (the rest of the mass as one bucket); e.g. teacher.top_k=64"
+            f"teacher.top_k={top_k}: the cache keeps 1 to {vocab} of the teacher's {vocab} log-probabilities per token "
+            "(the rest of the mass as one bucket); e.g. teacher.top_k=64"
         )
 
 

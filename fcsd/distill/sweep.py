@@ -144,11 +144,11 @@ def run_sweep(config: FCSDConfig, overrides: list[str]) -> dict:
 def check_sweep_values(config: FCSDConfig) -> None:
     """The grid and the selection window, checked before the first run (a bad stage-2 LR surfaced after stage 1)."""
     sweep, seq_len = config.sweep, config.data.seq_len
-    sizes = list(sweep.batch_tokens)
-    if not sizes or any(b < seq_len or b % seq_len for b in sizes):
+    sizes = list(sweep.batch_tokens)  # a size the run refuses (not whole sequences) is a crashed run of the table
+    if not sizes or any(b < 1 for b in sizes):
         raise ValueError(
-            f"sweep.batch_tokens={sizes}: give one or more step sizes, each a multiple of data.seq_len={seq_len}, "
-            f"e.g. sweep.batch_tokens=[{seq_len * 16},{seq_len * 32}]"
+            f"sweep.batch_tokens={sizes}: give one or more step sizes in tokens, e.g. sweep.batch_tokens="
+            f"[{seq_len * 16},{seq_len * 32}]"
         )
     lrs = [sweep.stage1_lr, *sweep.lrs]
     if not sweep.lrs or not all(math.isfinite(lr) and lr > 0 for lr in lrs):
