@@ -35,9 +35,6 @@ def _inspect(args) -> int:
 def _probe(args) -> int:
     from fcsd.evaluate.probe import probe_checkpoint
 
-    for flag, least in (("seq_len", 2), ("num_sequences", 1), ("batch_size", 1)):
-        if getattr(args, flag) < least:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: it must be at least {least}")
     options = {k: getattr(args, k) for k in ("data", "split", "grid", "seq_len", "num_sequences", "batch_size")}
     device = args.device or ("cuda" if _cuda() else "cpu")
     probe_checkpoint(args.model, dtype=args.dtype, device=device, output_dir=args.output_dir, **options)
@@ -52,10 +49,7 @@ def _perfmodel(args) -> int:
     for name in ("tp", "ep", "batch", "context", "train_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
-    for name in ("attn_tflops", "gemm_tflops", "allreduce_gbps", "alltoall_gbps"):
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name.replace('_', '-')} {value}: a throughput must be a finite number > 0")
+    hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)  # checks them
     if args.plot:
         from fcsd import ownership
 
@@ -63,7 +57,6 @@ def _perfmodel(args) -> int:
         args.plot = ownership.check_output_file(Path(args.plot), "--plot", "perfmodel plot", pm.is_own_plot, inputs)
     config = pm.load_config(args.model, args.preset)
     pm.model_shape(config)  # a dense or unsupported model is refused here, before the sparsity sweep
-    hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)
     sparsities = _sparsities(args.sparsity) if args.sparsity else pm.default_sparsities(config)
     scenarios = args.scenario.split(",") if args.scenario else list(pm.SCENARIOS)
     rows = pm.sweep(config, sparsities, scenarios, args.batch, args.context, args.tp, args.ep, hw)

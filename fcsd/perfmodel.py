@@ -22,6 +22,7 @@ Decisions where the paper is silent (stated so users can judge the numbers):
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,6 +68,11 @@ class Hardware:
     gemm_tflops: float = 600.0
     allreduce_gbps: float = 400.0
     alltoall_gbps: float = 300.0
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if not (math.isfinite(value) and value > 0):  # 0 divided by zero, NaN and negatives printed nonsense
+                raise ValueError(f"--{name.replace('_', '-')} {value}: a throughput must be a finite number > 0")
 
     def scaled(self, attn: float = 1.0, gemm: float = 1.0, comm: float = 1.0) -> Hardware:
         return Hardware(

@@ -90,7 +90,9 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     ownership.check_not_an_input(folder, "teacher.cache_dir", inputs, "teacher-cache")
     check_cache_folder(folder)
     check_data_cache_dir(config)
-    check_top_k(config, text_config(check_model_config(config)))
+    decoder = text_config(check_model_config(config))
+    if config.teacher.mode != "cache":  # check_model_config checks it for a run that reads the cache
+        check_top_k(config, decoder)
     from fcsd.parallel.cache_share import cache_meshes, share_cache
     from fcsd.parallel.processes import main_process_first
 

@@ -152,6 +152,13 @@ def probe_checkpoint(
 ) -> list[ProbeRow]:
     """``fcsd probe``: load ``name`` (hub id, folder or ``demo``), score the grid on ``data`` (the model's own
     held-out data by default), write ``probe.csv`` and ``probe.png`` to ``output_dir`` and print the table."""
+    for flag, value, least in (
+        ("seq-len", seq_len, 2),
+        ("num-sequences", num_sequences, 1),
+        ("batch-size", batch_size, 1),
+    ):
+        if value < least:  # they were tracebacks (a division by zero, a negative shape) or a false message
+            raise ValueError(f"--{flag} {value}: it must be at least {least}")
     from fcsd.connectivity.families import family_for_config, text_config
     from fcsd.distill.data import load_texts, pack_sequences
     from fcsd.loading import check_tokenizer_fits, from_pretrained, load_config, tokenizer_from_pretrained

@@ -80,9 +80,9 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
 
     ownership.mark(out, "eval")
     ownership.record(out)  # in the run folder that holds it
-    marker = ownership.read_marker(out)
+    marker, fresh = ownership.read_marker(out), {f"results_{label}.json" for label in results}
     for stale in out.glob("results_*.json"):  # an earlier report's model this one does not score (--compare)
-        if stale.name not in {f"results_{label}.json" for label in results} and marker.owns(stale.name):
+        if stale.name not in fresh and marker.owns(stale.name):
             stale.unlink()
     table = score_table(results, suite)
     summary = {"suite": suite.name, "models": {k: display_name(v) for k, v in names.items()}, "scores": table}
@@ -96,7 +96,7 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
         with atomic_file(out / name) as staging:
             staging.write_text(text)
     plot_table(table, out / "eval_table.png", f"lm-eval suite {suite.name}")
-    for name in [*(f"results_{label}.json" for label in results), TABLE, "eval_table.png", "eval_summary.json"]:
+    for name in [*fresh, TABLE, "eval_table.png", "eval_summary.json"]:
         ownership.record(out / name)
     return table
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
-from fcsd.plan.cluster import GPUS
+from fcsd.plan.cluster import GPUS, positive_number
 
 MAX_TOKENS = 1e14  # a conversion budget beyond any corpus: a typo (1e30), answered before planning
 
@@ -120,7 +119,7 @@ def run_plan(args) -> int:
     from fcsd.plan.planner import make_plan
     from fcsd.plan.report import format_plan, plan_dict
 
-    if args.max_kl is not None and not (math.isfinite(args.max_kl) and args.max_kl > 0):
+    if args.max_kl is not None and not positive_number(args.max_kl):
         raise ValueError(f"--max-kl {args.max_kl}: a held-out KL bound is a finite number > 0, e.g. --max-kl 0.05")
     if args.max_kl is not None and args.probe is None:
         raise ValueError("--max-kl bounds the KL that --probe DATA measures: add --probe DATA, or leave --max-kl out")

@@ -198,7 +198,7 @@ def make_cluster(
     }
     options = {"memory_gib": "--gpu-memory", "tflops": "--gpu-tflops", "host_gib": "--host-memory"}
     for key, value in changes.items():
-        if value is not None and not _positive(value):  # NaN compared false: it planned a NaN step time
+        if value is not None and not positive_number(value):  # NaN compared false: it planned a NaN step time
             flag = options.get(key, "--" + key.replace("_", "-"))
             raise ValueError(f"{flag} {value}: it must be a finite number > 0")
     chosen = replace(base, **{k: v for k, v in changes.items() if v is not None})
@@ -276,7 +276,7 @@ def check_cluster_data(data, path: str = "FILE") -> None:
         value = data.get(key)
         if key not in NUMBERS and value is None:
             continue
-        if not _positive(value) and not (key == "op_us" and value == 0):
+        if not positive_number(value) and not (key == "op_us" and value == 0):
             raise ValueError(f"{where}: {key} is {value!r}, not a number above 0; {REMEASURE}")
     overlap = data.get("overlap", 1.0)
     if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0 <= overlap <= 1:
@@ -285,14 +285,15 @@ def check_cluster_data(data, path: str = "FILE") -> None:
     if not isinstance(latency, dict) or any(kind not in COLLECTIVES for kind in latency):
         raise ValueError(f"{where}: latency_us must map {', '.join(COLLECTIVES)} to {{ranks: us}}; {REMEASURE}")
     for kind, sizes in latency.items():
-        if not isinstance(sizes, dict) or not all(str(n).isdigit() and _positive(us) for n, us in sizes.items()):
+        if not isinstance(sizes, dict) or not all(str(n).isdigit() and positive_number(us) for n, us in sizes.items()):
             raise ValueError(f"{where}: latency_us.{kind} is {sizes!r}, not {{ranks: microseconds}}; {REMEASURE}")
     reduced = data.get("reduced_tflops", {})
-    if not isinstance(reduced, dict) or not all(str(n).isdigit() and _positive(v) for n, v in reduced.items()):
+    if not isinstance(reduced, dict) or not all(str(n).isdigit() and positive_number(v) for n, v in reduced.items()):
         raise ValueError(f"{where}: reduced_tflops is {reduced!r}, not {{tokens: TFLOP/s}}; {REMEASURE}")
 
 
-def _positive(value) -> bool:
+def positive_number(value) -> bool:
+    """A real number (not a bool), finite and > 0: NaN compares false both ways, so `<= 0` lets it through."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
@@ -347,7 +348,7 @@ def load_cluster_file(path, margin: float = 0.1, **changes) -> Cluster:
             continue
         if key in ("gpu_memory", "host_memory"):
             gpu["memory_gib" if key == "gpu_memory" else "host_gib"] = parse_memory(value, "--" + key.replace("_", "-"))
-        elif not _positive(value):
+        elif not positive_number(value):
             raise ValueError(f"--{key.replace('_', '-')} {value}: it must be a finite number > 0")
         else:
             gpu[key] = value
