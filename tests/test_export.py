@@ -233,6 +233,14 @@ def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused
     assert identify({**config, "architectures": ["FarSkipForCausalLM"]}) == "export"  # vLLM refuses it by name
 
 
+def test_serve_command_quotes_the_folder():
+    from fcsd.serving.vllm.families import serve_command
+
+    assert serve_command("runs/my model", "qwen3_moe") == "vllm serve 'runs/my model'"  # one argument to a shell
+    assert serve_command("out/export", "farskip_qwen3_moe") == "vllm serve out/export"
+    assert serve_command("out", "no_such_family") is None
+
+
 def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     from fcsd.cli import main
 

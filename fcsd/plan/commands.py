@@ -116,7 +116,7 @@ def serve_line(export_dir: str, model_type: str, fit=None, max_context: int | No
     FarSkip class for ``model_type``."""
     from fcsd.serving.vllm.families import serve_command
 
-    base = serve_command(shlex.quote(export_dir), model_type)
+    base = serve_command(export_dir, model_type)
     if base is None or fit is None:
         return base
     flags = [f"--tensor-parallel-size {fit.tp} --enable-expert-parallel"] if fit.tp > 1 else []

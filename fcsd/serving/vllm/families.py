@@ -7,6 +7,7 @@ stays ``farskip_<stock type>`` (so nothing serves it with stock wiring by mistak
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 EXPORTED_PREFIX = "farskip_"  # the model-type prefix of an export (fcsd.connectivity.families.EXPORTED_PREFIX)
@@ -68,7 +69,7 @@ UNSERVED_ARCHITECTURE = "FarSkipForCausalLM"
 
 def serve_command(folder: str, model_type: str) -> str | None:
     """The ``vllm serve`` command of an export (None if vLLM lacks its family); printed by ``fcsd export`` and the
-    model card."""
+    model card, the folder quoted for a shell."""
     if farskip_architecture(model_type) is None:
         return None
-    return f"vllm serve {folder}"
+    return f"vllm serve {shlex.quote(folder)}"
