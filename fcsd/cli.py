@@ -176,7 +176,10 @@ def _eval(args) -> int:
     from fcsd.evaluate.report import TABLE, evaluate_and_report
     from fcsd.evaluate.suites import load_suite, suite_from_tasks
 
-    if args.tasks:
+    for folder in args.include_path:
+        if not Path(folder).expanduser().is_dir():
+            raise ValueError(f"--include-path {folder}: no such folder; give a folder of lm-eval task YAML files")
+    if args.tasks is not None:  # --tasks "" is refused, not read as no --tasks
         suite = suite_from_tasks(args.tasks)
     else:
         suite = load_suite(args.suite or ("demo" if args.model == "demo" else "paper"))

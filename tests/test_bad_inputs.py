@@ -393,6 +393,13 @@ CASES = [
         "--limit 1.5: give a whole number",
         None,
     ),
+    ("eval_tasks_empty", lambda w: ["eval", str(w / "model"), "--tasks", ""], "--tasks: give lm-eval task names", None),
+    (
+        "eval_include_path_missing",
+        lambda w: ["eval", str(w / "model"), "--include-path", str(w / "no-tasks")],
+        "no-tasks: no such folder; give a folder of lm-eval task YAML files",
+        None,
+    ),
     ("eval_limit_zero", lambda w: ["eval", str(w / "model"), "--limit", "0"], "--limit 0: give", None),
     ("eval_limit_negative", lambda w: ["eval", str(w / "model"), "--limit", "-3"], "--limit -3: give", None),
     ("eval_batch_zero", lambda w: ["eval", str(w / "model"), "--batch-size", "0"], "--batch-size 0: give", None),
