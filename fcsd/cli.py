@@ -19,9 +19,9 @@ DESCRIPTION = (
 
 def _inspect(args) -> int:
     from fcsd.connectivity.summary import summarize
-    from fcsd.sources import resolve_model
+    from fcsd.sources import resolve_checkpoint
 
-    source = resolve_model(args.model)
+    source = resolve_checkpoint(args.model)  # a run folder is read at its export/, best/ or final/, as fcsd eval does
     if "@" in source and not Path(source).exists():  # REPO@REV: the config.json of that hub revision
         from fcsd.loading import hub_config_file
 

@@ -31,6 +31,24 @@ def test_inspect_reports_layers_experts_and_params(checkpoint, capsys):
     assert report["converted_layers"] == [2, 3]
 
 
+def test_inspect_reads_a_run_folder_at_its_checkpoint(checkpoint, tmp_path, capsys):
+    import shutil
+
+    import fcsd
+
+    run = tmp_path / "run"
+    fcsd.apply_farskip(fcsd.from_pretrained(str(checkpoint / "model")), "last:1").save_pretrained(run / "final")
+    assert main(["inspect", str(run), "--json"]) == 0  # a run folder: its final/, as fcsd eval reads it
+    assert json.loads(capsys.readouterr().out)["farskip_layers"] == [3]
+    assert main(["inspect", str(run)]) == 0
+    assert "FarSkip already  1 layers: 3" in capsys.readouterr().out
+    shutil.rmtree(run / "final")
+    assert main(["inspect", str(run)]) == 2
+    assert (
+        "holds no checkpoint: expected config.json, or a run folder with export/ or final/" in capsys.readouterr().err
+    )
+
+
 def test_param_counts_are_exact(checkpoint):
     """Counted from the checkpoint's tensors on disk (not from a model of the config, as `inspect` does)."""
     from safetensors import safe_open

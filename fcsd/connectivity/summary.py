@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 from fcsd.connectivity.families import expert_count, family_for_config, find_decoder_layers, meta_model, text_config
 from fcsd.connectivity.layer_spec import format_layers, parse_layer_spec
+from fcsd.connectivity.patch import CONFIG_KEY
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ModelSummary:
     active_params: int
     spec: str | None
     converted_layers: list[int]
+    farskip_layers: list[int]  # the layers the checkpoint already has FarSkip (a run's or an export's config)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,6 +44,8 @@ class ModelSummary:
             ("shared experts", str(self.shared_experts)),
             ("parameters", f"{_human(self.total_params)} total, {_human(self.active_params)} active per token"),
         ]
+        if self.farskip_layers:
+            rows.append(("FarSkip already", f"{len(self.farskip_layers)} layers: {format_layers(self.farskip_layers)}"))
         if self.spec is not None:
             rows.append(
                 (
@@ -86,6 +90,8 @@ def summarize(name_or_path: str, layers=None, config=None) -> ModelSummary:
     active = total - (routed_params - routed_params * top_k // max(num_experts, 1))
     shared = 0 if family.shared is None else int(getattr(decoder_config, "n_shared_experts", None) or 1)
     converted = parse_layer_spec(layers, len(decoder_layers)) if layers is not None else []
+    record = getattr(config, CONFIG_KEY, None)
+    already = sorted(record.get("layers") or []) if isinstance(record, dict) else []
     return ModelSummary(
         name=name_or_path,
         family=family.name,
@@ -100,4 +106,5 @@ def summarize(name_or_path: str, layers=None, config=None) -> ModelSummary:
         active_params=active,
         spec=None if layers is None else str(layers),
         converted_layers=converted,
+        farskip_layers=already,
     )
