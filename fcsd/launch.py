@@ -97,7 +97,9 @@ def _launcher(words: list[str]):
         from accelerate.commands.launch import launch_command, launch_command_parser
 
         return launch_command_parser(), launch_command
-    raise ValueError(f"{shlex.join(words[:2]) or 'nothing'} is not a launcher fcsd launch knows: {USAGE}")
+    if not words:
+        raise ValueError(f"give fcsd launch a launch line to run: {USAGE}")
+    raise ValueError(f"{shlex.join(words[:2])} is not a launcher fcsd launch knows: {USAGE}")
 
 
 def _run_quietly(run, args, folder: Path, name: str) -> int:

@@ -539,6 +539,13 @@ CASES = [
         "holds other files and no teacher cache",
         None,
     ),
+    (
+        "cache_teacher_into_a_file",
+        lambda w: ["cache-teacher", *run_convert(w, f"teacher.cache_dir={w / 'work/notes.txt'}")[1:]],
+        "notes.txt is a file, not a folder; point teacher.cache_dir at a new or empty folder",
+        None,
+    ),
+    ("launch_nothing", lambda w: ["launch"], "give fcsd launch a launch line to run: put fcsd launch in front", None),
     # 6. data
     (
         "data_empty_jsonl",

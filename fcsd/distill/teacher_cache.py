@@ -125,6 +125,10 @@ def check_cache_folder(folder: Path) -> None:
     """A ``teacher.cache_dir`` must be new, empty or a teacher cache; anything else is refused before any work."""
     from fcsd import ownership
 
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise TeacherCacheError(
+            f"teacher.cache_dir {folder} is a file, not a folder; point teacher.cache_dir at a new or empty folder"
+        )
     marker = ownership.read_marker(folder)
     cache = (Path(folder) / "meta.json").exists() and (marker is None or marker.is_kind("teacher-cache"))
     if not ownership.is_empty(folder) and not cache:
