@@ -38,6 +38,7 @@ def atomic_dir(target: Path, kind: str | None = None, replace: bool = True, what
         try:
             with disk_full_reported(target.parent):
                 yield staging
+                _share_like_the_umask(staging)
                 if kind is not None:
                     ownership.mark(staging, kind, [p.name for p in staging.iterdir() if p.name != ownership.MARKER])
             _swap_into_place(staging, target, kind, replace, what)
@@ -111,6 +112,16 @@ def restore_stale_siblings(target: Path) -> bool:
         ownership.restore_or_remove_leftover(target.parent, entry)
         found = True
     return found
+
+
+def _share_like_the_umask(folder: Path) -> None:
+    """Give the files written into a staging folder the mode a plain ``open`` gives them (``0o666`` less the umask):
+    writers that stage through ``mkstemp`` (transformers' ``save_pretrained`` for its weights) leave them ``0o600``,
+    readable by their owner alone, which a shared export, cache or run folder must not be."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600 != mode:
+            os.chmod(path, mode)
 
 
 def _umask() -> int:

@@ -254,6 +254,10 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     assert "--format bf16 writes the weights unquantized as they are: float32, this checkpoint's dtype" in printed
     assert f"--text-only changes nothing: {tmp_path / 'run' / 'final'} is a text model, exported as it is" in printed
     assert f"vllm serve {tmp_path / 'out'}" in printed  # the plugin's serve command
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask  # save_pretrained's 0600 opened up
     assert fcsd.farskip_layers(fcsd.from_pretrained(str(tmp_path / "out"))) == fcsd.farskip_layers(model)
     assert (tmp_path / "out" / "modeling_farskip.py").exists()
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
