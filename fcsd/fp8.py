@@ -170,13 +170,24 @@ def dequantized_state_dict(files: list[str], block: list[int], stack: ExitStack)
         if key not in entries:
             raise ValueError(f"{scale_key} has no weight {key} in the checkpoint: copy or download it again")
         entries[key] = DequantizedSlice(entries[key], entries.pop(scale_key), block)
+    unscaled = sorted(k for k, e in entries.items() if not isinstance(e, DequantizedSlice) and "F8" in e.get_dtype())
+    if unscaled:  # read as they are, e4m3 codes would be weights up to 448 times too large, silently
+        raise ValueError(
+            f"{unscaled[0]} is stored in FP8 without its scale {unscaled[0]}{SCALE_SUFFIX} ({len(unscaled)} such "
+            "tensors): the checkpoint is incomplete; copy or download it again"
+        )
     # weights without a scale that the export must leave unquantized too (embeddings, head, router, skipped modules)
     kept = sorted(
         key
         for key, entry in entries.items()
         if not isinstance(entry, DequantizedSlice) and key.endswith(".weight") and len(entry.get_shape()) >= 2
     )
-    return entries, {"kept": kept, "scaled": sorted(key.removesuffix(SCALE_SUFFIX) for key in scaled)}
+    scale_dtypes = {entries[key].scale.get_dtype() for key in (k.removesuffix(SCALE_SUFFIX) for k in scaled)}
+    return entries, {
+        "kept": kept,
+        "scaled": sorted(key.removesuffix(SCALE_SUFFIX) for key in scaled),
+        "scale_dtype": "bfloat16" if scale_dtypes == {"BF16"} else "float32",  # as the export writes them back
+    }
 
 
 def dropped_on_load(keys, unexpected, model) -> set[str]:
@@ -189,6 +200,29 @@ def dropped_on_load(keys, unexpected, model) -> set[str]:
     patterns = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     modules = tuple(key.rsplit(".", 1)[0] + "." for key in unexpected)
     return {k for k in keys if k in unexpected or k.startswith(modules) or any(p.search(k) for p in patterns)}
+
+
+def own_names(kept: list[str], scaled: list[str], model_keys) -> tuple[list[str], list[str]]:
+    """The record's names (``kept``, ``scaled``) as the model names its tensors. A composite's text tower read alone
+    (Llama-4 Scout's, which its files store under ``language_model.``) drops that prefix, the one prefix that maps
+    the scaled weights the model does not name as they are onto its own, and the other towers' weights, which the
+    model does not hold, are left out; any other model's names are its file's."""
+    model_keys = set(model_keys)
+    prefixes = {
+        name[: i + 1]
+        for name in scaled
+        if name not in model_keys
+        for i, char in enumerate(name)
+        if char == "." and name[i + 1 :] in model_keys
+    }
+    if len(prefixes) != 1:
+        return kept, scaled
+    (prefix,) = prefixes
+
+    def own(names):
+        return sorted(name[len(prefix) :] for name in names if name.startswith(prefix))
+
+    return own(kept), own(scaled)
 
 
 def scaled_record(names) -> dict:
@@ -222,8 +256,9 @@ def dequantizing_class(model_class: type, settings: dict) -> type:
         # only the scaled weights the model took: transformers drops some on load (DeepSeek-V3's multi-token
         # prediction layer, model.layers.61, _keys_to_ignore_on_load_unexpected), and the export never writes them
         dropped = dropped_on_load(found["scaled"], loaded[0].unexpected_keys, model)
-        scaled = scaled_record(key for key in found["scaled"] if key not in dropped)
-        setattr(model.config, RECORD_KEY, {"quantization_config": settings, "kept": found["kept"], **scaled})
+        kept, scaled = own_names(found["kept"], [k for k in found["scaled"] if k not in dropped], model.state_dict())
+        record = {"quantization_config": settings, "kept": kept, "scale_dtype": found["scale_dtype"]}
+        setattr(model.config, RECORD_KEY, {**record, **scaled_record(scaled)})
         return loaded
 
     return type(model_class.__name__, (model_class,), {"_load_pretrained_model": staticmethod(_load_pretrained_model)})

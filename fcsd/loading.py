@@ -135,9 +135,35 @@ def tokenizer_from_pretrained(name_or_path: str, revision: str | None = None):
     without asking to run its remote code (the tokenizer is a stock one: only the model type is new)."""
     from transformers import AutoTokenizer
 
+    check_tokenizer_files(name_or_path)
     config = _stock_config(name_or_path, revision)
     options = {"config": config} if config is not None else {}
     return AutoTokenizer.from_pretrained(name_or_path, revision=revision, **options)
+
+
+def check_tokenizer_files(name_or_path: str) -> None:
+    """Refuse a local checkpoint folder without any tokenizer file: transformers would build a stand-in tokenizer
+    from the config, and every token count, loss and score after it would be wrong without a word."""
+    from pathlib import Path
+
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{name_or_path} holds no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...): copy the tokenizer files "
+            "saved with the checkpoint into it"
+        )
+
+
+#: the files a tokenizer is saved as (fast, sentencepiece, BPE vocabularies, tiktoken)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tokenizer.tiktoken",
+)
 
 
 def check_tokenizer_fits(tokenizer, config, name: str) -> None:
@@ -156,8 +182,17 @@ def check_tokenizer_fits(tokenizer, config, name: str) -> None:
 def load_config(name_or_path: str, revision: str | None = None):
     """The transformers config of a checkpoint (an export's as its stock type; a hub repo at ``revision``), with an
     unreadable config.json as a one-line error."""
+    from pathlib import Path
+
     from transformers import AutoConfig
 
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        from fcsd.run_folder import RunFolder
+
+        inside = RunFolder(folder).checkpoint()  # a run folder: its export/, best/ or final/
+        fix = f"it is an fcsd run folder: give {inside}" if inside else "give a checkpoint folder"
+        raise ValueError(f"{name_or_path} has no config.json, so it is no checkpoint: {fix}")
     stock = _stock_config(name_or_path, revision)  # its own errors are one line already (JSON, identity, hub)
     if stock is not None:
         return check_quantization(stock, name_or_path)

@@ -185,6 +185,38 @@ def test_convert_with_export_text_only_says_so_and_a_composite_export_converts_a
     assert all(same_bits(again[key], first[key]) for key in first if not key.startswith("language_model."))
 
 
+def test_a_composite_trains_from_its_teacher_cache(scout, tmp_path):
+    """Scout's preset trains from the teacher cache: the student's record of its composite source is no part of the
+    model the cache was made of (it was, and the cache of the same model was refused as another model's)."""
+    common = [str(scout["source"]), f"data.path={scout['root'] / 'chat.jsonl'}", *FAST, "teacher.top_k=16"]
+    common += [f"teacher.cache_dir={tmp_path / 'cache'}"]
+    assert main(["cache-teacher", *common]) == 0
+    run = tmp_path / "run"
+    assert main(["convert", *common, "teacher.mode=cache", "train.max_steps=1", f"output_dir={run}"]) == 0
+    assert json.loads((run / "export" / "config.json").read_text())["architectures"] == [
+        "FarSkipLlama4ForConditionalGeneration"
+    ]
+
+
+def test_the_export_reads_the_runs_own_source_from_any_folder(scout, tmp_path, monkeypatch):
+    """A run started with a relative model.name records its source's absolute path: its export from another folder,
+    where the same relative name is another Llama-4 checkpoint, puts back the run's own vision tower."""
+    shutil.copytree(scout["source"], tmp_path / "started_here" / "scout")
+    monkeypatch.chdir(tmp_path / "started_here")
+    data = scout["root"] / "chat.jsonl"
+    names = ["model.name=scout", f"data.path={data}", f"output_dir={tmp_path / 'run'}", "train.max_steps=1"]
+    convert(to_config(compose([*names, *FAST])))
+    other = tmp_path / "elsewhere" / "scout"
+    torch.manual_seed(5)
+    type(fcsd.from_pretrained(str(scout["source"])))(scout["config"]).to(torch.bfloat16).save_pretrained(other)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    export_checkpoint(tmp_path / "run", tmp_path / "out")
+    exported, source, unrelated = tensors(tmp_path / "out"), tensors(scout["source"]), tensors(other)
+    vision = [key for key in source if not key.startswith("language_model.")]
+    assert vision and all(same_bits(exported[key], source[key]) for key in vision)
+    assert not all(same_bits(exported[key], unrelated[key]) for key in vision)
+
+
 def fp8_composite(source: Path, out: Path) -> Path:
     """``source`` (a bf16 Llama-4 composite) with its text tower's linear weights in block FP8 (e4m3, 16 x 16 block
     scales, as the hub's FP8 releases store them) and the vision tower and projector left in bf16."""
@@ -239,3 +271,23 @@ def test_an_fp8_composite_converts_to_a_bf16_composite_export_and_its_source_for
     assert text and all(exported[key].dtype == torch.bfloat16 for key in text)
     model = fcsd.from_pretrained(str(export))
     assert type(model).__name__ == "Llama4ForConditionalGeneration" and model.config.farskip["layers"]
+
+
+def test_an_fp8_composite_exports_its_text_model_in_fp8_and_caches_its_teacher(scout, tmp_path):
+    """``--text-only`` of a run from a block-FP8 composite writes the text model in the source's FP8: the weights
+    the source scaled (its file names them under ``language_model.``) quantized again with their scales, the rest as
+    trained. And ``fcsd cache-teacher``, which exports nothing, takes the FP8 composite without an export format."""
+    source = fp8_composite(scout["source"], tmp_path / "fp8")
+    data = scout["root"] / "chat.jsonl"
+    convert(run_config(source, tmp_path / "run", data, "train.max_steps=1", "export_text_only=true"))
+    export = tmp_path / "run" / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["model_type"] == "farskip_llama4_text" and config["quantization_config"]["quant_method"] == "fp8"
+    exported, original = tensors(export), tensors(source)
+    scaled = sorted(key.removeprefix("language_model.") for key in original if key.endswith("_scale_inv"))
+    assert scaled and scaled == sorted(key for key in exported if key.endswith("_scale_inv"))
+    assert all(exported[key.removesuffix("_scale_inv")].dtype == torch.float8_e4m3fn for key in scaled)
+    assert exported["lm_head.weight"].dtype == torch.bfloat16  # kept unquantized, as the source kept it
+
+    cache = ["teacher.top_k=16", f"teacher.cache_dir={tmp_path / 'cache'}", f"data.path={data}", *FAST]
+    assert main(["cache-teacher", str(source), *cache]) == 0

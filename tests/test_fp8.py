@@ -275,6 +275,50 @@ def test_an_fp8_export_whose_names_differ_is_refused_before_any_file_is_rewritte
     assert quantize_folder(tmp_path / "staged", record) == len(names)
 
 
+def test_the_fp8_export_writes_block_scales_in_the_sources_dtype(tmp_path):
+    """A source whose ``weight_scale_inv`` are bf16 gets bf16 scales back (they were written fp32), the weights the
+    same e4m3 blocks."""
+    from fcsd.export.fp8 import quantize_folder
+
+    write_fp8_checkpoint(tmp_path, "qwen3_moe")
+    path = tmp_path / "fp8" / "model.safetensors"
+    state = load_file(str(path))
+    save_file({k: v.to(torch.bfloat16) if k.endswith("_scale_inv") else v for k, v in state.items()}, str(path))
+    student = fcsd.from_pretrained(str(tmp_path / "fp8"), layers="all", dtype=torch.bfloat16)
+    student.save_pretrained(tmp_path / "staged")
+    assert quantize_folder(tmp_path / "staged", getattr(student.config, RECORD_KEY)) > 0
+    written = _tensors(tmp_path / "staged")
+    scales = [v.dtype for k, v in written.items() if k.endswith("_scale_inv")]
+    assert scales and set(scales) == {torch.bfloat16}
+
+
+def test_an_export_holds_no_multi_token_prediction_layer_and_says_so(tmp_path):
+    """transformers loads no multi-token-prediction layer (DeepSeek-V3's ``num_nextn_predict_layers``): the export
+    holds none, and its config says 0 rather than promising one to a speculative decoder."""
+    from fcsd.export.save import export as write_export
+
+    model = build("deepseek_v3")
+    model.config.num_nextn_predict_layers = 1
+    tokenizer = train_tokenizer(["a b c"], vocab_size=40)
+    write_export(fcsd.apply_farskip(model, "last:1"), tokenizer, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0
+    assert not any(key.startswith(f"model.layers.{config['num_hidden_layers']}.") for key in _tensors(tmp_path / "out"))
+
+
+def test_an_fp8_weight_without_its_scale_is_refused_in_one_line(tmp_path):
+    """An e4m3 weight whose ``weight_scale_inv`` a partial copy lost would load as its raw codes (weights up to 448
+    times too large, silently): refused, naming the tensor and its missing scale."""
+    write_fp8_checkpoint(tmp_path, "qwen3_moe")
+    state = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    key = "model.layers.0.self_attn.q_proj.weight"
+    del state[key + "_scale_inv"]
+    save_file(state, str(tmp_path / "fp8" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{key} is stored in FP8 without its scale {key}_scale_inv") as caught:
+        fcsd.from_pretrained(str(tmp_path / "fp8"))
+    assert "\n" not in str(caught.value)
+
+
 def test_fp8_teacher_modules_are_refused_without_fp8_kernels(tmp_path, monkeypatch):
     """teacher.dtype=fp8 keeps transformers' FP8 modules only where FP8 kernels run (CUDA, compute capability >=
     8.9): without them (no CUDA, as on this CPU) it is refused in one line saying why, as it is for a source that

@@ -21,14 +21,15 @@ from typing import Any
 
 from fcsd import checksums, ownership
 from fcsd.distill.config import FCSDConfig
+from fcsd.loading import check_tokenizer_files
 from fcsd.run_folder import RunFolder
 from fcsd.sources import resolve_data, resolve_model
 
 
 @dataclass(frozen=True)
 class Checked:
-    """A run's inputs after :func:`preflight`: the config as given, its run folder, the model source resolved (a
-    local folder or a hub id) with its ``config.json``, and the data sources resolved."""
+    """A run's inputs after :func:`preflight`: the config as given (its local inputs absolute), its run folder, the
+    model source resolved (a local folder or a hub id) with its ``config.json``, and the data sources resolved."""
 
     config: FCSDConfig
     run: RunFolder
@@ -53,12 +54,37 @@ def preflight(config: FCSDConfig, is_main: bool = True) -> Checked:
         from fcsd.distill.resume import continued_config
 
         config = continued_config(run, config, is_main)
+    config = absolute_inputs(config)
     model = resolve_model(config.model.name)
     model_config = check_model_config(config, model)
+    check_tokenizer_files(model)  # before the run folder is made: the run trains with the checkpoint's tokenizer
     data = resolve_data(config.data.path)
     eval_data = resolve_data(config.data.eval_path) if config.data.eval_path else None
     check_launcher(config)  # last: what the command would be refused for under torchrun is said first
     return Checked(config, run, model, model_config, data, eval_data)
+
+
+INPUT_KEYS = ("model.name", "data.path", "data.eval_path", "early_stop.data", "parallel.placement", "teacher.cache_dir")
+
+
+def absolute_inputs(config: FCSDConfig) -> FCSDConfig:
+    """``config`` with each input that names a local file or folder (:data:`INPUT_KEYS`) made absolute, as the run's
+    ``fcsd_config.yaml`` records it: a resume or an export started from another folder then reads the run's own
+    source (a composite's vision tower, the tokenizer), where the relative name would name another folder or none.
+    The demo's names and hub ids stay as given."""
+    import copy
+    import os
+
+    from fcsd.sources import DEMO_DATA, DEMO_NAME
+
+    config = copy.deepcopy(config)
+    for key in INPUT_KEYS:
+        group, name = key.split(".")
+        value = getattr(getattr(config, group), name)
+        if isinstance(value, str) and value not in ("", DEMO_NAME, *DEMO_DATA) and not Path(value).is_absolute():
+            if Path(value).expanduser().exists():
+                setattr(getattr(config, group), name, os.path.abspath(Path(value).expanduser()))
+    return config
 
 
 def check_launcher(config) -> None:
@@ -218,6 +244,12 @@ def check_export_dir(config) -> None:
 
     export_dir = Path(config.export_dir)
     ownership.check_not_an_input(export_dir, "export_dir", run_inputs(config), "export")
+    run, target = RunFolder(Path(config.output_dir).expanduser().resolve()), export_dir.expanduser().resolve()
+    if run.root in target.parents and target != run.export:  # the export would be refused there after training
+        raise ValueError(
+            f"export_dir {config.export_dir} lies inside the run's output_dir {run.root}, which the run writes: choose "
+            f"a folder outside it, or leave export_dir unset for {run.export}"
+        )
     check_export_target(export_dir, config.overwrite, [], "export_dir", run_root=Path(config.output_dir))
 
 

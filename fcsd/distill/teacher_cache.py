@@ -8,6 +8,7 @@ each token is ``1 - sum(exp(logp))``. A cache is only used when its model, data 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -40,6 +41,7 @@ RUNTIME_CONFIG_KEYS = {  # how a model was loaded or run, not which model it is
     "architectures",
     "auto_map",
     "model_type",  # an export's farskip_<type> is the same model as <type>
+    "fcsd_composite_source",  # the student's record of the composite its text tower came from (export/composite.py)
 }
 
 
@@ -85,6 +87,7 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     from fcsd.distill.preflight import check_data_cache_dir, check_model_config, check_top_k, run_inputs
     from fcsd.distill.run_data import all_rows, load_run_data
 
+    config = dataclasses.replace(config, export=False)  # a cache exports nothing: no export format is checked
     folder = cache_dir(config)  # checked before anything is loaded
     inputs = {name: path for name, path in run_inputs(config).items() if name != "teacher cache"}
     ownership.check_not_an_input(folder, "teacher.cache_dir", inputs, "teacher-cache")

@@ -104,6 +104,7 @@ def quantize_folder(folder: Path, record: dict) -> int:
     settings = record["quantization_config"]
     block, kept = settings["weight_block_size"], set(record.get("kept", []))
     power_of_two = settings.get("scale_fmt") == "ue8m0"
+    scale_dtype = getattr(torch, record.get("scale_dtype", "float32"))  # the source's (a record from before: fp32)
     placed, quantized, total = {}, 0, 0
     for path in sorted(folder.glob("*.safetensors")):
         tensors, header = {}, read_header(path)[1]
@@ -112,7 +113,8 @@ def quantize_folder(folder: Path, record: dict) -> int:
             for key in handle.keys():
                 tensor = handle.get_tensor(key)
                 if to_quantize(key, header[key], kept):
-                    tensor, tensors[key + SCALE_SUFFIX] = quantize_blocks(tensor, block, power_of_two)
+                    tensor, scale = quantize_blocks(tensor, block, power_of_two)
+                    tensors[key + SCALE_SUFFIX] = scale.to(scale_dtype)
                     quantized += 1
                 tensors[key] = tensor
         with atomic_file(path) as staging:

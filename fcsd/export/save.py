@@ -88,6 +88,8 @@ def complete_export(staging: Path, model_config, model_class: type, source, dtyp
     # `architectures` names the class fcsd's vLLM plugin serves it with; transformers loads it through auto_map
     served_by = farskip_architecture(base_type) or UNSERVED_ARCHITECTURE
     config.update(model_type=EXPORTED_PREFIX + base_type, architectures=[served_by], auto_map=auto_map)
+    if config.get("num_nextn_predict_layers"):  # transformers loads no multi-token-prediction layer: none is written
+        config["num_nextn_predict_layers"] = 0
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     num_layers = int(text_config(model_config).num_hidden_layers)
     name = str(dtype).removeprefix("torch.")
