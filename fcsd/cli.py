@@ -579,6 +579,12 @@ def _path_message(error: BaseException) -> str | None:
         return f"{name}: a part of this path is a file, not a folder; choose another path"
     if error.errno == errno.EEXIST and Path(name).exists() and not Path(name).is_dir():
         return f"{name} is a file where a folder is needed; choose another path"
+    if error.errno == errno.EEXIST and Path(name).is_symlink() and not Path(name).exists():
+        return f"{name} is a symbolic link to nothing; remove it or choose another path"
+    if error.errno == errno.EROFS:
+        return f"{name} is on a read-only file system; choose a folder you can write to"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return f"{name}: permission denied ({error.strerror}); fix its permissions or choose another path"
     return None
 
 

@@ -3,6 +3,7 @@ table, then lm-eval). A leaf: only the command line imports it."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -22,19 +23,70 @@ def run_demo(config) -> dict:
     Under ``torchrun`` / ``accelerate launch`` every process trains (the runs are multi-process), and the main
     process alone builds the demo assets first, prints, scores and reports; the others return ``{}`` when training
     is done (the launcher waits for the main process)."""
+    from fcsd.demo_assets import prepare_demo
+    from fcsd.parallel.processes import is_main_process, main_process_first
+
+    with demo_folder(config, is_main_process()):  # one demo per folder, for the whole demo
+        with main_process_first() as is_main:
+            root = prepare_demo()
+        return _run_demo(config, root, is_main)
+
+
+REPORTS = ("demo_report.md", "demo_report.json")
+
+
+@contextmanager
+def demo_folder(config, is_main: bool):
+    """Hold the demo's ``output_dir`` as ``fcsd sweep`` holds its folder (:mod:`fcsd.ownership`): not an input, the
+    current or the home folder, not in use by another demo; empty, or a demo folder fcsd wrote holding nothing else
+    (one a demo wrote before demo folders were marked, holding only its runs and reports, is taken as one), else
+    refused in one line before anything trains. Only the main process checks and locks."""
+    from fcsd import ownership
+    from fcsd.distill.preflight import run_inputs
+
+    out = Path(config.output_dir).expanduser()
+    if not is_main:
+        yield
+        return
+    ownership.check_not_an_input(out, "output_dir", run_inputs(config), "demo")
+    ownership.check_not_in_use(out, "output_dir")
+    if not _written_by_an_earlier_demo(out):
+        ownership.check_replaceable(out, "demo", "output_dir", "choose another output_dir")
+    with ownership.folder_lock(out, "output_dir"):
+        ownership.mark(out, "demo")
+        for name in (*(run.root.name for run in demo_runs(out).values()), *REPORTS):
+            ownership.record(out / name)  # written below: the manifest names them from the start
+        yield
+
+
+def _written_by_an_earlier_demo(out: Path) -> bool:
+    """An unmarked folder holding the demo's run folders (marked runs) and nothing else but its reports."""
+    from fcsd import ownership
+
+    if not out.is_dir() or ownership.is_marked(out) or ownership.is_empty(out):
+        return False
+    runs, found = {run.root.name for run in demo_runs(out).values()}, False
+    for entry in out.iterdir():
+        if ownership.is_lock_file(entry.name) or entry.name in REPORTS:
+            continue
+        marker = ownership.read_marker(entry) if entry.name in runs else None
+        if marker is None or not marker.is_kind("run"):
+            return False
+        found = True
+    return found
+
+
+def _run_demo(config, root: Path, is_main: bool) -> dict:
     import dataclasses
     import json
 
     from fcsd.connectivity.patch import apply_farskip
-    from fcsd.demo_assets import prepare_demo
     from fcsd.distill.config import resolve_guide
     from fcsd.distill.convert import convert
     from fcsd.evaluate.exact_match import exact_match_of, greedy_answers
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
-    from fcsd.parallel.processes import main_process_first, quiet_unless_main
+    from fcsd.parallel.processes import quiet_unless_main
 
-    with main_process_first() as is_main:
-        root = prepare_demo()
     say = quiet_unless_main(is_main)
     out = Path(config.output_dir)
     runs = {}

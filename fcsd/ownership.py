@@ -44,6 +44,7 @@ KINDS = {
     "probe": "probe output",
     "plots": "plot folder",
     "trace": "profiler-trace folder",
+    "demo": "demo folder",
 }
 KEPT_KINDS = ("teacher-cache",)  # an input of later runs: clearing the folder around it keeps it
 # What a folder of a kind holds at its top level: names no other kind (nor a user's folder, likely) has, which say
@@ -87,7 +88,7 @@ LEGACY_NAMES = {
 # Where an fcsd folder holds other fcsd folders by design: (its kind, the entry) -> the kinds that may live there,
 # and the kinds that may live anywhere inside it (a sweep's stage runs and their teacher caches).
 NESTED = {("run", "export"): ("export",), ("run", "teacher-cache"): ("teacher-cache",), ("run", "eval"): ("eval",)}
-NESTED_ANYWHERE = {"sweep": ("run", "teacher-cache", "export", "eval")}
+NESTED_ANYWHERE = {"sweep": ("run", "teacher-cache", "export", "eval"), "demo": ("run", "eval")}
 # The entries a folder of a kind will write even when it does not hold them yet: nothing else may claim them.
 RESERVED = {"run": ["checkpoints", "final", "best", "export", "eval", "tensorboard", "teacher-cache"]}
 # The staging names fcsd itself uses, and only those (a user's `.notes.old` is not one): fcsd.staging.atomic_dir's

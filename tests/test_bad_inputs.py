@@ -76,6 +76,7 @@ def world(tmp_path_factory):
     layers = {str(i): [0] * 8 + [1] * 8 for i in range(4)}  # made for a model with 16 experts per layer
     (root / "placement16.json").write_text(json.dumps({"num_experts": 16, "ep": 2, "nodes": 1, "layers": layers}))
     (root / "work" / "models").mkdir()  # makes `models/typo` a local path with a typo, not a hub id
+    shutil.copytree(root / "model", root / "no_tokenizer", ignore=shutil.ignore_patterns("tokenizer*", "vocab*"))
     (root / "array").mkdir()
     (root / "array" / "config.json").write_text("[1, 2]")
     (data / "not_utf8.json").write_bytes(b'[{"text": "fine"},\n {"text": "caf\xe9"}]\n')
@@ -543,6 +544,48 @@ CASES = [
         "cache_teacher_into_a_file",
         lambda w: ["cache-teacher", *run_convert(w, f"teacher.cache_dir={w / 'work/notes.txt'}")[1:]],
         "notes.txt is a file, not a folder; point teacher.cache_dir at a new or empty folder",
+        None,
+    ),
+    (
+        "convert_model_without_tokenizer",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", model=str(w / "no_tokenizer")),
+        "no_tokenizer holds no tokenizer (tokenizer.json, tokenizer_config.json, ...): copy the tokenizer files",
+        None,
+    ),
+    (
+        "probe_model_without_tokenizer",
+        lambda w: ["probe", str(w / "no_tokenizer"), "--data", str(w / "data/train.jsonl"), "--device", "cpu"],
+        "no_tokenizer holds no tokenizer (tokenizer.json, tokenizer_config.json, ...): copy the tokenizer files",
+        None,
+    ),
+    (
+        "export_dir_inside_the_new_runs_final",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", f"export_dir={w / 'new/final'}"),
+        "new/final lies inside the run's output_dir",
+        None,
+    ),
+    (
+        "convert_a_run_folder",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", model=str(w / "runs/x")),
+        "runs/x has no config.json, so it is no checkpoint: it is an fcsd run folder: give ",
+        None,
+    ),
+    (
+        "convert_an_empty_folder",
+        lambda w: run_convert(w, f"output_dir={w / 'new'}", model=str(w / "work/models")),
+        "work/models has no config.json, so it is no checkpoint: give a checkpoint folder",
+        None,
+    ),
+    (
+        "save_every_negative",
+        lambda w: run_convert(w, "train.save_every=-1"),
+        "train.save_every=-1: give a number",
+        None,
+    ),
+    (
+        "keep_checkpoints_negative",
+        lambda w: run_convert(w, "train.keep_checkpoints=-1"),
+        "train.keep_checkpoints=-1: give how many to keep (0: keep them all)",
         None,
     ),
     ("launch_nothing", lambda w: ["launch"], "give fcsd launch a launch line to run: put fcsd launch in front", None),
@@ -1869,8 +1912,9 @@ def test_an_export_edited_to_run_layers_with_stock_wiring_is_refused_wherever_it
 def test_a_path_that_cannot_be_a_folder_is_one_line(env, tmp_path, capsys):
     """A symbolic link that leads back to itself (a traceback from `Path.resolve` in every command before) and a file
     where a folder, or a folder on the way to one, is needed (errno text without the fix before)."""
-    loop, a_file = tmp_path / "loop", tmp_path / "file"
+    loop, a_file, dangling = tmp_path / "loop", tmp_path / "file", tmp_path / "dangling"
     loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "nothing")
     a_file.write_text("mine")
     run = str(env / "runs" / "x")
     cases = [
@@ -1878,12 +1922,43 @@ def test_a_path_that_cannot_be_a_folder_is_one_line(env, tmp_path, capsys):
         (run_convert(env, f"output_dir={loop}/sub"), "a symbolic link on this path leads back to itself"),
         (run_convert(env, f"output_dir={a_file}/sub"), "a part of this path is a file, not a folder; choose"),
         (["export", run, f"{a_file}/sub"], f"{a_file} is a file where a folder is needed; choose another path"),
+        (run_convert(env, f"output_dir={dangling}"), f"{dangling} is a symbolic link to nothing; remove it or choose"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
-    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["file", "loop"]
+    assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file", "loop"]
+
+
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ("EROFS", " is on a read-only file system; choose a folder you can write to"),
+        ("EACCES", ": permission denied (Permission denied); fix its permissions or choose another path"),
+    ],
+)
+def test_a_folder_that_cannot_be_written_is_one_line_naming_it(env, tmp_path, monkeypatch, capsys, code, message):
+    """A read-only file system or a folder without write permission (root passes permission checks, so the error is
+    raised where fcsd makes its staging folder) is one line naming the folder and the fix, not errno text."""
+    import errno
+    import tempfile
+
+    import fcsd
+
+    converted = tmp_path / "converted"
+    fcsd.from_pretrained(str(env / "model"), layers="all").save_pretrained(converted)
+    for path in (env / "model").iterdir():
+        if path.name.startswith(("tokenizer", "chat_template")):
+            shutil.copyfile(path, converted / path.name)
+
+    def refused(*args, dir=None, **kwargs):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(dir))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    assert main(["export", str(converted), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()  # after the progress bars of the model's loading
+    assert "Traceback" not in err and f"{tmp_path}{message}" in err.splitlines()[-1], err
 
 
 def test_a_run_stopped_while_it_writes_final_or_its_export_resumes_or_says_how_to_export(env, tmp_path, monkeypatch):

@@ -102,7 +102,7 @@ class TrainConfig:
     checkpoint_offload: bool = False
     loss_chunk_size: int = 256  # tokens per chunk of the fused LM-head + loss (peak memory ~ chunk x vocab)
     save_every: int = 1000  # checkpoint every N steps (0: only at the end)
-    keep_checkpoints: int = 2  # how many step checkpoints to keep
+    keep_checkpoints: int = 2  # how many step checkpoints to keep (0: keep them all)
     resume: bool = False  # continue from the newest checkpoint in output_dir
     resume_step: int | None = None  # with resume: continue from checkpoints/step-N instead of the newest
     # held-out KL every N steps besides step 0 and the end (0: only those two); None: automatic, about a tenth of
@@ -764,6 +764,11 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
             f"early_stop.metric={config.early_stop.metric!r}: choose {EARLY_STOP_METRICS}",
         ),
         (config.early_stop.every > 0, "early_stop.every must be a positive number of steps"),
+        (train.save_every >= 0, f"train.save_every={train.save_every}: give a number of steps (0: only at the end)"),
+        (
+            train.keep_checkpoints >= 0,
+            f"train.keep_checkpoints={train.keep_checkpoints}: give how many to keep (0: keep them all)",
+        ),
         (config.early_stop.patience > 0, "early_stop.patience must be at least 1 evaluation"),
         (config.export or not config.push_to_hub, "push_to_hub pushes the export: it needs export=true"),
         (config.export_format in ("source", "bf16"), f"export_format={config.export_format!r}: choose source or bf16"),
