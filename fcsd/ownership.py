@@ -289,6 +289,10 @@ def foreign_entries(folder: Path, marker: Marker) -> list[str]:
             found.append(f"{name}/ ({nested.description()} of its own)" if nested is not None else name)
         elif nested is not None:
             found += [f"{name}/{inner}" for inner in foreign_entries(entry, nested)]
+    if marker.kind == "run":  # inside the folders a run writes and clears whole
+        from fcsd.run_folder import RunFolder
+
+        found += RunFolder(folder).foreign_files()
     return found
 
 

@@ -155,6 +155,36 @@ class RunFolder:
         sized = [c for c in older if not self.checkpoint_problems(c, contents=False)]
         return next((c for c in sized if not self.checkpoint_problems(c)), None)
 
+    def foreign_files(self) -> list[str]:
+        """Files inside the run's own folders that fcsd did not write, as paths relative to the run (``overwrite=true``
+        and a restart clear those folders whole): in ``final/`` and ``best/`` any file their record does not list (a
+        record from before it listed them: none), in ``tensorboard/`` any but event files, in a step checkpoint any
+        its trainer state does not list, in ``checkpoints/`` any but the step checkpoints."""
+        from fcsd.ownership import is_lock_file, is_staging_leftover
+
+        found = []
+        for folder in (self.final, self.best):
+            try:
+                listed = json.loads((folder / CHECKPOINT_RECORD).read_text()).get("files")
+            except (OSError, ValueError, AttributeError):
+                listed = None
+            if isinstance(listed, list):
+                found += [f"{folder.name}/{p.name}" for p in sorted(folder.iterdir()) if p.name not in listed]
+        if self.tensorboard.is_dir():
+            events = (p for p in sorted(self.tensorboard.iterdir()) if not p.name.startswith("events.out.tfevents."))
+            found += [f"{self.tensorboard.name}/{p.name}" for p in events]
+        if self.checkpoints_dir.is_dir():
+            for entry in sorted(self.checkpoints_dir.iterdir()):
+                if is_lock_file(entry.name) or is_staging_leftover(entry.name):
+                    continue
+                if not entry.name.startswith("step-"):
+                    found.append(f"checkpoints/{entry.name}")
+                elif entry.name.startswith("step-") and entry.is_dir() and (entry / TRAINER_STATE).is_file():
+                    listed = {*self.trainer_state(entry).get("files", {}), TRAINER_STATE}
+                    extra = (p for p in sorted(entry.iterdir()) if p.is_file() and p.name not in listed)
+                    found += [f"checkpoints/{entry.name}/{p.name}" for p in extra]
+        return found
+
     def prune_checkpoints(self, keep: int) -> None:
         for old in self.checkpoints()[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)

@@ -60,6 +60,15 @@ def world(tmp_path_factory):
     finished = fake_run(root, "runs/x", steps=[1], final=True)
     fake_run(root, "runs/y", steps=[1], final=True)
     (fake_run(root, "runs/notes", steps=[1], final=True) / "notes.txt").write_text("mine")
+    inner = fake_run(root, "runs/inner_notes", steps=[1], final=True)
+    listed = ["config.json", "fcsd_checkpoint.json"]  # what fcsd wrote into final/, as its record lists it
+    (inner / "final" / "fcsd_checkpoint.json").write_text(json.dumps({"step": 1, "files": listed}))
+    marker = json.loads((inner / MARKER).read_text())
+    (inner / MARKER).write_text(json.dumps({**marker, "written": [*marker["written"], "tensorboard"]}))
+    for folder in ("final", "tensorboard", "checkpoints", "checkpoints/step-1"):
+        (inner / folder).mkdir(exist_ok=True)
+        (inner / folder / "notes.txt").write_text("mine")
+    (inner / "tensorboard" / "events.out.tfevents.1.host").write_text("")
     fake_run(root, "runs/unfinished", steps=[2, 4])
     (fake_run(root, "runs/no_rng", steps=[2, 4]) / "checkpoints/step-4/random_states_0.pkl").unlink()
     (fake_run(root, "runs/no_optimizer", steps=[4]) / "checkpoints/step-4/optimizer.bin").unlink()
@@ -321,6 +330,12 @@ CASES = [
         "overwrite_keeps_the_users_files",
         lambda w: run_convert(w, f"output_dir={w / 'runs/notes'}", "overwrite=true"),
         "also holds files fcsd did not write (notes.txt)",
+        None,
+    ),
+    (
+        "overwrite_keeps_the_users_files_inside_the_runs_folders",  # they were deleted with final/, tensorboard/, ...
+        lambda w: run_convert(w, f"output_dir={w / 'runs/inner_notes'}", "overwrite=true"),
+        "holds files fcsd did not write (final/notes.txt, tensorboard/notes.txt, checkpoints/notes.txt and 1 more)",
         None,
     ),
     (

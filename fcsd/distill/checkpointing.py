@@ -126,7 +126,8 @@ def save_model(
         set_saved_dtype(staging, dtype)
         tokenizer.save_pretrained(staging)
         OmegaConf.save(OmegaConf.structured(config), staging / CONFIG)
-        (staging / CHECKPOINT_RECORD).write_text(json.dumps(record, indent=2))
+        files = sorted({*(p.name for p in staging.iterdir()), CHECKPOINT_RECORD})  # what a replace may remove
+        (staging / CHECKPOINT_RECORD).write_text(json.dumps({**record, "files": files}, indent=2))
 
 
 def set_saved_dtype(folder: Path, dtype: torch.dtype) -> None:
