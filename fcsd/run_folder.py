@@ -128,12 +128,17 @@ class RunFolder:
         if not isinstance(recorded, dict) or not all(_is_digest(d) for d in recorded.values()):
             return [f"{TRAINER_STATE}'s SHA-256 record was edited: it is no table of file digests"]
         unrecorded = [name for name in expected if name not in recorded]
-        if "files" in state:  # a file the record leaves out was put there since (a swapped optimizer.bin, say)
-            unrecorded += [
-                p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in (*expected, TRAINER_STATE)
-            ]
-        if unrecorded or not contents:
+        if "files" in state:  # a file the checkpoint never wrote was put there since (a copied-in optimizer.bin, say)
+            added = [p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in (*expected, TRAINER_STATE)]
+            unrecorded += [name for name in added if _is_state_file(name)]  # what a resume would load: the record's
+            foreign = [name for name in added if not _is_state_file(name)]
+            if foreign and not unrecorded:
+                return [f"{name} is no file the run wrote: move it out of the checkpoint to resume from it"
+                        for name in sorted(foreign)]  # fmt: skip
+        if unrecorded:
             return [f"{name} has no SHA-256 in {TRAINER_STATE}, whose record was edited" for name in unrecorded]
+        if not contents:
+            return []
         found = checksums.digests([checkpoint / name for name in recorded if (checkpoint / name).is_file()])
         changed = [name for name, digest in recorded.items() if found.get(name, digest.lower()) != digest.lower()]
         return [f"{name} changed since it was written (its SHA-256 is not the one recorded then)" for name in changed]
@@ -211,6 +216,14 @@ class RunFolder:
     def checkpoint(self) -> Path | None:
         """What ``fcsd eval`` scores for the run: ``export/``, else ``best/``, else ``final/``; None if none."""
         return next((p for p in (self.export, self.best, self.final) if (p / "config.json").exists()), None)
+
+
+def _is_state_file(name: str) -> bool:
+    """A file name accelerate's ``load_state`` (or the expert-parallel state) reads from a step checkpoint."""
+    import fnmatch
+
+    patterns = ("*.safetensors", "*.bin", "*.pkl", "*.pt", "*.distcp", ".metadata")
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
 
 
 def _is_digest(value) -> bool:

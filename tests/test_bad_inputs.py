@@ -2153,6 +2153,16 @@ def test_a_checkpoint_whose_digest_record_was_edited_is_refused_and_an_old_one_i
     assert written["checkpoint_format"] == 2
     state_file.write_text(json.dumps({**written, "sha256": {k: v.upper() for k, v in written["sha256"].items()}}))
     assert RunFolder(out).checkpoint_problems(step2) == []
+    # a user's file beside a sound checkpoint is named as such, with the fix (it read as an edited record before)
+    (step2 / "extra.txt").write_text("mine")
+    assert RunFolder(out).checkpoint_problems(step2) == [
+        "extra.txt is no file the run wrote: move it out of the checkpoint to resume from it"
+    ]
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "step-2 also holds files the run did not write (extra.txt): move them out of it and run the same" in err
+    (step2 / "extra.txt").unlink()
     # a file taken out of both records and replaced (step-1's optimizer state): the folder holds what no record lists
     unlisted = {
         **written,

@@ -121,6 +121,11 @@ def check_resume(run: RunFolder, config) -> None:
         raise ownership.FolderError(str(error)) from None
     _check_length_and_schedule(run, checkpoint, config, saved)
     problems = run.checkpoint_problems(checkpoint)
+    if problems and all(FOREIGN_FILE in p for p in problems):  # sound, beside a file of the user's: say that
+        raise ownership.FolderError(
+            f"--resume: {checkpoint.relative_to(root)} also holds files the run did not write "
+            f"({', '.join(p.split(' ', 1)[0] for p in problems)}): move them out of it and run the same command again"
+        )
     if problems:
         older = run.newest_sound_checkpoint(int(checkpoint.name[5:]))
         way = (
@@ -131,6 +136,9 @@ def check_resume(run: RunFolder, config) -> None:
         raise ownership.FolderError(
             f"--resume: {checkpoint.relative_to(root)} is {checkpoint_state(problems)} ({', '.join(problems)}); {way}"
         )
+
+
+FOREIGN_FILE = " is no file the run wrote"  # fcsd.run_folder.RunFolder.checkpoint_problems' word for a user's file
 
 
 def resume_command(step: int) -> str:
