@@ -263,6 +263,11 @@ def test_fcsd_export_command(tmp_path, tokenizer, capsys):
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
     assert "holds an export; pass --overwrite" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+    assert "nothing: no such folder; give a run folder, a converted checkpoint or a step checkpoint" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty"), str(tmp_path / "x")]) == 2
     assert "neither a converted checkpoint, a run folder with final/, nor a step checkpoint" in capsys.readouterr().err
 
 

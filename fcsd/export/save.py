@@ -132,7 +132,7 @@ def check_export_target(
             ownership.check_not_around(out_dir, what, "run folder", run_root, allowed=allowed, refuse_inside=inside)
         if ownership.is_empty(out_dir):
             return
-        ownership.check_replaceable(out_dir, "export", what, f"only an fcsd export is replaced: choose another {what}")
+        ownership.check_replaceable(out_dir, "export", what, f"choose another {what} (only an fcsd export is replaced)")
     except ownership.FolderError as error:
         raise ExportError(str(error)) from None
     if not overwrite:
@@ -219,6 +219,10 @@ def export_checkpoint(
     from fcsd.staging import restore_stale_siblings
 
     source = Path(run_or_checkpoint)
+    if not source.exists():
+        raise ExportError(
+            f"{run_or_checkpoint}: no such folder; give a run folder, a converted checkpoint or a step checkpoint"
+        )
     if not (source / "config.json").exists() and not is_step_checkpoint(source):
         source = RunFolder(source).model_to_export() or source
     if not (source / "config.json").exists() and not is_step_checkpoint(source):
