@@ -37,10 +37,10 @@ REPORTS = ("demo_report.md", "demo_report.json")
 
 @contextmanager
 def demo_folder(config, is_main: bool):
-    """Hold the demo's ``output_dir`` as ``fcsd sweep`` holds its folder (:mod:`fcsd.ownership`): not an input, the
-    current or the home folder, not in use by another demo; empty, or a demo folder fcsd wrote holding nothing else
-    (one a demo wrote before demo folders were marked, holding only its runs and reports, is taken as one), else
-    refused in one line before anything trains. Only the main process checks and locks."""
+    """Hold the demo's ``output_dir`` (:mod:`fcsd.ownership`): not an input, the current or the home folder, not in
+    use by another demo, not a folder of another kind, and no report file of the demo's name that fcsd did not write
+    (a user's ``demo_report.md``); the demo replaces its own runs and reports, and a user's other files stay
+    beside them. Refused in one line before anything is built or trains. Only the main process checks and locks."""
     from fcsd import ownership
     from fcsd.distill.preflight import run_inputs
 
@@ -50,8 +50,16 @@ def demo_folder(config, is_main: bool):
         return
     ownership.check_not_an_input(out, "output_dir", run_inputs(config), "demo")
     ownership.check_not_in_use(out, "output_dir")
-    if not _written_by_an_earlier_demo(out):
-        ownership.check_replaceable(out, "demo", "output_dir", "choose another output_dir")
+    marker = ownership.read_marker(out)
+    if marker is not None and not marker.is_kind("demo"):
+        raise ownership.FolderError(f"output_dir {out} is {marker.description()}, not a demo folder; choose another")
+    earlier = marker is None and _holds_demo_runs(out)  # written before demo folders were marked
+    foreign = [n for n in REPORTS if (out / n).exists() and not earlier and not (marker and marker.owns(n))]
+    if foreign:
+        raise ownership.FolderError(
+            f"output_dir {out} holds {', '.join(foreign)}, which fcsd did not write and the demo would replace; move "
+            "it out first, or choose another output_dir"
+        )
     with ownership.folder_lock(out, "output_dir"):
         ownership.mark(out, "demo")
         for name in (*(run.root.name for run in demo_runs(out).values()), *REPORTS):
@@ -59,21 +67,15 @@ def demo_folder(config, is_main: bool):
         yield
 
 
-def _written_by_an_earlier_demo(out: Path) -> bool:
-    """An unmarked folder holding the demo's run folders (marked runs) and nothing else but its reports."""
+def _holds_demo_runs(out: Path) -> bool:
+    """Whether ``out`` holds a run folder of the demo's (an fcsd run under its name)."""
     from fcsd import ownership
 
-    if not out.is_dir() or ownership.is_marked(out) or ownership.is_empty(out):
-        return False
-    runs, found = {run.root.name for run in demo_runs(out).values()}, False
-    for entry in out.iterdir():
-        if ownership.is_lock_file(entry.name) or entry.name in REPORTS:
-            continue
-        marker = ownership.read_marker(entry) if entry.name in runs else None
-        if marker is None or not marker.is_kind("run"):
-            return False
-        found = True
-    return found
+    for run in demo_runs(out).values():
+        marker = ownership.read_marker(run.root) if run.root.is_dir() else None
+        if marker is not None and marker.is_kind("run"):
+            return True
+    return False
 
 
 def _run_demo(config, root: Path, is_main: bool) -> dict:

@@ -157,19 +157,20 @@ def test_a_demo_stopped_in_its_fcsd_run_resumes_it_and_then_trains_the_sft_run(d
 
 
 def test_the_demo_folder_is_claimed_before_anything_trains(tmp_path, monkeypatch, capsys):
-    """The demo's output_dir is held as a sweep's folder is: a user's file in it, the current folder and a folder
-    another demo holds are refused in one line before the demo is built or trains (the user's demo_report.md was
-    overwritten, and a second demo replaced the first one's runs under it); a folder an earlier demo wrote, unmarked,
-    holding only its runs and reports, is taken as a demo folder."""
+    """The demo's output_dir is checked and locked before the demo is built or trains: a user's demo_report.md (it
+    was overwritten), the current folder, a folder of another kind and a folder another demo holds are refused in one
+    line; an unmarked folder an earlier demo wrote (its runs beside its reports) is the demo's."""
     from fcsd import demo, ownership
 
     monkeypatch.setattr(demo_assets, "prepare_demo", lambda: pytest.fail("built before the folder was checked"))
-    mine = tmp_path / "mine"
+    mine, export = tmp_path / "mine", tmp_path / "export"
     mine.mkdir()
     (mine / "demo_report.md").write_text("my notes")
+    ownership.mark(export, "export")
     cases = [
-        (f"output_dir={mine}", "holds files fcsd did not write (no .fcsd-output marker)"),
+        (f"output_dir={mine}", "holds demo_report.md, which fcsd did not write and the demo would replace; move it"),
         ("output_dir=.", "is the current folder"),
+        (f"output_dir={export}", "is an fcsd export, not a demo folder"),
     ]
     monkeypatch.chdir(tmp_path)
     for override, message in cases:
@@ -180,13 +181,9 @@ def test_the_demo_folder_is_claimed_before_anything_trains(tmp_path, monkeypatch
     with ownership.folder_lock(busy, "output_dir"):
         assert main(["convert", "demo", f"output_dir={busy}"]) == 2
         assert "in use" in capsys.readouterr().err
-    earlier = tmp_path / "earlier"
-    for run in ("fcsd-kl", "fcsd-sft"):
-        ownership.mark(earlier / run, "run")
-    (earlier / "demo_report.md").write_text("| model |")
-    assert demo._written_by_an_earlier_demo(earlier) and not demo._written_by_an_earlier_demo(mine)
-    ownership.mark(mine / "fcsd-kl", "export")
-    assert not demo._written_by_an_earlier_demo(mine)
+    assert not demo._holds_demo_runs(mine)
+    ownership.mark(mine / "fcsd-kl", "run")  # the report beside an earlier demo's run is that demo's
+    assert demo._holds_demo_runs(mine)
 
 
 def test_convert_demo_with_the_teacher_cache_reports_its_top_k_kl(demo_root, tmp_path, capsys):
