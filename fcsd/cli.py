@@ -584,7 +584,8 @@ def _path_message(error: BaseException) -> str | None:
     if error.errno == errno.EROFS:
         return f"{name} is on a read-only file system; choose a folder you can write to"
     if error.errno in (errno.EACCES, errno.EPERM):
-        return f"{name}: permission denied ({error.strerror}); fix its permissions or choose another path"
+        why = "permission denied" if error.errno == errno.EACCES else f"permission denied ({error.strerror})"
+        return f"{name}: {why}; fix its permissions or choose another path"
     return None
 
 

@@ -264,10 +264,11 @@ def dequantizing_class(model_class: type, settings: dict) -> type:
     return type(model_class.__name__, (model_class,), {"_load_pretrained_model": staticmethod(_load_pretrained_model)})
 
 
-def quantize_blocks(weight: torch.Tensor, block: list[int], power_of_two: bool = False):
-    """``(e4m3 weight, fp32 weight_scale_inv)`` of ``weight`` (``(..., out, in)``) in ``block`` blocks, partial
-    blocks at the edges included: each block's scale is its largest magnitude / 448 (a power of two above it with
-    ``power_of_two``, the ``ue8m0`` scale format), an all-zero block's 1."""
+def quantize_blocks(weight: torch.Tensor, block: list[int], power_of_two: bool = False, scale_dtype=torch.float32):
+    """``(e4m3 weight, weight_scale_inv)`` of ``weight`` (``(..., out, in)``) in ``block`` blocks, partial blocks at
+    the edges included: each block's scale is its largest magnitude / 448 (a power of two above it with
+    ``power_of_two``, the ``ue8m0`` scale format), an all-zero block's 1, stored as ``scale_dtype`` (the weight is
+    divided by the scale as stored)."""
     rows, cols = weight.shape[-2:]
     b0, b1 = block
     padded = torch.nn.functional.pad(weight.float(), (0, -cols % b1, 0, -rows % b0))
@@ -276,9 +277,10 @@ def quantize_blocks(weight: torch.Tensor, block: list[int], power_of_two: bool =
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     if power_of_two:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    scale = scale.to(scale_dtype).float()
     quantized = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     quantized = quantized.flatten(-4, -3).flatten(-2, -1)[..., :rows, :cols].contiguous()
-    return quantized, scale.contiguous()
+    return quantized, scale.to(scale_dtype).contiguous()
 
 
 def e4m3_step(scale: torch.Tensor, block: list[int], shape) -> torch.Tensor:

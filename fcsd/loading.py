@@ -190,9 +190,16 @@ def load_config(name_or_path: str, revision: str | None = None):
     if folder.is_dir() and not (folder / "config.json").is_file():
         from fcsd.run_folder import RunFolder
 
-        inside = RunFolder(folder).checkpoint()  # a run folder: its export/, best/ or final/
-        fix = f"it is an fcsd run folder: give {inside}" if inside else "give a checkpoint folder"
-        raise ValueError(f"{name_or_path} has no config.json, so it is no checkpoint: {fix}")
+        run = RunFolder(folder)
+        inside = run.checkpoint()  # a run folder: its export/, best/ or final/
+        if inside is not None:
+            fix = f"it is an fcsd run folder; give {inside}"
+        elif run.checkpoints():
+            newest = run.checkpoints()[-1]
+            fix = f"it is an fcsd run folder without final/; export a step checkpoint: `fcsd export {newest} OUT_DIR`"
+        else:
+            fix = "give a checkpoint folder"
+        raise ValueError(f"{name_or_path} has no config.json, so it is no checkpoint; {fix}")
     stock = _stock_config(name_or_path, revision)  # its own errors are one line already (JSON, identity, hub)
     if stock is not None:
         return check_quantization(stock, name_or_path)

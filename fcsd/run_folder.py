@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ CHECKPOINT_RECORD = "fcsd_checkpoint.json"  # in final/ and best/: which step th
 TRAINER_STATE = "trainer_state.json"  # in checkpoints/step-N/: data position, spike guard, early stopping
 # what accelerate's save_state writes for one process with one registered object (checkpoints that predate the
 # file list in their trainer state)
+FOREIGN_FILE = " is no file the run wrote"  # a user's file in a sound step checkpoint, as problems name it
 LEGACY_CHECKPOINT_FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
 # written in every step checkpoint's trainer state as "checkpoint_format": 2 and above record every file's SHA-256
 CHECKPOINT_FORMAT = 2
@@ -128,20 +130,24 @@ class RunFolder:
         if not isinstance(recorded, dict) or not all(_is_digest(d) for d in recorded.values()):
             return [f"{TRAINER_STATE}'s SHA-256 record was edited: it is no table of file digests"]
         unrecorded = [name for name in expected if name not in recorded]
+        foreign = []
         if "files" in state:  # a file the checkpoint never wrote was put there since (a copied-in optimizer.bin, say)
             added = [p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in (*expected, TRAINER_STATE)]
             unrecorded += [name for name in added if _is_state_file(name)]  # what a resume would load: the record's
-            foreign = [name for name in added if not _is_state_file(name)]
-            if foreign and not unrecorded:
-                return [f"{name} is no file the run wrote: move it out of the checkpoint to resume from it"
-                        for name in sorted(foreign)]  # fmt: skip
+            foreign = sorted(name for name in added if not _is_state_file(name))
         if unrecorded:
             return [f"{name} has no SHA-256 in {TRAINER_STATE}, whose record was edited" for name in unrecorded]
-        if not contents:
-            return []
-        found = checksums.digests([checkpoint / name for name in recorded if (checkpoint / name).is_file()])
-        changed = [name for name, digest in recorded.items() if found.get(name, digest.lower()) != digest.lower()]
-        return [f"{name} changed since it was written (its SHA-256 is not the one recorded then)" for name in changed]
+        changed = []
+        if contents:
+            found = checksums.digests([checkpoint / name for name in recorded if (checkpoint / name).is_file()])
+            changed = [name for name, digest in recorded.items() if found.get(name, digest.lower()) != digest.lower()]
+        if changed:
+            return [
+                f"{name} changed since it was written (its SHA-256 is not the one recorded then)" for name in changed
+            ]
+        return [
+            f"{name}{FOREIGN_FILE}: move it out of the checkpoint" for name in foreign
+        ]  # only when all else is sound
 
     def checked_by_size_only(self, checkpoint: Path) -> bool:
         """Whether ``checkpoint`` was written before checkpoints recorded SHA-256 digests (no
@@ -182,11 +188,14 @@ class RunFolder:
             for entry in sorted(self.checkpoints_dir.iterdir()):
                 if is_lock_file(entry.name) or is_staging_leftover(entry.name):
                     continue
-                if not entry.name.startswith("step-"):
+                if not re.fullmatch(r"(abandoned-)?step-\d+", entry.name):  # set aside by train.resume_step
                     found.append(f"checkpoints/{entry.name}")
-                elif entry.name.startswith("step-") and entry.is_dir() and (entry / TRAINER_STATE).is_file():
-                    listed = {*self.trainer_state(entry).get("files", {}), TRAINER_STATE}
-                    extra = (p for p in sorted(entry.iterdir()) if p.is_file() and p.name not in listed)
+                    continue
+                listed = self.trainer_state(entry).get("files") if entry.is_dir() else None
+                if isinstance(listed, dict):  # a checkpoint written before its state listed its files: unchecked
+                    extra = (
+                        p for p in sorted(entry.iterdir()) if p.is_file() and p.name not in {*listed, TRAINER_STATE}
+                    )
                     found += [f"checkpoints/{entry.name}/{p.name}" for p in extra]
         return found
 

@@ -121,7 +121,10 @@ def _share_like_the_umask(folder: Path) -> None:
     mode = 0o666 & ~_umask()
     for path in folder.rglob("*"):
         if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 == 0o600 != mode:
-            os.chmod(path, mode)
+            try:
+                os.chmod(path, mode)
+            except OSError:  # a file system without modes (some network mounts): the files stay as written
+                pass
 
 
 def _umask() -> int:

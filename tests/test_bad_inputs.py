@@ -582,13 +582,13 @@ CASES = [
     (
         "convert_a_run_folder",
         lambda w: run_convert(w, f"output_dir={w / 'new'}", model=str(w / "runs/x")),
-        "runs/x has no config.json, so it is no checkpoint: it is an fcsd run folder: give ",
+        "runs/x has no config.json, so it is no checkpoint; it is an fcsd run folder; give ",
         None,
     ),
     (
         "convert_an_empty_folder",
         lambda w: run_convert(w, f"output_dir={w / 'new'}", model=str(w / "work/models")),
-        "work/models has no config.json, so it is no checkpoint: give a checkpoint folder",
+        "work/models has no config.json, so it is no checkpoint; give a checkpoint folder",
         None,
     ),
     (
@@ -1946,11 +1946,42 @@ def test_a_path_that_cannot_be_a_folder_is_one_line(env, tmp_path, capsys):
     assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file", "loop"]
 
 
+def test_what_fcsd_itself_leaves_in_a_runs_folders_is_no_users_file(tmp_path):
+    """A checkpoint set aside by train.resume_step, a step checkpoint written before its trainer state listed its
+    files and a record whose list is not a table are fcsd's own: overwrite=true was refused over them (and a null
+    list was a traceback); a user's file beside them is still named."""
+    run = RunFolder(tmp_path / "run")
+    for name, state in (("abandoned-step-4", {"files": {"model.safetensors": 1}}), ("step-2", {"step": 2})):
+        (run.checkpoints_dir / name).mkdir(parents=True)
+        (run.checkpoints_dir / name / "model.safetensors").write_bytes(b"x")
+        (run.checkpoints_dir / name / "trainer_state.json").write_text(json.dumps(state))
+    (run.checkpoints_dir / "step-3").mkdir()
+    (run.checkpoints_dir / "step-3" / "trainer_state.json").write_text(json.dumps({"files": None}))
+    assert run.foreign_files() == []
+    (run.checkpoints_dir / "abandoned-step-4" / "notes.txt").write_text("mine")
+    assert run.foreign_files() == ["checkpoints/abandoned-step-4/notes.txt"]
+
+
+def test_a_resume_of_a_moved_project_compares_the_models_content_not_its_old_path(tmp_path):
+    """A run records its model and data as absolute paths: moved to another folder, they are gone, and the resume
+    takes the new path (the content is fingerprinted and compared once read); a path that still exists elsewhere,
+    or another setting, is still a different run."""
+    from fcsd.distill.resume import _same_setting
+
+    (tmp_path / "model").mkdir()
+    gone, here = str(tmp_path / "old" / "model"), str(tmp_path / "model")
+    assert _same_setting("model.name", gone, here) and _same_setting("data.path", gone, here)
+    assert not _same_setting("data.eval_path", gone, here)  # not fingerprinted: a path that changed is refused
+    (tmp_path / "other").mkdir()
+    assert not _same_setting("model.name", str(tmp_path / "other"), here)
+
+
 @pytest.mark.parametrize(
     "code, message",
     [
         ("EROFS", " is on a read-only file system; choose a folder you can write to"),
-        ("EACCES", ": permission denied (Permission denied); fix its permissions or choose another path"),
+        ("EACCES", ": permission denied; fix its permissions or choose another path"),
+        ("EPERM", ": permission denied (Operation not permitted); fix its permissions or choose another path"),
     ],
 )
 def test_a_folder_that_cannot_be_written_is_one_line_naming_it(env, tmp_path, monkeypatch, capsys, code, message):
@@ -2156,7 +2187,7 @@ def test_a_checkpoint_whose_digest_record_was_edited_is_refused_and_an_old_one_i
     # a user's file beside a sound checkpoint is named as such, with the fix (it read as an edited record before)
     (step2 / "extra.txt").write_text("mine")
     assert RunFolder(out).checkpoint_problems(step2) == [
-        "extra.txt is no file the run wrote: move it out of the checkpoint to resume from it"
+        "extra.txt is no file the run wrote: move it out of the checkpoint"
     ]
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 2

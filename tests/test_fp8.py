@@ -290,6 +290,12 @@ def test_the_fp8_export_writes_block_scales_in_the_sources_dtype(tmp_path):
     written = _tensors(tmp_path / "staged")
     scales = [v.dtype for k, v in written.items() if k.endswith("_scale_inv")]
     assert scales and set(scales) == {torch.bfloat16}
+    # the record's scale dtype is how the export stores scales, not the model: a teacher cache made before it stays
+    from fcsd.distill.teacher_cache import model_fingerprint
+
+    before = model_fingerprint(student)
+    getattr(student.config, RECORD_KEY).pop("scale_dtype")
+    assert model_fingerprint(student) == before
 
 
 def test_an_export_holds_no_multi_token_prediction_layer_and_says_so(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fcsd import ownership
 from fcsd.distill.preflight import OUTPUT_FIX
-from fcsd.run_folder import RunFolder
+from fcsd.run_folder import FOREIGN_FILE, RunFolder
 
 # Keys a resumed run must share with the run it continues (the rest, e.g. progress, may change).
 RESUME_KEYS = (
@@ -62,6 +62,7 @@ RESUME_KEYS = (
     "recovery.echo_share",
 )
 PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
+MOVABLE_KEYS = ("model.name", "data.path")  # a recorded path gone is taken for a move: their content is fingerprinted
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value
 # would bend the curve where the run continues (the LR of the next step jumps) without a word.
 SCHEDULE_KEYS = (
@@ -122,9 +123,10 @@ def check_resume(run: RunFolder, config) -> None:
     _check_length_and_schedule(run, checkpoint, config, saved)
     problems = run.checkpoint_problems(checkpoint)
     if problems and all(FOREIGN_FILE in p for p in problems):  # sound, beside a file of the user's: say that
+        names = ", ".join(p.split(FOREIGN_FILE, 1)[0] for p in problems)
         raise ownership.FolderError(
-            f"--resume: {checkpoint.relative_to(root)} also holds files the run did not write "
-            f"({', '.join(p.split(' ', 1)[0] for p in problems)}): move them out of it and run the same command again"
+            f"--resume: {checkpoint.relative_to(root)} also holds files the run did not write ({names}): move them "
+            "out of it and run the same command again"
         )
     if problems:
         older = run.newest_sound_checkpoint(int(checkpoint.name[5:]))
@@ -136,9 +138,6 @@ def check_resume(run: RunFolder, config) -> None:
         raise ownership.FolderError(
             f"--resume: {checkpoint.relative_to(root)} is {checkpoint_state(problems)} ({', '.join(problems)}); {way}"
         )
-
-
-FOREIGN_FILE = " is no file the run wrote"  # fcsd.run_folder.RunFolder.checkpoint_problems' word for a user's file
 
 
 def resume_command(step: int) -> str:
@@ -216,12 +215,16 @@ def _schema_defaults():
 
 
 def _same_setting(key: str, saved, current) -> bool:
-    """Equal values, or two spellings of one local file (``data.jsonl`` and its absolute path)."""
+    """Equal values, or two spellings of one local file (``data.jsonl`` and its absolute path), or, for the model
+    and the data, a path the run recorded that is gone and one that exists (a project moved to another folder or
+    machine): their content is compared once read (:func:`check_resume_inputs`)."""
     if saved == current:
         return True
     if key not in PATH_KEYS or not saved or not current:
         return False
     first, second = Path(str(saved)).expanduser(), Path(str(current)).expanduser()
+    if key in MOVABLE_KEYS and first.is_absolute() and not first.exists() and second.exists():
+        return True
     return first.exists() and second.exists() and first.resolve() == second.resolve()
 
 

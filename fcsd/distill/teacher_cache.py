@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from fcsd.distill.data import Packed
 from fcsd.distill.losses import topk_teacher
 from fcsd.distill.objectives import teacher_targets
+from fcsd.fp8 import RECORD_KEY
 
 SHARD_ROWS = 256
 FORMAT = 1
@@ -50,6 +51,8 @@ def model_fingerprint(model) -> str:
     the dtype or the attention kernel) and the values of its embedding and LM-head weights (compared in fp32, so a
     bf16 checkpoint loaded in fp32 or in bf16 has one fingerprint)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in RUNTIME_CONFIG_KEYS}
+    if isinstance(config.get(RECORD_KEY), dict):  # how an FP8 export stores its scales is not the model
+        config[RECORD_KEY] = {k: v for k, v in config[RECORD_KEY].items() if k != "scale_dtype"}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     from torch.distributed.tensor import DTensor
 

@@ -113,8 +113,7 @@ def quantize_folder(folder: Path, record: dict) -> int:
             for key in handle.keys():
                 tensor = handle.get_tensor(key)
                 if to_quantize(key, header[key], kept):
-                    tensor, scale = quantize_blocks(tensor, block, power_of_two)
-                    tensors[key + SCALE_SUFFIX] = scale.to(scale_dtype)
+                    tensor, tensors[key + SCALE_SUFFIX] = quantize_blocks(tensor, block, power_of_two, scale_dtype)
                     quantized += 1
                 tensors[key] = tensor
         with atomic_file(path) as staging:
