@@ -603,6 +603,12 @@ CASES = [
         "train.keep_checkpoints=-1: give how many to keep (0: keep them all)",
         None,
     ),
+    (
+        "routes_stats_of_a_model_folder",
+        lambda w: ["routes", "stats", str(w / "model")],
+        "model is a folder, not a routes file; record one with `fcsd routes record",
+        None,
+    ),
     ("launch_nothing", lambda w: ["launch"], "give fcsd launch a launch line to run: put fcsd launch in front", None),
     # 6. data
     (

@@ -129,6 +129,11 @@ def load_routes(path: str | Path) -> Routes:
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():  # a checkpoint folder, say: the routes are recorded from it into a file of their own
+        raise RoutesError(
+            f"{path} is a folder, not a routes file; record one with `fcsd routes record {path} --out "
+            "routes.safetensors`"
+        )
     if not path.is_file():
         raise RoutesError(f"no routes file at {path}; record one with `fcsd routes record MODEL --out {path}`")
     try:
