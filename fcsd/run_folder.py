@@ -200,7 +200,13 @@ class RunFolder:
         return found
 
     def prune_checkpoints(self, keep: int) -> None:
+        """Remove the step checkpoints before the newest ``keep`` (0: none); one that also holds a file the run did
+        not write is kept, and said once (a user's notes were removed with it)."""
         for old in self.checkpoints()[:-keep] if keep > 0 else []:
+            foreign = [name for name in self.foreign_files() if name.startswith(f"checkpoints/{old.name}/")]
+            if foreign:
+                print(f"kept {old}: it also holds files the run did not write ({', '.join(foreign)})")
+                continue
             shutil.rmtree(old, ignore_errors=True)
 
     def records(self) -> list[dict]:

@@ -1968,6 +1968,18 @@ def test_what_fcsd_itself_leaves_in_a_runs_folders_is_no_users_file(tmp_path):
     assert run.foreign_files() == ["checkpoints/abandoned-step-4/notes.txt"]
 
 
+def test_checkpoint_rotation_keeps_a_checkpoint_that_holds_a_users_file(tmp_path, capsys):
+    """The rotation of step checkpoints removed an old one whole, a user's notes in it included: it is kept now."""
+    run = RunFolder(tmp_path / "run")
+    for step in (1, 2, 3):
+        (run.checkpoints_dir / f"step-{step}").mkdir(parents=True)
+        (run.checkpoints_dir / f"step-{step}" / "trainer_state.json").write_text(json.dumps({"files": {}}))
+    (run.checkpoints_dir / "step-1" / "notes.txt").write_text("mine")
+    run.prune_checkpoints(1)
+    assert [p.name for p in run.checkpoints()] == ["step-1", "step-3"]
+    assert "it also holds files the run did not write (checkpoints/step-1/notes.txt)" in capsys.readouterr().out
+
+
 def test_a_resume_of_a_moved_project_compares_the_models_content_not_its_old_path(tmp_path):
     """A run records its model and data as absolute paths: moved to another folder, they are gone, and the resume
     takes the new path (the content is fingerprinted and compared once read); a path that still exists elsewhere,
