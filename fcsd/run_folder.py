@@ -28,9 +28,9 @@ from pathlib import Path
 CONFIG = "fcsd_config.yaml"
 CHECKPOINT_RECORD = "fcsd_checkpoint.json"  # in final/ and best/: which step the state is
 TRAINER_STATE = "trainer_state.json"  # in checkpoints/step-N/: data position, spike guard, early stopping
+FOREIGN_FILE = " is no file the run wrote"  # a user's file in a sound step checkpoint, as problems name it
 # what accelerate's save_state writes for one process with one registered object (checkpoints that predate the
 # file list in their trainer state)
-FOREIGN_FILE = " is no file the run wrote"  # a user's file in a sound step checkpoint, as problems name it
 LEGACY_CHECKPOINT_FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl")
 # written in every step checkpoint's trainer state as "checkpoint_format": 2 and above record every file's SHA-256
 CHECKPOINT_FORMAT = 2
@@ -130,11 +130,9 @@ class RunFolder:
         if not isinstance(recorded, dict) or not all(_is_digest(d) for d in recorded.values()):
             return [f"{TRAINER_STATE}'s SHA-256 record was edited: it is no table of file digests"]
         unrecorded = [name for name in expected if name not in recorded]
-        foreign = []
-        if "files" in state:  # a file the checkpoint never wrote was put there since (a copied-in optimizer.bin, say)
-            added = [p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in (*expected, TRAINER_STATE)]
-            unrecorded += [name for name in added if _is_state_file(name)]  # what a resume would load: the record's
-            foreign = sorted(name for name in added if not _is_state_file(name))
+        added = self.unlisted_files(checkpoint)  # put there since: a copied-in optimizer.bin, a user's notes
+        unrecorded += [name for name in added if _is_state_file(name)]  # what a resume would load: the record's
+        foreign = [name for name in added if not _is_state_file(name)]
         if unrecorded:
             return [f"{name} has no SHA-256 in {TRAINER_STATE}, whose record was edited" for name in unrecorded]
         changed = []
@@ -145,9 +143,7 @@ class RunFolder:
             return [
                 f"{name} changed since it was written (its SHA-256 is not the one recorded then)" for name in changed
             ]
-        return [
-            f"{name}{FOREIGN_FILE}: move it out of the checkpoint" for name in foreign
-        ]  # only when all else is sound
+        return [f"{name}{FOREIGN_FILE}: move it out of the checkpoint" for name in foreign]  # all else is sound
 
     def checked_by_size_only(self, checkpoint: Path) -> bool:
         """Whether ``checkpoint`` was written before checkpoints recorded SHA-256 digests (no
@@ -191,19 +187,22 @@ class RunFolder:
                 if not re.fullmatch(r"(abandoned-)?step-\d+", entry.name):  # set aside by train.resume_step
                     found.append(f"checkpoints/{entry.name}")
                     continue
-                listed = self.trainer_state(entry).get("files") if entry.is_dir() else None
-                if isinstance(listed, dict):  # a checkpoint written before its state listed its files: unchecked
-                    extra = (
-                        p for p in sorted(entry.iterdir()) if p.is_file() and p.name not in {*listed, TRAINER_STATE}
-                    )
-                    found += [f"checkpoints/{entry.name}/{p.name}" for p in extra]
+                found += [f"checkpoints/{entry.name}/{name}" for name in self.unlisted_files(entry)]
         return found
+
+    def unlisted_files(self, checkpoint: Path) -> list[str]:
+        """The files of a step checkpoint that its trainer state does not list (none for a checkpoint written before
+        its state listed its files, or whose list is not a table)."""
+        listed = self.trainer_state(checkpoint).get("files") if checkpoint.is_dir() else None
+        if not isinstance(listed, dict):
+            return []
+        return sorted(p.name for p in checkpoint.iterdir() if p.is_file() and p.name not in {*listed, TRAINER_STATE})
 
     def prune_checkpoints(self, keep: int) -> None:
         """Remove the step checkpoints before the newest ``keep`` (0: none); one that also holds a file the run did
         not write is kept, and said once (a user's notes were removed with it)."""
         for old in self.checkpoints()[:-keep] if keep > 0 else []:
-            foreign = [name for name in self.foreign_files() if name.startswith(f"checkpoints/{old.name}/")]
+            foreign = self.unlisted_files(old)
             if foreign:
                 print(f"kept {old}: it also holds files the run did not write ({', '.join(foreign)})")
                 continue

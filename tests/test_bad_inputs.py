@@ -1977,7 +1977,9 @@ def test_checkpoint_rotation_keeps_a_checkpoint_that_holds_a_users_file(tmp_path
     (run.checkpoints_dir / "step-1" / "notes.txt").write_text("mine")
     run.prune_checkpoints(1)
     assert [p.name for p in run.checkpoints()] == ["step-1", "step-3"]
-    assert "it also holds files the run did not write (checkpoints/step-1/notes.txt)" in capsys.readouterr().out
+    assert f"kept {run.checkpoints_dir / 'step-1'}: it also holds files the run did not write (notes.txt)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_resume_of_a_moved_project_compares_the_models_content_not_its_old_path(tmp_path):

@@ -64,11 +64,19 @@ def preflight(config: FCSDConfig, is_main: bool = True) -> Checked:
     return Checked(config, run, model, model_config, data, eval_data)
 
 
-INPUT_KEYS = ("model.name", "data.path", "data.eval_path", "early_stop.data", "parallel.placement", "teacher.cache_dir")
+#: a run's inputs: how messages name them -> their setting (the placement is read, never written around)
+INPUTS = {
+    "model": "model.name",
+    "data file": "data.path",
+    "eval data": "data.eval_path",
+    "MBPP+ file": "early_stop.data",
+    "teacher cache": "teacher.cache_dir",
+    "placement": "parallel.placement",
+}
 
 
 def absolute_inputs(config: FCSDConfig) -> FCSDConfig:
-    """``config`` with each input that names a local file or folder (:data:`INPUT_KEYS`) made absolute, as the run's
+    """``config`` with each input that names a local file or folder (:data:`INPUTS`) made absolute, as the run's
     ``fcsd_config.yaml`` records it: a resume or an export started from another folder then reads the run's own
     source (a composite's vision tower, the tokenizer), where the relative name would name another folder or none.
     The demo's names and hub ids stay as given."""
@@ -78,7 +86,7 @@ def absolute_inputs(config: FCSDConfig) -> FCSDConfig:
     from fcsd.sources import DEMO_DATA, DEMO_NAME
 
     config = copy.deepcopy(config)
-    for key in INPUT_KEYS:
+    for key in INPUTS.values():
         group, name = key.split(".")
         value = getattr(getattr(config, group), name)
         if isinstance(value, str) and value not in ("", DEMO_NAME, *DEMO_DATA) and not Path(value).is_absolute():
@@ -110,15 +118,12 @@ def check_launcher(config) -> None:
 
 
 def run_inputs(config) -> dict:
-    """The local inputs of a run (name -> path) that its output folders must never be, contain or lie inside."""
-    inputs = {
-        "model": config.model.name,
-        "data file": config.data.path,
-        "eval data": config.data.eval_path,
-        "MBPP+ file": config.early_stop.data,
-    }
-    if config.teacher.cache_dir:
-        inputs["teacher cache"] = config.teacher.cache_dir
+    """The local inputs of a run (name -> path; unset ones are None) that its output folders must never be, contain
+    or lie inside."""
+    inputs = {}
+    for name, key in INPUTS.items():
+        group, setting = key.split(".")
+        inputs[name] = getattr(getattr(config, group), setting)
     return inputs
 
 

@@ -96,15 +96,15 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     ownership.check_not_an_input(folder, "teacher.cache_dir", inputs, "teacher-cache")
     check_cache_folder(folder)
     check_data_cache_dir(config)
-    decoder = text_config(check_model_config(config))
+    model_config = check_model_config(config)
     if config.teacher.mode != "cache":  # check_model_config checks it for a run that reads the cache
-        check_top_k(config, decoder)
+        check_top_k(config, text_config(model_config))
     from fcsd.parallel.cache_share import cache_meshes, share_cache
     from fcsd.parallel.processes import main_process_first
 
     meshes = cache_meshes(config)
     device = torch.device(meshes.device_type if meshes is not None else "cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config, model_config=model_config)
     with main_process_first():
         train_rows, held_rows, _ = load_run_data(config, tokenizer)
     teacher, _ = load_models(config, tokenizer, device, need_student=False, meshes=meshes)
