@@ -84,6 +84,8 @@ def world(tmp_path_factory):
     (root / "clean_export" / "config.json").write_text("{}")
     layers = {str(i): [0] * 8 + [1] * 8 for i in range(4)}  # made for a model with 16 experts per layer
     (root / "placement16.json").write_text(json.dumps({"num_experts": 16, "ep": 2, "nodes": 1, "layers": layers}))
+    (root / "placements").mkdir()
+    shutil.copyfile(root / "placement16.json", root / "placements" / "placement16.json")
     (root / "work" / "models").mkdir()  # makes `models/typo` a local path with a typo, not a hub id
     shutil.copytree(root / "model", root / "no_tokenizer", ignore=shutil.ignore_patterns("tokenizer*", "vocab*"))
     (root / "array").mkdir()
@@ -607,6 +609,17 @@ CASES = [
         "routes_stats_of_a_model_folder",
         lambda w: ["routes", "stats", str(w / "model")],
         "model is a folder, not a routes file; record one with `fcsd routes record",
+        None,
+    ),
+    (
+        "output_dir_holds_the_placement",  # overwrite=true would remove it with the run's folder
+        lambda w: run_convert(
+            w,
+            "parallel.ep_size=2",
+            f"parallel.placement={w / 'placements/placement16.json'}",
+            f"output_dir={w / 'placements'}",
+        ),
+        "placements contains the placement",
         None,
     ),
     ("launch_nothing", lambda w: ["launch"], "give fcsd launch a launch line to run: put fcsd launch in front", None),
