@@ -26,6 +26,7 @@ EARLY_STOP_METRICS = ("plus", "base")
 OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
 # parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
 PARAM_GROUPS = ("embeddings", "attention", "norms", "router", "experts", "shared_experts", "dense_mlp")
+DEFAULT_TIMEOUT_MINUTES = 60  # parallel.timeout_minutes: process groups of training and of fcsd's own tools
 
 
 @dataclass
@@ -57,6 +58,10 @@ class ParallelConfig:
     # hierarchical (node-aware: a row per token and destination node across nodes, fanned out inside the node)
     node_size: int | None = None  # processes per node (the launcher's LOCAL_WORLD_SIZE if unset): an EP group larger
     # than a node holds whole nodes (ep_size a multiple of it); the node-aware dispatcher's two hops
+    # minutes a collective may wait before the job fails: longer than the longest phase the main process runs alone
+    # while the others wait in one (MBPP+ scoring, writing best/ or final/ of a model not laid out, pruning old
+    # checkpoints); NCCL's own default, 10, is shorter than these on large models
+    timeout_minutes: int = DEFAULT_TIMEOUT_MINUTES
 
 
 @dataclass
@@ -679,6 +684,13 @@ def warm_steps(config: FCSDConfig) -> int:
     return round(config.recovery.warm_share * schedule_steps(config.train))
 
 
+def process_group_timeout(minutes: int = DEFAULT_TIMEOUT_MINUTES):
+    """``parallel.timeout_minutes`` as the ``timeout`` of ``init_process_group`` (a ``timedelta``)."""
+    from datetime import timedelta
+
+    return timedelta(minutes=minutes)
+
+
 def to_config(cfg, resolve: bool = True) -> FCSDConfig:
     """The typed config object, after checking the values the schema cannot express; with ``resolve``, the guide
     turned off (with a note) where the config's teacher mode or objective cannot serve it (:func:`resolve_guide`;
@@ -747,6 +759,11 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
         (
             train.resume_step is None or train.resume,
             f"train.resume_step={train.resume_step} chooses the checkpoint --resume continues from: add --resume",
+        ),
+        (
+            config.parallel.timeout_minutes >= 1,
+            f"parallel.timeout_minutes={config.parallel.timeout_minutes}: a collective needs at least 1 minute to "
+            f"wait (default {DEFAULT_TIMEOUT_MINUTES})",
         ),
         (
             config.parallel.dispatcher in EP_DISPATCHERS,

@@ -7,15 +7,13 @@ from pathlib import Path
 
 from fcsd.distill.config import FCSDConfig
 from fcsd.distill.preflight import output_dir_claimed, preflight
-from fcsd.distill.trainer import RunResult, train
+from fcsd.distill.trainer import RunResult, process_state, train
 
 
 def convert(config: FCSDConfig) -> RunResult:
     """Check the hub token, check every input once (:func:`~fcsd.distill.preflight.preflight`), claim the output
     folder (:func:`~fcsd.distill.preflight.output_dir_claimed`), train, export, push; returns the training result."""
-    from accelerate import PartialState
-
-    state = PartialState(cpu=not _cuda())
+    state = process_state(config)  # the process group, waiting up to parallel.timeout_minutes in a collective
     if config.push_to_hub:  # fail now, not after the training run
         from huggingface_hub import get_token
 
@@ -55,9 +53,3 @@ def convert(config: FCSDConfig) -> RunResult:
     # no barrier after the export: the other processes return once training is done (fcsd.parallel.processes), so
     # a long export or push never runs into a collective's timeout
     return result
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

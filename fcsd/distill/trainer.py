@@ -23,10 +23,12 @@ from tqdm.auto import tqdm
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
 from fcsd.distill.config import (
+    FCSDConfig,
     echo_passes,
     echo_steps,
     guide_weight,
     layer_stages,
+    process_group_timeout,
     ramp_stages,
     update_split,
     warm_steps,
@@ -107,13 +109,27 @@ def train(checked: Checked) -> RunResult:
     return s.finish(done)
 
 
+def process_state(config: FCSDConfig):
+    """accelerate's ``PartialState``, its default process group waiting up to ``parallel.timeout_minutes`` in a
+    collective (a group started before gets it too): the main process's lone phases (MBPP+ scoring, saves,
+    checkpoint pruning) keep the others waiting in its barriers and broadcasts."""
+    import torch.distributed as dist
+    from accelerate import PartialState
+
+    timeout = process_group_timeout(config.parallel.timeout_minutes)
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=timeout)
+    if dist.is_available() and dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(timeout)
+    return state
+
+
 class TrainingSession:
     """Everything one run holds: the accelerator, both models, the rows, optimizer, schedule, spike guard, early
     stopping and metrics, restored from the newest checkpoint when the run resumes."""
 
     def __init__(self, checked: Checked):
-        from accelerate import Accelerator, PartialState
-        from accelerate.utils import DistributedType, GradientAccumulationPlugin, set_seed
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
         from accelerate.utils.environment import parse_flag_from_env
 
         from fcsd.distill.teacher_cache import TeacherCache, cache_dir, run_meta
@@ -127,7 +143,7 @@ class TrainingSession:
         mixed = train_cfg.mixed_precision
         if mixed == "auto":
             mixed = "no" if cpu_only else "bf16"
-        self.plan = plan_steps(config, PartialState(cpu=cpu_only).num_processes)
+        self.plan = plan_steps(config, process_state(config).num_processes)
         self.warm_steps = warm_steps(config)  # steps 0 .. warm_steps - 1: the layer-local warm start
         # under FSDP, skipping the reduce-scatter before a step's last micro-batch would keep unsharded gradients of
         # the whole model on every GPU (what `fcsd plan` found): reduce-scatter every micro-batch instead
@@ -139,6 +155,7 @@ class TrainingSession:
             mixed_precision=mixed,
             gradient_accumulation_plugin=accumulation,
             step_scheduler_with_optimizer=False,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=process_group_timeout(config.parallel.timeout_minutes))],
         )
         deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         if self.warm_steps and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):

@@ -151,7 +151,9 @@ def setup(backend: str = "auto", device: str = "auto", dtype: str = "auto") -> B
     where = torch.device(where)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    dist.init_process_group(backend, device_id=where if backend == "nccl" else None)
+    from fcsd.distill.config import process_group_timeout
+
+    dist.init_process_group(backend, device_id=where if backend == "nccl" else None, timeout=process_group_timeout())
     chosen = getattr(torch, dtype) if dtype != "auto" else (torch.bfloat16 if where.type == "cuda" else torch.float32)
     return BenchEnv(where, backend, chosen)
 

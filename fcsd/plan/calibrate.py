@@ -80,7 +80,10 @@ def _setup() -> tuple[torch.device, bool]:
     if world > 1 and not dist.is_initialized():
         gpus = torch.cuda.device_count() if cuda else 0
         backend = "nccl" if cuda and gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "gloo"
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        from fcsd.distill.config import process_group_timeout
+
+        cuda_device = device if backend == "nccl" else None
+        dist.init_process_group(backend, device_id=cuda_device, timeout=process_group_timeout())
         started = True
     return device, started
 

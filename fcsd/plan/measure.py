@@ -235,6 +235,7 @@ def _worker(rank: int, jobs: list, device: str, steps: int, folder: str) -> None
 
     import torch.distributed as dist
 
+    from fcsd.distill.config import process_group_timeout
     from fcsd.stopping import die_with_parent
 
     die_with_parent()
@@ -244,7 +245,8 @@ def _worker(rank: int, jobs: list, device: str, steps: int, folder: str) -> None
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     store = dist.FileStore(str(Path(folder) / "store"), count)
-    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=count)
+    timeout = process_group_timeout(jobs[0][1].parallel.timeout_minutes)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=count, timeout=timeout)
     try:
         results = []
         for model_config, fcsd_config, layout in jobs:
