@@ -99,18 +99,20 @@ def weighted_experts(moe: nn.Module, tokens_RD, expert_ids_RK, weights_RK) -> to
 
 def llama4_experts(moe: nn.Module, tokens_RD, expert_ids_RK, weights_RK) -> torch.Tensor:
     """Llama-4's experts take rows pre-scaled by their router score; only the selected (row, expert) pairs are
-    computed, grouped by expert with transformers' ``grouped_mm`` experts kernel (the stock block runs every expert on
-    every row, scaled by 0 where not selected: E/K times the FLOPs; an expert without bias maps 0 to 0, so the sums
-    are the same). No host synchronisation; each row's pairs are summed in fp32."""
+    computed, grouped by expert with transformers' ``grouped_mm`` experts kernel in the compute dtype (the stock block
+    runs every expert on every row, scaled by 0 where not selected: E/K times the FLOPs; an expert without bias maps 0
+    to 0, so the sums are the same). No host synchronisation; each row's pairs are summed in fp32."""
     from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
 
+    from fcsd.precision import in_compute_dtype
+
     experts = moe.experts
+    weights = {"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj, **in_compute_dtype(experts)}
     num_rows, num_slots = expert_ids_RK.shape
     pairs = tokens_RD.repeat_interleave(num_slots, dim=0, output_size=num_rows * num_slots)
     scaled = (pairs.float() * weights_RK.reshape(-1, 1).float()).to(tokens_RD.dtype)
     kernel = types.SimpleNamespace(
-        gate_up_proj=experts.gate_up_proj,
-        down_proj=experts.down_proj,
+        **weights,  # in the autocast dtype under autocast (fcsd.precision)
         num_experts=experts.gate_up_proj.shape[0],  # held here; ids beyond are experts held elsewhere (skipped)
         _is_expert_parallel=True,
         has_gate=True,

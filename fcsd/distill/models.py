@@ -39,7 +39,8 @@ def load_models(
 ):
     """Frozen teacher and FarSkip student (each ``None`` when not needed) from the same checkpoint.
 
-    The student's master weights are fp32 (``model.dtype=auto``; bf16 compute comes from autocast) and its
+    The student's master weights are fp32 (``model.dtype=auto``; bf16 compute comes from autocast, the experts'
+    included: :mod:`fcsd.precision`; on GPUs the fp32 matmuls that remain use TF32) and its
     ``config.dtype`` is the checkpoint's, which is what ``final/`` is saved in. A multimodal checkpoint contributes
     its text model (what FCSD trains and exports). ``meshes`` (``parallel.ep_size`` > 1 or ``parallel.fsdp``,
     :func:`fcsd.parallel.training.run_meshes`): both are built on the meta device, laid out by
@@ -47,6 +48,7 @@ def load_models(
     (:func:`fcsd.parallel.load.from_pretrained_parallel`); ``teacher_meshes`` lays out the teacher alone that way
     (an FSDP2 run of accelerate, whose student accelerate shards). ``source``: ``model.name`` already resolved."""
     from fcsd.loading import from_pretrained, load_config
+    from fcsd.precision import experts_in_compute_dtype
 
     student_load = teacher_load = from_pretrained
     if meshes is not None or teacher_meshes is not None:
@@ -89,6 +91,11 @@ def load_models(
         student = student_load(path, layers=config.farskip.layers, dtype=dtype, **common)
         student.config.dtype = source_config.dtype
         record_source(student.config, source_config)  # final/ says whether its export puts a vision tower back
+    for model in (teacher, student):
+        if model is not None:
+            experts_in_compute_dtype(model)  # fp32 masters, bf16 expert matmuls under autocast in every layout
+    if cuda:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # the fp32 matmuls that remain (reductions stay fp32)
     if teacher is not None and student is not None:
         vocab = student.get_output_embeddings().out_features
         losses.check_vocabularies(vocab, teacher.get_output_embeddings().out_features)

@@ -44,7 +44,15 @@ def sharded_class(model_class: type, group, device_type: str) -> type:
                 experts._parameters[name] = nn.Parameter(placeholder, requires_grad=meta.requires_grad)
         return model
 
-    return type(model_class.__name__, (model_class,), {"maybe_distribute_model": classmethod(maybe_distribute_model)})
+    return _loader_class(model_class, maybe_distribute_model)
+
+
+def _loader_class(model_class: type, maybe_distribute_model) -> type:
+    """``model_class`` with its loader seam replaced. The subclass keeps the stock class's ``__module__``:
+    transformers reads that module's source to decide whether the model may use its grouped experts kernel, and
+    without it picked the ``eager`` loop over experts (a host synchronisation per expert) for every sharded load."""
+    attributes = {"maybe_distribute_model": classmethod(maybe_distribute_model), "__module__": model_class.__module__}
+    return type(model_class.__name__, (model_class,), attributes)
 
 
 def adopt_local_shards(model: nn.Module, base_class: type, group) -> nn.Module:
@@ -133,7 +141,7 @@ def layout_class(model_class: type, meshes, role: str, layers, options: dict) ->
         expose_experts(model)
         return model
 
-    return type(model_class.__name__, (model_class,), {"maybe_distribute_model": classmethod(maybe_distribute_model)})
+    return _loader_class(model_class, maybe_distribute_model)
 
 
 def expose_experts(model: nn.Module) -> None:

@@ -120,9 +120,13 @@ def _text_model(model_config, dtype: torch.dtype, run_config, layers=None, subse
         options["attn_implementation"] = run_config.model.attn_implementation
     if run_config.model.experts_implementation:
         options["experts_implementation"] = run_config.model.experts_implementation
+    from fcsd.precision import experts_in_compute_dtype
+
     config = copy.deepcopy(text_config(model_config))
     if subset is None:
-        return apply_farskip(transformers.AutoModelForCausalLM.from_config(config, **options), layers or [])
+        model = apply_farskip(transformers.AutoModelForCausalLM.from_config(config, **options), layers or [])
+        experts_in_compute_dtype(model)  # as load_models does: the plan prices the expert matmuls that run
+        return model
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from fcsd.plan.depth import keep_layers
@@ -132,6 +136,7 @@ def _text_model(model_config, dtype: torch.dtype, run_config, layers=None, subse
     converted = set(parse_layer_spec(layers, config.num_hidden_layers)) if layers is not None else set()
     keep_layers(model, subset)
     apply_farskip(model, [position for position, index in enumerate(subset) if index in converted])
+    experts_in_compute_dtype(model)
     return _materialize(model)
 
 
