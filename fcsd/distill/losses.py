@@ -108,6 +108,29 @@ def topk_teacher(teacher_logits: torch.Tensor, k: int, temperature: float = 1.0)
     return values, ids
 
 
+def chunked_topk_teacher(
+    hidden: torch.Tensor, head: torch.nn.Module, k: int, temperature: float = 1.0, max_elements: int = 1 << 25
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_teacher` of ``head(hidden)`` (``hidden`` ``(N, d)``, ``head`` the LM head or ``nn.Identity``
+    over logits), a chunk of rows at a time: at most ``max_elements`` (rows x vocabulary) fp32 logits exist at once
+    (128 MiB by default), so a teacher cache's memory does not grow with rows x vocabulary."""
+    vocab = head.out_features if isinstance(head, torch.nn.Linear) else hidden.shape[-1]
+    rows = max(1, max_elements // max(vocab, 1))
+    logps, ids = [], []
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], rows):
+            logits = head(hidden[start : start + rows]).float()
+            logits.div_(temperature)
+            logits.sub_(logits.logsumexp(-1, keepdim=True))  # log-softmax in place: one vocabulary-wide buffer
+            values, top = logits.topk(k, dim=-1)
+            del logits
+            logps.append(values)
+            ids.append(top)
+    if not logps:  # no rows
+        return hidden.new_zeros((0, k), dtype=torch.float32), hidden.new_zeros((0, k), dtype=torch.long)
+    return torch.cat(logps), torch.cat(ids)
+
+
 def topk_forward_kl(
     student_logits: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:

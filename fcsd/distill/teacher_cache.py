@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fcsd.distill.data import Packed
-from fcsd.distill.losses import topk_teacher
+from fcsd.distill.losses import chunked_topk_teacher
 from fcsd.distill.objectives import teacher_targets
 from fcsd.fp8 import RECORD_KEY
 
@@ -211,8 +211,7 @@ def teacher_topk(teacher, packed: Packed, begin: int, end: int, meta: dict, head
     rows = packed.rows(slice(begin, end))
     rows = Packed(rows.input_ids.to(device), rows.position_ids.to(device))
     hidden, head, _ = teacher_targets(teacher, rows, head_in_forward=head_in_forward)
-    with torch.no_grad():
-        logp, top = topk_teacher(head(hidden), meta["top_k"], meta["temperature"])
+    logp, top = chunked_topk_teacher(hidden, head, meta["top_k"], meta["temperature"])
     return logp.view(*rows.input_ids.shape, -1).cpu(), top.view(*rows.input_ids.shape, -1).to(torch.int32).cpu()
 
 
