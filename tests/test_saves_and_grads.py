@@ -11,6 +11,7 @@ from launch import torchrun
 from fcsd.distill.config import compose, to_config
 
 WORKER = Path(__file__).parent / "workers" / "saves_and_grads.py"
+PIECE = 256  # the worker's piece size (bytes)
 
 
 def _launch(tmp_path, nproc: int, which: str, timeout: float = 300) -> list[dict]:
@@ -32,3 +33,19 @@ def test_timeout_below_a_minute_is_refused_in_one_line():
         to_config(compose(["model.name=m", "data.path=d", "parallel.timeout_minutes=0"]))
     assert "\n" not in str(refused.value)
     assert to_config(compose(["model.name=m", "data.path=d"])).parallel.timeout_minutes == 60
+
+
+def test_saves_gather_each_tensor_on_the_writer_alone_in_pieces_cast_first(tmp_path):
+    """The files equal the one-process model's ``save_pretrained`` in fp32 and bf16; the process that does not write
+    never allocates more than one piece (the tiny model's largest tensor is hundreds of pieces), and in a bf16 save
+    the writer allocates no fp32 tensor beyond a piece (cast before sending)."""
+    writer, other = _launch(tmp_path, 2, "save")
+    assert set(writer) == {"ep2/float32", "ep2/bfloat16", "ep1/float32", "ep1/bfloat16"}
+    for name, case in writer.items():
+        assert case["same_keys"] and case["equal"], name
+        assert case["files"] > 1, name  # several output shards
+        assert case["largest_param_fp32"] > 100 * PIECE
+        floats = [size for dtype, size in other[name]["largest"].items() if "float" in dtype]  # the model's tensors
+        assert max(floats) <= PIECE, (name, other[name]["largest"])
+        if name.endswith("bfloat16"):
+            assert case["largest"].get("torch.float32", 0) <= PIECE, (name, case["largest"])

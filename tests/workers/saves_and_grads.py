@@ -5,6 +5,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def timeout_case() -> dict:
@@ -27,10 +29,78 @@ def timeout_case() -> dict:
     return {"processes": started, "at_start": at_start, "running": default_group_minutes(), "sum": ones.item()}
 
 
-CASES = {"timeout": timeout_case}
+class Allocations(TorchDispatchMode):
+    """The bytes of every tensor an op creates (not a view of its inputs; meta tensors left out), by dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {_storage(t) for t in tree_flatten((args, kwargs))[0]}
+        for t in tree_flatten(out)[0]:
+            if _storage(t) not in (None, *seen):
+                key = str(t.dtype)
+                self.largest[key] = max(self.largest.get(key, 0), t.untyped_storage().nbytes())
+        return out
+
+
+def _storage(t):
+    """The data pointer of a plain tensor's storage (None for anything else: a wrapper subclass, a meta tensor)."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+PIECE = 256  # bytes: far below the tiny model's expert tensors
+
+
+def save_case() -> dict:
+    """Streamed saves of layouts (EP 2 x FSDP, FSDP alone) in fp32 and bf16 against the one-process model's
+    ``save_pretrained``, and the largest tensor each process allocated while saving."""
+    import tempfile
+
+    from ep_common import RANK, WORLD, prepare
+    from safetensors.torch import load_file
+
+    from fcsd.parallel.layout import ParallelDims, build_meshes, parallelize
+    from fcsd.parallel.stream_save import write_weights
+
+    results = {}
+    for ep in (2, 1):
+        model = prepare("qwen3_moe", "farskip_overlap")
+        reference = prepare("qwen3_moe", "farskip_overlap")
+        largest_param = max(p.numel() * p.element_size() for p in reference.parameters())
+        parallelize(model, build_meshes(ParallelDims(WORLD, ep, True), "cpu"), "student")
+        for dtype in (torch.float32, torch.bfloat16):
+            folder = tempfile.mkdtemp() if RANK == 0 else None
+            with Allocations() as allocations:
+                weight_map = write_weights(model, folder, dtype, max_shard_bytes=40_000, piece_bytes=PIECE)
+            case = {"largest": allocations.largest, "largest_param_fp32": largest_param}
+            if RANK == 0:
+                saved = {}
+                for name in sorted(set(weight_map.values())):
+                    saved.update(load_file(f"{folder}/{name}"))
+                expected_folder = tempfile.mkdtemp()
+                prepare("qwen3_moe", "farskip_overlap").to(dtype).save_pretrained(expected_folder)
+                expected = load_file(f"{expected_folder}/model.safetensors")
+                case["files"] = len(set(weight_map.values()))
+                case["same_keys"] = sorted(saved) == sorted(expected)
+                case["equal"] = all(torch.equal(saved[k], expected[k]) and saved[k].dtype == dtype for k in expected)
+            results[f"ep{ep}/{str(dtype).removeprefix('torch.')}"] = case
+    return results
+
+
+CASES = {"timeout": timeout_case, "save": save_case}
 
 if __name__ == "__main__":
     out, which = sys.argv[1], sys.argv[2]
+    if not dist.is_initialized() and which != "timeout":
+        dist.init_process_group("gloo")
     result = CASES[which]()
     with open(f"{out}.{dist.get_rank()}.json", "w") as f:
         json.dump(result, f)
