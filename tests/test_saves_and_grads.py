@@ -49,3 +49,16 @@ def test_saves_gather_each_tensor_on_the_writer_alone_in_pieces_cast_first(tmp_p
         assert max(floats) <= PIECE, (name, other[name]["largest"])
         if name.endswith("bfloat16"):
             assert case["largest"].get("torch.float32", 0) <= PIECE, (name, case["largest"])
+
+
+def test_combine_keeps_its_rows_for_backward_in_the_compute_dtype(tmp_path):
+    """Under bf16 autocast the weighted sums stay fp32, but what the combine keeps for backward is the rows in bf16
+    (an fp32 ``(T, K, D)`` copy doubled it): plain, deduplicating and node-aware dispatchers."""
+    for rank in _launch(tmp_path, 2, "combine"):
+        hidden = rank["hidden"]
+        for name in ("plain", "dedup", "hierarchical"):
+            case = rank[name]
+            assert case["grads"] == [True, True], name
+            wide = [(dtype, shape) for dtype, shape in case["saved"] if len(shape) >= 2 and shape[-1] == hidden]
+            assert wide, name  # the rows are kept ...
+            assert all(dtype == "bfloat16" for dtype, _ in wide), (name, wide)  # ... in bf16

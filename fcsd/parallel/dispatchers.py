@@ -100,6 +100,32 @@ def wire_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+class _Weighted(torch.autograd.Function):
+    """``rows_ND * weights_N`` in fp32, keeping for backward the rows in their own (compute) dtype, not an fp32 copy
+    of them (the same values: the upcast is exact)."""
+
+    @staticmethod
+    def forward(ctx, rows_ND, weights_N):
+        ctx.save_for_backward(rows_ND, weights_N)
+        return rows_ND.float() * weights_N.float().unsqueeze(1)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        rows_ND, weights_N = ctx.saved_tensors
+        grad_rows = grad_weights = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = (grad_ND * weights_N.float().unsqueeze(1)).to(rows_ND.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weights = (grad_ND * rows_ND.float()).sum(dim=1).to(weights_N.dtype)
+        return grad_rows, grad_weights
+
+
+def weighted(rows_ND: torch.Tensor, weights_N: torch.Tensor) -> torch.Tensor:
+    """Each row times its routing weight, in fp32; backward keeps the rows in the dtype they came in (bf16 under
+    autocast: half what an fp32 copy of the ``(T, K, D)`` rows would hold until the backward)."""
+    return _Weighted.apply(rows_ND, weights_N)
+
+
 def slot_sum(values_ND: torch.Tensor, segment_N: torch.Tensor, num_segments: int, width: int, ordered=False):
     """Deterministic fp32 sum of ``values_ND`` rows per segment id (at most ``width`` rows per segment): each row is
     put in its own slot of a dense ``(num_segments, width, D)`` fp32 buffer (unique slots: no atomics), then the slots
@@ -164,9 +190,8 @@ def expand_rows(rows_RD: torch.Tensor, pairs_A2: torch.Tensor, scale_inputs: boo
 def row_partials(y_RD: torch.Tensor, got: dict, width: int) -> torch.Tensor:
     """Each received row's weighted sum of its experts' outputs (fp32 sums in fixed slots, ``width`` experts at most
     per row), rounded once to the wire dtype: what goes back, one row per received row."""
-    pairs_AD = y_RD.new_empty(y_RD.shape).index_put((got["order"],), y_RD).float()  # back to receive order
-    if got["weights"] is not None:
-        pairs_AD = pairs_AD * got["weights"].unsqueeze(1)
+    pairs_AD = y_RD.new_empty(y_RD.shape).index_put((got["order"],), y_RD)  # back to receive order
+    pairs_AD = pairs_AD.float() if got["weights"] is None else weighted(pairs_AD, got["weights"])
     return slot_sum(pairs_AD, got["row_of"], got["rows"], width, ordered=True).to(wire_dtype(y_RD))
 
 
@@ -353,9 +378,10 @@ class AllToAllDispatcher(CollectiveDispatcher):
         def wait() -> torch.Tensor:
             rows = wait_all_to_all(received(back), back)
             pairs = rows.new_empty(rows.shape).index_put((state.order,), rows)  # back to (token, slot) order
-            pairs_TKD = pairs.view(*state.shape, rows.shape[1]).float()
-            if state.weights_TK is not None:
-                pairs_TKD = pairs_TKD * state.weights_TK.unsqueeze(-1)
+            if state.weights_TK is None:
+                pairs_TKD = pairs.view(*state.shape, rows.shape[1]).float()
+            else:  # fp32 products and sum; backward keeps the rows in the wire dtype
+                pairs_TKD = weighted(pairs, state.weights_TK.reshape(-1)).view(*state.shape, rows.shape[1])
             return pairs_TKD.sum(dim=1).to(state.out_dtype)
 
         return Pending(wait)

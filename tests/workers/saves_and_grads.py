@@ -95,7 +95,51 @@ def save_case() -> dict:
     return results
 
 
-CASES = {"timeout": timeout_case, "save": save_case}
+def combine_case() -> dict:
+    """Under bf16 autocast, the dtypes and shapes of the tensors each dispatcher's combine keeps for backward."""
+    from fcsd.parallel.dispatchers import AllToAllDispatcher, DedupAllToAllDispatcher
+    from fcsd.parallel.hierarchical import HierarchicalDispatcher, node_and_rail_groups
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, hidden, top_k, local = 7 + 3 * rank, 24, 3, 2
+    gen = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(local * world, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    maps = torch.randn(local * world, hidden, hidden, generator=torch.Generator().manual_seed(99))
+    maps = maps[rank * local : (rank + 1) * local]
+    node_group, rail_group = node_and_rail_groups(None, 1)
+    result = {"hidden": hidden}
+    for name, make in (
+        ("plain", lambda: AllToAllDispatcher(num_local_experts=local)),
+        ("dedup", lambda: DedupAllToAllDispatcher(num_local_experts=local)),
+        (
+            "hierarchical",
+            lambda: HierarchicalDispatcher(
+                num_local_experts=local, node_size=1, node_group=node_group, rail_group=rail_group
+            ),
+        ),
+    ):
+        dispatcher = make()
+        xg, wg = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        saved = []
+
+        def keep(t, saved=saved):
+            saved.append([str(t.dtype).removeprefix("torch."), list(t.shape)])
+            return t
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pending = dispatcher.dispatch_async(xg, ids, wg)
+            rows = pending.wait()
+            y = torch.einsum("rd,rde->re", rows.tokens, maps[rows.expert_ids[:, 0]]) * rows.weights
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                out = dispatcher.combine_async(y, pending).wait()
+        out.float().sum().backward()
+        result[name] = {"saved": saved, "y_dtype": str(y.dtype), "grads": [xg.grad is not None, wg.grad is not None]}
+    return result
+
+
+CASES = {"timeout": timeout_case, "save": save_case, "combine": combine_case}
 
 if __name__ == "__main__":
     out, which = sys.argv[1], sys.argv[2]
