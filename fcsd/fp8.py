@@ -88,6 +88,24 @@ def check_fp8_modules(settings: dict | None, name: str) -> None:
             "teacher.dtype=fp8 needs FP8 kernels (a CUDA GPU of compute capability >= 8.9), which this machine lacks: "
             "use teacher.dtype=auto (the teacher dequantized) or bfloat16"
         )
+    check_fp8_kernel()
+
+
+def check_fp8_kernel() -> None:
+    """Load transformers' Triton FP8 kernel now, the one every FP8 module can fall back to: the ``kernels`` package
+    fetches it from the hub at the first forward otherwise, so that an offline run (``HF_HUB_OFFLINE=1``) without it
+    in the cache failed after its data, student and teacher had loaded."""
+    from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+    try:
+        load_finegrained_fp8_kernel()
+    except Exception as error:  # ImportError, the hub's offline and not-found errors, a build for another torch
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0].split(". ")[0].rstrip(".")[:200]
+        raise ValueError(
+            f"teacher.dtype=fp8 needs transformers' FP8 kernel (kernels-community/finegrained-fp8, fetched by the "
+            f"`kernels` package), which could not be loaded ({reason}): fetch it once online (pip install kernels; it "
+            "is cached), or use teacher.dtype=auto (the teacher dequantized)"
+        ) from None
 
 
 def without_quantization(config):

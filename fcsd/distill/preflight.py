@@ -258,12 +258,13 @@ def check_export_dir(config) -> None:
     check_export_target(export_dir, config.overwrite, [], "export_dir", run_root=Path(config.output_dir))
 
 
-def check_model_config(config: FCSDConfig, source: str | None = None):
+def check_model_config(config: FCSDConfig, source: str | None = None, loads_teacher: bool = False):
     """What the model's ``config.json`` decides about the run, checked before any weights load: a supported family
     of a possible shape (:func:`~fcsd.connectivity.families.family_for_config`), ``farskip.layers`` converting at
     least one of its layers, ``data.seq_len`` within its ``max_position_embeddings`` (above, it would train
-    positions the model never learned, silently) and ``parallel.placement`` made for it. Returns the config.
-    ``source``: ``model.name`` already resolved."""
+    positions the model never learned, silently), ``parallel.placement`` made for it and, where the teacher loads
+    (``loads_teacher``, or not ``teacher.mode=cache``), an FP8 teacher's kernels. Returns the config. ``source``:
+    ``model.name`` already resolved."""
     from fcsd.connectivity.families import family_for_config, text_config
     from fcsd.connectivity.layer_spec import converted_layers
     from fcsd.loading import load_config
@@ -282,6 +283,10 @@ def check_model_config(config: FCSDConfig, source: str | None = None):
     check_export_format(config, model_config, decoder)
     if config.teacher.mode == "cache":
         check_top_k(config, decoder)
+    if config.teacher.dtype == "fp8" and (loads_teacher or config.teacher.mode != "cache"):
+        from fcsd.fp8 import check_fp8_modules, fp8_settings
+
+        check_fp8_modules(fp8_settings(model_config), name)  # its kernels too, before any weights load
     return model_config
 
 

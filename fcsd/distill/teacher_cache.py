@@ -51,8 +51,7 @@ def model_fingerprint(model) -> str:
     the dtype or the attention kernel) and the values of its embedding and LM-head weights (compared in fp32, so a
     bf16 checkpoint loaded in fp32 or in bf16 has one fingerprint)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in RUNTIME_CONFIG_KEYS}
-    if isinstance(config.get(RECORD_KEY), dict):  # how an FP8 export stores its scales is not the model
-        config[RECORD_KEY] = {k: v for k, v in config[RECORD_KEY].items() if k != "scale_dtype"}
+    config["quantization_config"] = source_format(config.pop("quantization_config", None), config.pop(RECORD_KEY, None))
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     from torch.distributed.tensor import DTensor
 
@@ -61,6 +60,21 @@ def model_fingerprint(model) -> str:
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight  # FSDP2: a collective
         digest.update(weight.float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def source_format(quantization: dict | None, record: dict | None) -> dict | None:
+    """The block-FP8 format a model was read from, alike for a teacher that keeps its FP8 modules
+    (``teacher.dtype=fp8``: transformers keeps the ``quantization_config``) and a model fcsd dequantized (its
+    :data:`~fcsd.fp8.RECORD_KEY` record), so that a cache made by an FP8 teacher is the dequantized run's model."""
+    settings = (record or {}).get("quantization_config") or quantization
+    if not settings:
+        return None
+    return {
+        "fmt": settings.get("fmt") or "e4m3",
+        "weight_block_size": [int(b) for b in settings.get("weight_block_size") or []],
+        "activation_scheme": settings.get("activation_scheme") or "dynamic",
+        "modules_to_not_convert": sorted(settings.get("modules_to_not_convert") or []),
+    }
 
 
 def cache_dir(config) -> Path:
@@ -96,7 +110,7 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     ownership.check_not_an_input(folder, "teacher.cache_dir", inputs, "teacher-cache")
     check_cache_folder(folder)
     check_data_cache_dir(config)
-    model_config = check_model_config(config)
+    model_config = check_model_config(config, loads_teacher=True)
     if config.teacher.mode != "cache":  # check_model_config checks it for a run that reads the cache
         check_top_k(config, text_config(model_config))
     from fcsd.parallel.cache_share import cache_meshes, share_cache
