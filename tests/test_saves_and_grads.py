@@ -62,3 +62,14 @@ def test_combine_keeps_its_rows_for_backward_in_the_compute_dtype(tmp_path):
             wide = [(dtype, shape) for dtype, shape in case["saved"] if len(shape) >= 2 and shape[-1] == hidden]
             assert wide, name  # the rows are kept ...
             assert all(dtype == "bfloat16" for dtype, _ in wide), (name, wide)  # ... in bf16
+
+
+def test_gradient_norm_is_one_foreach_kernel_per_kind_and_equals_fp64(tmp_path):
+    """The global gradient norm (EP, EP x FSDP) runs torch's foreach norm, not a loop of fp64 copies (one op per
+    gradient), and stays equal to an fp64 sum of the same gradients."""
+    for rank in _launch(tmp_path, 2, "norm"):
+        for layout in ("ep", "fsdp"):
+            case = rank[layout]
+            assert abs(case["norm"] - case["fp64"]) <= 1e-6 * case["fp64"], layout
+            assert case["ops"].get("_foreach_norm", 0) >= 1, case["ops"]
+            assert case["ops"].get("sum", 0) <= 2 and "_to_copy" not in case["ops"], case["ops"]

@@ -77,6 +77,16 @@ def _reduce_bucket(grads: list[torch.Tensor], group, world: int, op: str) -> Non
         offset += n
 
 
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of ``tensors`` as a 0-d fp32 tensor on ``device``: one foreach norm
+    kernel per device (fp32 accumulation), not a loop of fp64 copies."""
+    tensors = [t.detach() for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), device=device, dtype=torch.float32)
+    norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+    return torch.stack([n.to(device) for n in norms]).square().sum()
+
+
 @contextmanager
 def gathered(model: nn.Module, mode):
     """While active, ``model.state_dict()`` fills in the experts as ``mode`` says (see

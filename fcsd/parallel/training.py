@@ -134,24 +134,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
     mesh each gradient is on (a norm of DTensors of two meshes at once is what torch's clipping refuses)."""
     from torch.distributed.tensor import DTensor
 
+    from fcsd.parallel.grads import sum_of_squares
+
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     device = next(model.parameters()).device  # a rank without gradients still takes part, on the group's device
     if getattr(getattr(model, "fcsd_layout", None), "dims", None) is not None and model.fcsd_layout.dims.fsdp:
-        squares = torch.zeros(1, device=device, dtype=torch.float64)
-        for grad in grads:
-            local = grad._local_tensor if isinstance(grad, DTensor) else grad
-            squares += local.detach().double().pow(2).sum()
+        locals_ = [grad._local_tensor if isinstance(grad, DTensor) else grad for grad in grads]
+        squares = sum_of_squares(locals_, device).reshape(1)
         dist.all_reduce(squares)
         norm = float(torch.sqrt(squares[0]))
     else:
         state = model.fcsd_expert_parallel
         kinds = [getattr(p, "fcsd_expert_shard", False) for p in model.parameters() if p.grad is not None]
-        squares = torch.zeros(2, device=device, dtype=torch.float64)
-        for grad, is_expert in zip(grads, kinds):
-            squares[int(is_expert)] += grad.detach().double().pow(2).sum()
-        expert_sq = squares[1:].clone()
+        dense = sum_of_squares([g for g, is_expert in zip(grads, kinds) if not is_expert], device)
+        expert_sq = sum_of_squares([g for g, is_expert in zip(grads, kinds) if is_expert], device).reshape(1)
         dist.all_reduce(expert_sq, group=state.group)  # the shards of one expert-parallel group make the experts
-        norm = float(torch.sqrt(squares[0] + expert_sq[0]))
+        norm = float(torch.sqrt(dense + expert_sq[0]))
     if math.isfinite(max_norm) and norm > max_norm:
         for grad in grads:
             grad.mul_(max_norm / (norm + 1e-6))

@@ -139,7 +139,53 @@ def combine_case() -> dict:
     return result
 
 
-CASES = {"timeout": timeout_case, "save": save_case, "combine": combine_case}
+def norm_case() -> dict:
+    """The global gradient norm of an expert-parallel and an EP x FSDP model after a step's backward: the ops it
+    runs, and its value against an fp64 sum of the same gradients."""
+    from ep_common import RANK, WORLD, batch, loss_of, prepare
+    from torch.distributed.tensor import DTensor
+
+    from fcsd.parallel.layout import ParallelDims, build_meshes, parallelize
+    from fcsd.parallel.training import clip_grad_norm_, reduce_and_clip
+
+    result = {}
+    for fsdp in (False, True):
+        model = prepare("qwen3_moe", "farskip_overlap").train()
+        parallelize(model, build_meshes(ParallelDims(WORLD, 2, fsdp), "cpu"), "student")
+        logits = model(input_ids=batch(model)[RANK], use_cache=False).logits
+        loss_of(logits).backward()
+        reduce_and_clip(model, float("inf"))
+        ops = Ops()
+        with ops:
+            norm = clip_grad_norm_(model, float("inf"))
+        squares = torch.zeros(2, dtype=torch.float64)
+        for p in model.parameters():
+            if p.grad is not None:
+                local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+                squares[int(getattr(p, "fcsd_expert_shard", False) and not fsdp)] += local.double().pow(2).sum()
+        if fsdp:
+            dist.all_reduce(squares)
+        else:
+            dist.all_reduce(squares[1:], group=model.fcsd_expert_parallel.group)
+        expected = float(squares.sum().sqrt())
+        result["fsdp" if fsdp else "ep"] = {"norm": norm, "fp64": expected, "ops": ops.counts}
+    return result
+
+
+class Ops(TorchDispatchMode):
+    """How many times each op ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+CASES = {"timeout": timeout_case, "save": save_case, "combine": combine_case, "norm": norm_case}
 
 if __name__ == "__main__":
     out, which = sys.argv[1], sys.argv[2]
