@@ -19,7 +19,7 @@ import torch
 
 from fcsd.distill import losses
 from fcsd.distill.data import Packed
-from fcsd.distill.objectives import head_inputs, teacher_targets, teacher_token_loss
+from fcsd.distill.objectives import head_inputs, release, teacher_targets, teacher_token_loss
 
 KL_KEYS = ("eval/kl", "eval/kl_topk")
 AGREEMENT_KEYS = ("eval/acc", "eval/teacher_acc", "eval/top1_agree")
@@ -81,6 +81,9 @@ def heldout_metrics(
             hits, teacher_hits, agree = (total + part for total, part in zip((hits, teacher_hits, agree), sums))
         kl_sum += float(losses.chunked_head_loss(x, head, token_loss, targets, chunk))
         kl_tokens += x.shape[0]
+        release(head)  # no backward follows to reshard an FSDP2 head
+        if cache is None:
+            release(teacher_head)
     student.train(was_training)
     result = {KL_KEYS[cache is not None]: kl_sum / kl_tokens, "eval/nll": nll_sum / nll_tokens}
     if cache is None:

@@ -4,6 +4,9 @@
 The LM head is applied chunk by chunk to the final hidden states (captured from the decoder's final norm while the
 model is called with an empty ``logits_to_keep``), so neither model materialises full-vocabulary logits for the
 whole micro-batch; the wrapped (DDP / DeepSpeed) model is still what gets called, so gradient hooks keep working.
+An FSDP2-sharded model's head is applied the same way through :class:`GatheredHead` (its unit's weight gathered
+once for all chunks, its gradient reduce-scattered by the unit); only DeepSpeed ZeRO-3 still computes the logits in
+the forward.
 """
 
 from __future__ import annotations
@@ -55,18 +58,53 @@ def final_hidden(model, unwrapped, batch: Packed, **kwargs):
     return hidden.reshape(-1, hidden.shape[-1]), output
 
 
+class GatheredHead(torch.nn.Linear):
+    """The LM head of an FSDP2-sharded model, applied outside the model's forward (chunk by chunk): reading
+    ``weight`` gathers the head's FSDP unit (``unshard``: nothing when the forward left it gathered, as the student's
+    layout and FSDP2's root do) and returns the gathered weight, whose gradient the unit reduce-scatters once after
+    the backward; :meth:`release` reshards it (a frozen teacher's, once its chunks are done)."""
+
+    def __init__(self, head: torch.nn.Linear, unit):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.bias = None
+        object.__setattr__(self, "head", head)  # neither is a submodule of this view
+        object.__setattr__(self, "unit", unit)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        self.unit.unshard()
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight)
+
+    def release(self) -> None:
+        self.unit.reshard()
+
+
+def release(head) -> None:
+    """Reshard ``head`` if it is a :class:`GatheredHead` (a frozen model's, done with its chunks)."""
+    if isinstance(head, GatheredHead):
+        head.release()
+
+
 def head_inputs(model, unwrapped, batch: Packed, head_in_forward: bool = False, **kwargs):
     """``(x, head, output)`` with ``head(x)`` the logits of every token of ``batch``, for :func:`chunked_head_loss`.
 
-    By default ``x`` are the final hidden states and ``head`` the LM head, applied chunk by chunk later.
-    ``head_in_forward`` keeps the head inside the model's forward, where FSDP2 / ZeRO-3 gather its weight: ``x``
-    are then the logits (compute dtype) and ``head`` the identity.
+    ``x`` are the final hidden states and ``head`` the LM head, applied chunk by chunk later. ``head_in_forward``
+    (a sharded model): under FSDP2 ``head`` is a :class:`GatheredHead`; otherwise (ZeRO-3, whose weights exist
+    inside the forward only) ``x`` are the logits (compute dtype) and ``head`` the identity.
     """
-    if head_in_forward:
+    from fcsd.parallel.layout import head_unit
+
+    unit = head_unit(unwrapped) if head_in_forward else None
+    if head_in_forward and unit is None:
         output = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **kwargs)
         return output.logits.reshape(-1, output.logits.shape[-1]), torch.nn.Identity(), output
     hidden, output = final_hidden(model, unwrapped, batch, **kwargs)
-    return hidden, unwrapped.get_output_embeddings(), output
+    head = unwrapped.get_output_embeddings()
+    return hidden, head if unit is None else GatheredHead(head, unit), output
 
 
 def teacher_targets(teacher, batch: Packed, want_hidden_states: bool = False, head_in_forward: bool = False):
@@ -139,6 +177,7 @@ def micro_batch_loss(
         divergence = losses.divergence(train.divergence, train.temperature, train.jsd_beta)
         token_loss = teacher_token_loss(divergence, teacher_head)
         total = losses.chunked_head_loss(hidden, head, token_loss, (teacher_x,), train.loss_chunk_size)
+        release(teacher_head)  # gathered again if an echo reuses it
         parts = LossParts(total, tokens, {"kl": total.detach()})
         if want_l2:
             everywhere = torch.ones_like(batch.input_ids, dtype=torch.bool)

@@ -41,13 +41,14 @@ def share_cache(teacher, packed, folder, meta: dict, batch_size: int, progress: 
     from tqdm.auto import tqdm
 
     from fcsd.distill.teacher_cache import reusable, shard_batches, shard_name, teacher_topk, write_shard
+    from fcsd.parallel.layout import head_unit
     from fcsd.staging import atomic_dir
 
     folder = Path(folder)
     world, rank = dist.get_world_size(), dist.get_rank()
     if reusable(folder, meta, overwrite):  # every process reads the same folder, before anything is written
         return folder
-    head_in_forward = teacher.fcsd_layout.dims.fsdp  # the LM head's weight is gathered inside the forward only
+    head_in_forward = teacher.fcsd_layout.dims.fsdp  # the LM head is sharded: applied in chunks, gathered once
     shards = shard_batches(len(packed), batch_size)
     forwards = max(sum(len(batches) for batches in shards[r::world]) for r in range(world))
     with contextlib.ExitStack() as stack:
@@ -72,6 +73,9 @@ def share_cache(teacher, packed, folder, meta: dict, batch_size: int, progress: 
             done += len(batches)
         for _ in range(forwards - done):  # the other processes' forwards need this one's collectives
             teacher_topk(teacher, packed, 0, min(batch_size, len(packed)), meta, head_in_forward)
+        unit = head_unit(teacher)  # the LM head stays gathered over the forwards (no logits are computed in them)
+        if unit is not None:
+            unit.reshard()
         bar.close()
         dist.barrier()  # every shard is in the staging folder
         if rank == 0:

@@ -24,14 +24,20 @@ FSDP units. Under the overlapped FarSkip schedule a layer's MLP side (post-atten
 shared experts) runs on ``o_{k-1}``, which is completed *inside* layer ``k`` (the previous Combine is waited between
 the attention's parts), so its gradient leaves the layer without passing the layer's inputs: it cannot share the
 attention's unit, whose gradients are reduce-scattered as soon as the gradient of the layer's inputs is complete.
-So each of them is its own unit (its hooks sit on its own inputs and outputs): the routed experts (sparse mesh),
-every other child of the MoE block with parameters (router, shared experts, Qwen2's shared-expert gate), a dense
-MLP, the post-attention norm, then the layer itself (attention and input norm), the embeddings, ``[final norm, LM
-head]`` and the root. Every unit reshards after forward; the root holds no parameters (unless the embeddings are
-tied), and a frozen teacher is resharded after each forward anyway (a root's reshard is skipped by FSDP2 when no
-backward follows). Forward and backward prefetch are explicit (a layer prefetches its MLP units and the next
-layer; backward the previous layer), since the dispatcher's host synchronisation per layer stops FSDP's implicit
-prefetch from running ahead.
+So the MLP side has units of its own, two per layer: the routed experts (sparse mesh), and one group of its small
+modules (post-attention norm, router, shared experts, Qwen2's shared-expert gate, or a dense MLP): one gather per pass
+and one reduce-scatter for all of them. The group is correct because the norm runs first and everything else of it
+consumes the norm's output: its reduce-scatter, hung on the gradient of the norm's input, comes after all of their
+gradients; every module's output gathers it when its gradient arrives (FSDP2 hangs a group's gather on its last
+module only). Then the layer itself (attention and input norm), the embeddings, ``[final norm, LM head]`` and the
+root: 9 collectives per MoE layer and step, against 12 to 18 with a unit per small module
+(``benchmarks/fsdp_collectives.py``). Every unit reshards after forward but the student's ``[final norm, LM
+head]``, which the chunked loss uses right after the forward (:class:`fcsd.distill.objectives.GatheredHead`: no
+full-vocabulary logits) and whose reduce-scatter reshards it; the root holds no parameters (unless the embeddings
+are tied), and a frozen teacher is resharded after each forward anyway (a root's reshard is skipped by FSDP2 when no
+backward follows), its head unit by the chunked loss when the forward computed no logits. Forward and backward
+prefetch are explicit (a layer prefetches its MLP units and the next layer; backward the previous layer), since the
+dispatcher's host synchronisation per layer stops FSDP's implicit prefetch from running ahead.
 
 Gradient scale, right by construction: the trainer's loss on each process is ``W x (its token-loss sum) / (global
 token count)`` (the DDP convention). Dense units average over the ``W`` processes (FSDP's default). An expert shard's
@@ -222,20 +228,22 @@ def shard_fully(model: nn.Module, layout: Layout, compute_dtype=None, column_exp
     dims, meshes = layout.dims, layout.meshes
     student = layout.role == "student"
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    common = {"reshard_after_forward": True, "mp_policy": policy}
+    common = {"mp_policy": policy}
     family = family_for_config(model.config)
     units, per_layer = [], []
 
-    def unit(module, mesh=meshes.dense, **options):
-        module = fully_shard(module, mesh=mesh, **common, **options)
+    def unit(module, mesh=meshes.dense, reshard_after_forward=True, **options):
+        module = fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **common, **options)
         module = module[0] if isinstance(module, list) else module  # a group of modules shares one state
         if student and dims.world > 1:
             module.set_force_sum_reduction_for_comms(True)
         units.append(module)
         return module
 
-    def rows_first(param):  # router rows are experts: keep them whole on every process (placements permute them)
-        return Shard(1) if param.ndim >= 2 else Shard(0)
+    routers = set()  # router rows are experts: keep them whole on every process (placements permute them)
+
+    def rows_first(param):
+        return Shard(1) if id(param) in routers and param.ndim >= 2 else Shard(0)
 
     embeddings, head = text_model(model).get_input_embeddings(), text_model(model).get_output_embeddings()
     tied = head is not None and head.weight is embeddings.weight
@@ -244,6 +252,7 @@ def shard_fully(model: nn.Module, layout: Layout, compute_dtype=None, column_exp
     for layer in find_decoder_layers(model, family):
         first = len(units)
         mlp = getattr(layer, family.mlp_attr)
+        mlp_side = [layer.post_attention_layernorm]  # one unit: its module run first, its input's gradient last
         if family.is_moe(mlp):
             experts = getattr(mlp, family.experts_attr)
             local = experts._fcsd_shard.local
@@ -254,24 +263,25 @@ def shard_fully(model: nn.Module, layout: Layout, compute_dtype=None, column_exp
             if student:
                 experts.set_gradient_divide_factor(expert_divide_factor(dims))
                 experts.set_force_sum_reduction_for_comms(dims.efsdp > 1)  # a size-1 group divides by itself
-            router = family.router(mlp)
-            for child in mlp.children():
-                if child is not experts and any(True for _ in child.parameters()):
-                    unit(child, shard_placement_fn=rows_first if child is router else None)
+            routers.update(id(p) for p in family.router(mlp).parameters())
+            mlp_side += [c for c in mlp.children() if c is not experts and any(True for _ in c.parameters())]
         elif any(True for _ in mlp.parameters()):
-            unit(mlp)
-        unit(layer.post_attention_layernorm)
+            mlp_side.append(mlp)
+        unit(mlp_side, shard_placement_fn=rows_first)
+        _gather_before_backward(mlp_side)
         unit(layer)
         per_layer.append(units[first:])
     tail = [m for m in (_final_norm(model), None if tied else head) if m is not None]
-    unit(tail if len(tail) > 1 else tail[0])
+    # the student's head stays gathered after the forward, for the chunked loss (its post-backward reshards it)
+    unit(tail if len(tail) > 1 else tail[0], reshard_after_forward=not student)
     unit(model)
     if student:  # before FSDP2's own post-forward hook, which warns about the views it would register on
         model.register_forward_hook(without_views, prepend=True)
     _prefetch(per_layer)
     if not student:
         model.requires_grad_(False)
-        model.register_forward_hook(lambda module, args, output: _reshard(units))
+        head_owner = model if tied else units[-2]
+        model.register_forward_hook(lambda module, args, output: _reshard(units, output, head_owner))
     model.fcsd_fsdp_units = units
     layout.units = units
 
@@ -302,11 +312,33 @@ def _final_norm(model):
     return final_norm(model)
 
 
-def _reshard(units) -> None:
+def _reshard(units, output, head_owner) -> None:
     """Free every gathered weight of a frozen model after its forward (FSDP2 keeps the root's gathered when no
-    backward follows)."""
+    backward follows); a forward that computed no logits (the chunked loss's) leaves the LM head's unit gathered
+    for the chunks, which reshard it when done (:class:`fcsd.distill.objectives.GatheredHead`)."""
+    logits = getattr(output, "logits", None)
+    keep = head_owner if isinstance(logits, torch.Tensor) and logits.numel() == 0 else None
     for module in units:
-        module.reshard()
+        if module is not keep:
+            module.reshard()
+
+
+def head_unit(model: nn.Module):
+    """The FSDP2 module whose unit holds ``model``'s LM head weight (the innermost ``fully_shard``-ed module on the
+    path to the head: ``[final norm, LM head]`` here, the root when tied or under accelerate's FSDP2), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None
+    path = next((name for name, module in model.named_modules() if module is head), None)
+    if path is None:
+        return None
+    owner, module = (model if isinstance(model, FSDPModule) else None), model
+    for part in path.split(".") if path else []:
+        module = getattr(module, part)
+        owner = module if isinstance(module, FSDPModule) else owner
+    return owner
 
 
 def _prefetch(per_layer: list[list]) -> None:
@@ -319,6 +351,21 @@ def _prefetch(per_layer: list[list]) -> None:
             layer_unit.set_modules_to_forward_prefetch(ahead)
         if index > 0:
             layer_unit.set_modules_to_backward_prefetch(per_layer[index - 1])
+
+
+def _gather_before_backward(group: list) -> None:
+    """FSDP2 hangs a grouped unit's pre-backward gather on the output of the module that ran last; the router's
+    output gradient can come first (the weighted sum of the routed rows). So every module's output gathers the unit
+    when its gradient arrives (nothing when gathered already; always before the unit's post-backward, which waits for
+    the gradient of the first module's input, upstream of them all)."""
+
+    def hook(module, args, output):
+        for tensor in torch.utils._pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad: module.unshard())
+
+    for module in group[1:]:
+        module.register_forward_hook(hook)
 
 
 def _rows_forward(family, moe):
