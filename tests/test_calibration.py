@@ -103,6 +103,8 @@ BAD_FILES = [
     (lambda d: {**d, "latency_us": {"all_gather": {"two": 1.0}}}, "latency_us.all_gather"),
     (lambda d: {**d, "reduced_tflops": {"128": 0}}, "reduced_tflops"),
     (lambda d: {**d, "overlap": 1.5}, "overlap is 1.5"),
+    (lambda d: {**d, "expert_tflops": {"2": 0}}, "expert_tflops is"),
+    (lambda d: {**d, "reduced_expert_tflops": {"128": {"x": 1.0}}}, "reduced_expert_tflops is"),
 ]
 
 
@@ -304,3 +306,111 @@ def test_measure_json_sets_the_estimate_beside_the_measured_step(tmp_path, capsy
         assert measured["step_seconds"] > 0 and measured["estimated_step_seconds"] > 0
         assert measured["ratio"] == pytest.approx(measured["estimated_step_seconds"] / measured["step_seconds"])
         assert measured["prediction"]["beyond_time_model"]["ops"] > 0
+
+
+class GroupedCalls:
+    """A ``TorchDispatchMode`` recording each ``aten._grouped_mm`` call's operand shapes, dtypes and offsets."""
+
+    def __new__(cls):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Recording(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.calls = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func._overloadpacket is torch.ops.aten._grouped_mm:
+                    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+                    a, b = args[0], args[1]
+                    self.calls.append((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype, offs.tolist()))
+                return func(*args, **kwargs)
+
+        return Recording()
+
+
+def test_the_benchmark_times_the_experts_as_grouped_gemms_at_an_ep_ranks_rows():
+    """`fcsd bench cluster`'s measurement (one CPU process, --quick) times the demo model's experts through
+    aten._grouped_mm, in the CPU run's fp32, at each EP size's rank: the tokens x top_k rows it receives, split evenly
+    over its experts / ep local experts, through (hidden -> 2 x inter) and (inter -> hidden), forward and backward;
+    its dense GEMMs leave the fused experts out; the cluster file carries the rate per EP size."""
+    import torch
+
+    from fcsd.plan.calibrate import combine, measure_rank
+    from fcsd.plan.models import load_model_config
+
+    text = load_model_config("demo").config
+    hidden, inter, experts, top_k = text.hidden_size, text.moe_intermediate_size, text.num_experts, 4
+    assert text.num_experts_per_tok == top_k
+    tokens = 64
+    recording = GroupedCalls()
+    with recording:
+        result = measure_rank("demo", tokens, torch.device("cpu"), quick=True)
+    assert set(result["experts"]) == {"1", "2", "4", "8", "16"}
+    rows = tokens * top_k  # each of the ep ranks sends tokens x top_k / ep rows to each rank
+    for ep in (1, 2, 4, 8, 16):
+        local = experts // ep
+        offsets = [rows // local * (i + 1) for i in range(local)]
+        forward = {(a, b) for a, b, _, _, offs in recording.calls if offs == offsets and len(a) == 2 and len(b) == 3}
+        assert ((rows, hidden), (local, hidden, 2 * inter)) in forward  # up (and gate), forward
+        assert ((rows, inter), (local, inter, hidden)) in forward  # down, forward
+        weight_grads = {  # (K or N, rows) x (rows, N or K): each weight's gradient, per group
+            tuple(sorted((a[0], b[1])))
+            for a, b, _, _, offs in recording.calls
+            if offs == offsets and len(a) == 2 and a[1] == rows and b[0] == rows
+        }
+        assert {tuple(sorted((hidden, 2 * inter))), tuple(sorted((inter, hidden)))} <= weight_grads
+        assert result["experts"][str(ep)]["tflops"] > 0
+    assert {(x, w) for _, _, x, w, _ in recording.calls} == {(torch.float32, torch.float32)}
+    shapes = {(row["k"], row["n"]) for row in result["gemm"]["shapes"]}
+    assert (hidden, 2 * inter) not in shapes and (inter, hidden) not in shapes  # no dense stand-in for the experts
+    assert set(result["reduced_experts"]) == {"128", "256"}
+    data = combine([result], 1, 1, "none")
+    assert data["expert_tflops"] == {ep: row["tflops"] for ep, row in result["experts"].items()}
+    assert [row["rank_rows"] for row in data["measurements"]["experts"]] == [rows] * 5
+
+
+def test_the_plan_prices_the_experts_at_the_measured_grouped_rate(tmp_path):
+    """A cluster file's `expert_tflops` prices the step's grouped expert FLOPs (counted by the simulation) at the rate
+    of the layout's EP size and the rest at `tflops`: halving the EP-1 rate adds exactly the experts' FLOPs over it;
+    an EP-2 layout reads the EP-2 rate; a file without it (an older one) prices everything at `tflops`; the reduced
+    prediction reads the reduced rates."""
+    from dataclasses import replace
+
+    from fcsd import perfmodel as pm
+    from fcsd.plan.candidates import parameter_counts
+    from fcsd.plan.predict import calibrated_for
+    from fcsd.plan.run import Layout
+    from fcsd.plan.timing import step_time
+
+    model_config, config, layout, estimate = ddp_estimate()
+    shape, counts = pm.model_shape(model_config), parameter_counts(model_config)
+    assert 0 < estimate.expert_flops < sum(estimate.flops.values())
+    tokens = config.train.batch_tokens // layout.processes
+    experts = estimate.expert_flops / estimate.tokens * tokens
+    rest = sum(estimate.flops.values()) / estimate.tokens * tokens - experts
+
+    def compute(name, estimate=estimate, **changes):
+        path, _ = made_up_file(tmp_path, f"{name}.json", **changes)
+        cluster = load_cluster_file(path)
+        return step_time(estimate, shape, set(), cluster, config.train.batch_tokens, 128, counts).compute_s
+
+    old = compute("old")
+    assert old == pytest.approx((rest + experts) / 0.05e12, rel=1e-9)
+    fast = compute("fast", expert_tflops={"1": 0.2, "2": 0.4})
+    slow = compute("slow", expert_tflops={"1": 0.1, "2": 0.4})
+    assert fast == pytest.approx(rest / 0.05e12 + experts / 0.2e12, rel=1e-9)
+    assert slow - fast == pytest.approx(experts / 0.1e12 - experts / 0.2e12, rel=1e-9)
+    ep2 = replace(estimate, layout=Layout("ep", 2, 2, micro_batch=1))
+    assert compute("ep2", ep2, expert_tflops={"1": 0.1, "2": 0.4}) == pytest.approx(
+        rest / 0.05e12 + experts / 0.4e12, rel=1e-9
+    )
+    path, _ = made_up_file(
+        tmp_path, "reduced.json", expert_tflops={"1": 0.2}, reduced_expert_tflops={"128": {"1": 0.3}}
+    )
+    cluster = calibrated_for(load_cluster_file(path), 128)
+    assert cluster.expert_rate(1) == pytest.approx(0.3e12) and cluster.gpu.tflops == pytest.approx(0.025)
+    path, _ = made_up_file(tmp_path, "no-reduced.json", expert_tflops={"1": 0.2})
+    assert calibrated_for(load_cluster_file(path), 128).expert_rate(1) == pytest.approx(0.025e12)

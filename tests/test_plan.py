@@ -117,6 +117,7 @@ def test_depth_reduction_equals_the_whole_stack(layout):
     assert reduced.peak == pytest.approx(max(p["peak"] for p in whole["phases"].values()), rel=1e-3)
     assert reduced.weights == whole["static"]["weights"] and reduced.optimizer == whole["static"]["optimizer"]
     assert sum(reduced.flops.values()) == pytest.approx(sum(whole["flops"].values()), rel=1e-6)
+    assert 0 < reduced.expert_flops == pytest.approx(whole["expert_flops"], rel=1e-6)  # priced at their own rate
 
 
 def test_the_search_implies_only_what_simulations_confirm():

@@ -7,11 +7,15 @@ Run it under ``torchrun`` (one node or several; a node is ``LOCAL_WORLD_SIZE`` r
 gloo on CPUs, or as one process. Every rank measures at the same time (as a training step loads every GPU, or every
 core), and rank 0 writes the file:
 
-- GEMM throughput at the model's shapes (every linear layer of each kind of decoder layer, each expert's two GEMMs at
-  ``tokens x top_k / experts`` rows, the LM head; bf16 on GPUs, fp32 on a CPU), the FLOP-weighted rate over one
-  layer stack: the effective FLOP/s that replaces ``peak x mfu``; the same at the reduced shapes ``--measure`` runs
-  (:func:`fcsd.plan.check.reduced_config`, 128 and 256 tokens). On a CPU a GEMM's rows are capped so that one takes
-  at most :data:`CPU_GEMM_FLOPS` (a large model's LM head would take seconds per call).
+- GEMM throughput at the model's shapes (every linear layer of each kind of decoder layer, the LM head; bf16 on
+  GPUs, fp32 on a CPU, as training computes), the FLOP-weighted rate over one layer stack: the effective FLOP/s that
+  replaces ``peak x mfu``; the same at the reduced shapes ``--measure`` runs (:func:`fcsd.plan.check.reduced_config`,
+  128 and 256 tokens). On a CPU a GEMM's rows are capped so that one takes at most :data:`CPU_GEMM_FLOPS` (a large
+  model's LM head would take seconds per call).
+- The routed experts' grouped GEMMs (:func:`expert_rate`: the grouped-matmul kernel transformers' ``grouped_mm``
+  experts run) at the rows an expert-parallel rank receives (``tokens x top_k / ep`` from each of the ``ep`` ranks'
+  micro-batches) over its ``experts / ep`` local experts, for each EP size :func:`ep_sizes`: what the planner prices
+  the experts' FLOPs at (per-expert ``nn.Linear`` experts stay among the GEMMs above).
 - Collective bus bandwidths (NCCL's convention, as the presets are stated: ``nccl-tests``' busbw) and latencies of
   all-to-all, all-gather, reduce-scatter and all-reduce, through ``torch.distributed``: inside a node over groups
   of 2, 4, ... consecutive ranks up to the node (all groups at once), and between nodes over the ranks of one
@@ -119,10 +123,11 @@ def _timed(call, device: torch.device, min_seconds: float, batches: int = 5) -> 
 # -- GEMMs ----------------------------------------------------------------------------------------------------------
 
 
-def gemm_shapes(model_config, tokens: int) -> Counter:
+def gemm_shapes(model_config, tokens: int, fused_experts: bool = True) -> Counter:
     """``(M, K, N) -> count`` of the GEMMs one forward of ``tokens`` tokens makes through ``model_config``'s text
     model: every ``nn.Linear`` of each decoder layer at ``tokens`` rows, the routed experts' GEMMs at ``tokens x top_k
-    / experts`` rows each (balanced routing, the planner's assumption), the LM head."""
+    / experts`` rows each (balanced routing, the planner's assumption; fused 3-D expert weights only with
+    ``fused_experts``: :func:`expert_rate` times them as grouped GEMMs), the LM head."""
     from fcsd.connectivity.families import (
         expert_count,
         family_for_config,
@@ -145,7 +150,7 @@ def gemm_shapes(model_config, tokens: int) -> Counter:
             rows = max(1, tokens * top_k // count)
             for param in experts.parameters():
                 expert_params.add(id(param))
-                if param.dim() == 3:  # fused experts: (E, out, in) or (E, in, out)
+                if param.dim() == 3 and fused_experts:  # fused experts: (E, out, in) or (E, in, out)
                     shapes[(rows, param.shape[2], param.shape[1])] += param.shape[0]
             for module in experts.modules():
                 if isinstance(module, torch.nn.Linear):  # one module per expert
@@ -182,6 +187,124 @@ def gemm_rate(shapes: Counter, device: torch.device, dtype: torch.dtype, min_sec
         flops += count * work
         seconds += count * per_call
     return {"tflops": flops / seconds / 1e12 if seconds else 0.0, "shapes": rows}
+
+
+# -- grouped expert GEMMs --------------------------------------------------------------------------------------------
+
+EP_SIZES_MAX = 64  # the largest EP size measured (plans with more price at the nearest measured)
+EXPERT_WEIGHT_BYTES = {"cpu": 2**28, "cuda": 2**33}  # at most this many bytes of local expert weights (and as many
+# gradients) are allocated; beyond, fewer local experts are timed at the same rows per expert
+
+
+def expert_kinds(model_config) -> Counter:
+    """``(experts, top_k, ((K, N, transposed), ...)) -> MoE layers`` of ``model_config``'s fused experts (3-D
+    weights, which transformers' ``grouped_mm`` experts run as grouped GEMMs): each weight's GEMM, input width ``K``
+    to output width ``N``, and whether it is stored ``(E, K, N)``; empty for per-expert ``nn.Linear`` experts."""
+    from fcsd.connectivity.families import (
+        expert_count,
+        family_for_config,
+        find_decoder_layers,
+        meta_model,
+        text_config,
+    )
+
+    family = family_for_config(model_config)
+    top_k = int(getattr(text_config(model_config), family.top_k_attr))
+    kinds: Counter = Counter()
+    for layer in find_decoder_layers(meta_model(model_config), family):
+        mlp = getattr(layer, family.mlp_attr)
+        experts = getattr(mlp, family.experts_attr, None) if family.is_moe(mlp) else None
+        if experts is None:
+            continue
+        transposed = bool(getattr(experts, "is_transposed", False))
+        gemms = tuple(
+            (p.shape[1], p.shape[2], True) if transposed else (p.shape[2], p.shape[1], False)
+            for p in experts.parameters()
+            if p.dim() == 3
+        )
+        if gemms:
+            kinds[(expert_count(experts), top_k, gemms)] += 1
+    return kinds
+
+
+def ep_sizes(experts: int) -> list[int]:
+    """The EP sizes measured for ``experts`` routed experts: the powers of two that divide them, up to
+    :data:`EP_SIZES_MAX`."""
+    sizes, ep = [], 1
+    while ep <= min(experts, EP_SIZES_MAX) and experts % ep == 0:
+        sizes.append(ep)
+        ep *= 2
+    return sizes
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The grouped matmul transformers' ``grouped_mm`` experts call: ``(rows, K) x (groups, K, N) -> (rows, N)``."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    return grouped(x, weight, offs=offsets)
+
+
+def expert_rate(kind: tuple, tokens: int, ep: int, device: torch.device, dtype, min_seconds: float) -> dict:
+    """FLOP/s of one MoE layer's grouped expert GEMMs on a rank of EP ``ep`` whose ranks each route ``tokens`` tokens
+    (``kind``: an :func:`expert_kinds` key): the rows it receives, ``tokens x top_k / ep`` from each rank (balanced
+    routing: ``tokens x top_k x ep / experts`` per local expert), through each fused weight of its ``experts / ep``
+    local experts in ``dtype``, forward, input gradient and weight gradient.
+    Fewer local experts are timed where their weights would exceed :data:`EXPERT_WEIGHT_BYTES` (on a CPU also where a
+    call would exceed :data:`CPU_GEMM_FLOPS`; then fewer rows too), at the same rows per expert."""
+    experts, top_k, gemms = kind
+    local = max(1, experts // ep)
+    per_expert = max(1, tokens * top_k // local)
+    weights = sum(k * n for k, n, _ in gemms)
+    size = torch.empty((), dtype=dtype).element_size()
+    groups = max(1, min(local, EXPERT_WEIGHT_BYTES[device.type] // (2 * weights * size)))
+    if device.type == "cpu":
+        groups = max(1, min(groups, int(CPU_GEMM_FLOPS // (2 * per_expert * weights))))
+        per_expert = max(1, min(per_expert, int(CPU_GEMM_FLOPS // (2 * groups * weights))))
+    rows = per_expert * groups
+    offsets = torch.arange(1, groups + 1, device=device, dtype=torch.int32) * per_expert
+    leaves, calls = [], []
+    for k, n, transposed in gemms:
+        x = torch.randn(rows, k, device=device, dtype=dtype, requires_grad=True)
+        stored = (groups, k, n) if transposed else (groups, n, k)
+        weight = (torch.randn(*stored, device=device, dtype=dtype) / math.sqrt(k)).requires_grad_()
+        grad = torch.randn(rows, n, device=device, dtype=dtype)
+        leaves += [x, weight]
+        calls.append((x, weight, transposed, grad))
+
+    def step():
+        outs = [_grouped_mm(x, w if t else w.transpose(-2, -1), offsets) for x, w, t, _ in calls]
+        torch.autograd.backward(outs, [g for *_, g in calls])
+        for leaf in leaves:
+            leaf.grad = None
+
+    seconds = _timed(step, device, min_seconds)
+    work = 3 * 2.0 * rows * weights
+    return {
+        "ep": ep,
+        "experts": experts,
+        "local_experts": local,
+        "groups": groups,
+        "rows": rows,
+        "rank_rows": tokens * top_k,
+        "gemms": [[k, n] for k, n, _ in gemms],
+        "dtype": str(dtype).removeprefix("torch."),
+        "tflops": work / seconds / 1e12,
+    }
+
+
+def expert_rates(kinds: Counter, tokens: int, device: torch.device, dtype, min_seconds: float) -> dict:
+    """``{ep: row}`` for each EP size of :func:`ep_sizes`: the FLOP-weighted rate of the model's MoE layers'
+    grouped expert GEMMs on one EP rank (:func:`expert_rate`; ``row["tflops"]``) and each kind's measurement."""
+    out = {}
+    for ep in ep_sizes(min(kind[0] for kind in kinds)):
+        flops, seconds, measured = 0.0, 0.0, []
+        for kind, layers in sorted(kinds.items()):
+            row = expert_rate(kind, tokens, ep, device, dtype, min_seconds)
+            work = 6.0 * kind[1] * tokens * sum(k * n for k, n, _ in kind[2])
+            flops += layers * work
+            seconds += layers * work / (row["tflops"] * 1e12)
+            measured.append(row)
+        out[str(ep)] = {"tflops": flops / seconds / 1e12, "kinds": measured}
+    return out
 
 
 # -- per-op dispatch and elementwise bandwidth ------------------------------------------------------------------------
@@ -500,11 +623,21 @@ def measure_rank(model: str, tokens: int | None, device: torch.device, quick: bo
     tokens = tokens or (4096 if cuda else 512)
     _barrier(device)
     result = {"model": source.name, "tokens": tokens}
-    result["gemm"] = gemm_rate(gemm_shapes(source.config, tokens), device, dtype, seconds)
+    kinds = expert_kinds(source.config)
+    result["gemm"] = gemm_rate(gemm_shapes(source.config, tokens, not kinds), device, dtype, seconds)
+    if kinds:
+        result["experts"] = expert_rates(kinds, tokens, device, dtype, seconds)
     reduced = reduced_config(source.config)
+    reduced_kinds = expert_kinds(reduced)
     result["reduced_gemm"] = {
-        str(t): gemm_rate(gemm_shapes(reduced, t), device, dtype, seconds)["tflops"] for t in REDUCED_TOKENS
+        str(t): gemm_rate(gemm_shapes(reduced, t, not reduced_kinds), device, dtype, seconds)["tflops"]
+        for t in REDUCED_TOKENS
     }
+    if reduced_kinds:
+        result["reduced_experts"] = {
+            str(t): {ep: row["tflops"] for ep, row in expert_rates(reduced_kinds, t, device, dtype, seconds).items()}
+            for t in REDUCED_TOKENS
+        }
     _barrier(device)
     result.update(op_seconds(device, seconds))
     _barrier(device)
@@ -557,6 +690,16 @@ def combine(results: list[dict], world: int, local: int, backend: str) -> dict:
     nodes = max(1, world // local)
     tflops = statistics.mean(r["gemm"]["tflops"] for r in results)
     reduced = {t: statistics.mean(r["reduced_gemm"][t] for r in results) for t in first["reduced_gemm"]}
+    experts = {}
+    if "experts" in first:  # grouped expert GEMMs: the ranks' mean at each EP size
+        experts["expert_tflops"] = {
+            ep: statistics.mean(r["experts"][ep]["tflops"] for r in results) for ep in first["experts"]
+        }
+    if "reduced_experts" in first:
+        experts["reduced_expert_tflops"] = {
+            t: {ep: statistics.mean(r["reduced_experts"][t][ep] for r in results) for ep in sizes}
+            for t, sizes in first["reduced_experts"].items()
+        }
     collectives: dict[tuple, dict] = {}
     for r in results:
         for row in r["collectives"]:
@@ -616,12 +759,14 @@ def combine(results: list[dict], world: int, local: int, backend: str) -> dict:
         "memory_gbps": statistics.mean(r["memory_gbps"] for r in results),
         "latency_us": latency,
         "reduced_tflops": reduced,
+        **experts,
         "assumed": assumed,
         "compute_capability": first.get("compute_capability"),  # CUDA's (major, minor); None on a CPU or ROCm
         **({"overlap": pooled_overlap([r["overlap"] for r in results])} if "overlap" in first else {}),
         "measurements": {
             "gemm_tokens": first["tokens"],
             "gemm": first["gemm"]["shapes"],
+            "experts": [row for m in first.get("experts", {}).values() for row in m["kinds"]],
             "collectives": sorted(collectives.values(), key=lambda r: (r["scope"], r["ranks"], r["kind"])),
             "host_link": first["host"],
             "overlap": [r["overlap"] for r in results if "overlap" in r],
@@ -666,6 +811,15 @@ def format_cluster(data: dict) -> str:
         f"cluster    {data['nodes']} x {data['gpus_per_node']} {data['name']}, {data['gpu_memory_gib']:.1f} GiB each",
         f"GEMM       {data['tflops']:.3g} TFLOP/s at {data['model']}'s shapes ({data['measurements']['gemm_tokens']} "
         "tokens; replaces peak x mfu)",
+        *(
+            [
+                "experts    grouped GEMMs "
+                + ", ".join(f"{v:.3g} TFLOP/s at EP {ep}" for ep, v in data["expert_tflops"].items())
+                + " (the rows an EP rank receives)"
+            ]
+            if data.get("expert_tflops")
+            else []
+        ),
         f"in a node  all-gather/reduce-scatter {figure(data['intra_gbps'], 'GB/s')}, all-to-all "
         f"{figure(data['alltoall_intra_gbps'], 'GB/s')} (bus bandwidth)",
         f"between    {figure(data['inter_gbps'], 'GB/s')}, all-to-all {figure(data['alltoall_inter_gbps'], 'GB/s')}",

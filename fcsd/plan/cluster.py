@@ -13,7 +13,8 @@ per GPU while all copy (``--host-gbps``); a node has 2 TiB of host memory, of wh
 
 A cluster file (``fcsd bench cluster``, :mod:`fcsd.plan.calibrate`) replaces the presets with figures measured on
 the machines at hand: ``fcsd plan --cluster FILE`` (:func:`load_cluster_file`). Its GEMM rate is the effective one
-(``peak x mfu`` replaced: ``mfu`` is 1), and it carries the costs the time model leaves out
+(``peak x mfu`` replaced: ``mfu`` is 1), the routed experts' FLOPs priced at their own grouped-GEMM rate where the
+file measured it (:meth:`Calibration.expert_rate`), and it carries the costs the time model leaves out
 (:class:`Calibration`: per-op dispatch time, elementwise memory bandwidth, per-collective latency), which the
 calibrated prediction of ``--measure``'s reduced steps adds.
 """
@@ -57,7 +58,9 @@ class Calibration:
     """What ``fcsd bench cluster`` measured beyond the preset fields (all optional for a :class:`Cluster`): the
     per-op cost of dispatching one tensor op (``op_us``: Python, dispatcher and autograd, every rank busy),
     elementwise memory bandwidth (``memory_gbps``), each collective's latency by group size (``latency_us``:
-    ``((kind, ranks, microseconds), ...)``), the all-to-all bus bandwidths (``alltoall_intra_gbps`` /
+    ``((kind, ranks, microseconds), ...)``), the grouped expert GEMMs' rate on one EP rank by EP size
+    (``expert_tflops``: ``((ep, TFLOP/s), ...)``; ``reduced_expert_tflops``: ``((tokens, ep, TFLOP/s), ...)`` at the
+    reduced shapes), the all-to-all bus bandwidths (``alltoall_intra_gbps`` /
     ``alltoall_inter_gbps``), the GEMM rate at the reduced shapes ``fcsd plan --measure`` runs
     (``reduced_tflops``: ``((tokens, TFLOP/s), ...)``), and where it was measured (``device``, ``backend``,
     ``threads``: torch's intra-op threads per process, ``model``), and how much of a collective hides behind
@@ -77,6 +80,22 @@ class Calibration:
     model: str = ""
     assumed: tuple = ()  # the cluster fields not measured (kept from a preset), e.g. inter_gbps on one node
     overlap: float = 1.0  # the share of a collective's time that hides behind compute running beside it
+    expert_tflops: tuple = ()  # ((ep, TFLOP/s), ...): grouped expert GEMMs on one EP rank; () prices them at tflops
+    reduced_expert_tflops: tuple = ()  # ((tokens, ep, TFLOP/s), ...) at the reduced shapes
+
+    def expert_rate(self, ep: int) -> float | None:
+        """FLOP/s of the routed experts' grouped GEMMs on a rank of EP ``ep``: the measured EP size nearest to it
+        (None: not measured, the experts are priced at the GEMM rate)."""
+        if not self.expert_tflops:
+            return None
+        return min(self.expert_tflops, key=lambda item: (abs(math.log(item[0] / max(ep, 1))), item[0]))[1] * 1e12
+
+    def reduced_experts(self, tokens: int) -> tuple:
+        """``((ep, TFLOP/s), ...)`` of the grouped expert GEMMs at the reduced shapes nearest ``tokens`` tokens."""
+        if not self.reduced_expert_tflops:
+            return ()
+        near = min({t for t, _, _ in self.reduced_expert_tflops}, key=lambda t: abs(math.log(t / max(tokens, 1))))
+        return tuple((ep, v) for t, ep, v in self.reduced_expert_tflops if t == near)
 
     def latency(self, kind: str, ranks: int) -> float:
         """Seconds of latency of one ``kind`` collective over ``ranks`` ranks: the measured group size nearest above
@@ -129,6 +148,12 @@ class Cluster:
         """The share of a collective's time that can hide behind compute beside it: measured in a cluster file,
         1 (all of it, the presets' assumption) otherwise."""
         return self.calibration.overlap if self.calibration is not None else 1.0
+
+    def expert_rate(self, ep: int) -> float:
+        """FLOP/s the routed experts' GEMMs run at on a rank of EP ``ep``: the grouped-GEMM rate a cluster file
+        measured (:meth:`Calibration.expert_rate`), else the GEMM rate (``peak x mfu``)."""
+        measured = self.calibration.expert_rate(ep) if self.calibration is not None else None
+        return measured if measured is not None else self.gpu.tflops * self.mfu * 1e12
 
     def bandwidth(self, ranks: int) -> float:
         """Bus bandwidth (GB/s) of a collective over ``ranks`` consecutive GPUs: inside a node, or between nodes."""
@@ -290,6 +315,18 @@ def check_cluster_data(data, path: str = "FILE") -> None:
     reduced = data.get("reduced_tflops", {})
     if not isinstance(reduced, dict) or not all(str(n).isdigit() and positive_number(v) for n, v in reduced.items()):
         raise ValueError(f"{where}: reduced_tflops is {reduced!r}, not {{tokens: TFLOP/s}}; {REMEASURE}")
+    if not _rates(data.get("expert_tflops", {})):
+        raise ValueError(f"{where}: expert_tflops is {data['expert_tflops']!r}, not {{ep: TFLOP/s}}; {REMEASURE}")
+    reduced = data.get("reduced_expert_tflops", {})
+    if not isinstance(reduced, dict) or not all(str(n).isdigit() and _rates(v) for n, v in reduced.items()):
+        raise ValueError(f"{where}: reduced_expert_tflops is {reduced!r}, not {{tokens: {{ep: TFLOP/s}}}}; {REMEASURE}")
+
+
+def _rates(value) -> bool:
+    """``{whole number: TFLOP/s}`` with every rate a positive number."""
+    if not isinstance(value, dict):
+        return False
+    return all(str(n).isdigit() and int(n) > 0 and positive_number(v) for n, v in value.items())
 
 
 def positive_number(value) -> bool:
@@ -326,6 +363,14 @@ def cluster_from_data(data: dict, margin: float = 0.1) -> Cluster:
         model=str(data.get("model", "")),
         assumed=tuple(data.get("assumed", ())),
         overlap=float(data.get("overlap", 1.0)),
+        expert_tflops=tuple(sorted((int(ep), float(v)) for ep, v in data.get("expert_tflops", {}).items())),
+        reduced_expert_tflops=tuple(
+            sorted(
+                (int(t), int(ep), float(v))
+                for t, sizes in data.get("reduced_expert_tflops", {}).items()
+                for ep, v in sizes.items()
+            )
+        ),
     )
     return Cluster(gpu, data["gpus_per_node"], data["nodes"], 1.0, margin=margin, calibration=calibration)
 

@@ -85,13 +85,15 @@ def step_counts(model_config, fcsd_config, layout, target: str = "cpu") -> dict:
 
 
 def calibrated_for(cluster: Cluster, tokens: int) -> Cluster:
-    """``cluster`` with its GEMM rate taken at the reduced shapes of ``tokens`` tokens, where the file measured them
-    (the rate at the model's own shapes otherwise)."""
+    """``cluster`` with its GEMM rate and its grouped expert GEMMs' rates taken at the reduced shapes of ``tokens``
+    tokens, where the file measured them (the rates at the model's own shapes otherwise; a file with a reduced GEMM
+    rate but no reduced expert rates measured the experts among its GEMMs)."""
     calibration = cluster.calibration
     rate = calibration.reduced_rate(tokens) if calibration is not None else None
     if rate is None:
         return cluster
-    return replace(cluster, gpu=replace(cluster.gpu, tflops=rate / 1e12 / cluster.mfu))
+    calibration = replace(calibration, expert_tflops=calibration.reduced_experts(tokens))
+    return replace(cluster, gpu=replace(cluster.gpu, tflops=rate / 1e12 / cluster.mfu), calibration=calibration)
 
 
 def predict_step(model_config, fcsd_config, layout, cluster: Cluster, estimate=None, target: str | None = None) -> dict:

@@ -41,7 +41,8 @@ class StepEstimate:
     ``teacher``: parameters, their gradients, AdamW states and the frozen teacher held by this process), the
     largest amount of ``activations`` (forward and backward) and ``loss`` (the chunked head loss, or the logits of
     a sharded head) alive at any moment, the ``peak`` of everything together and what was alive then (``at_peak``);
-    ``flops`` by phase for ``tokens`` tokens of one micro-batch."""
+    ``flops`` by phase for ``tokens`` tokens of one micro-batch, ``expert_flops`` of them in the routed experts'
+    grouped GEMMs (priced at their own rate: :meth:`fcsd.plan.cluster.Cluster.expert_rate`)."""
 
     layout: Layout
     peak: int
@@ -58,6 +59,7 @@ class StepEstimate:
     peak_phase: str = ""
     host: int = 0  # bytes kept in host memory at most (train.checkpoint_offload's rows for the replay)
     extra: dict = field(default_factory=dict)
+    expert_flops: float = 0.0
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("peak", "peak_phase", "at_peak", *CATEGORIES, "host", "flops", "tokens")}
@@ -259,6 +261,7 @@ def track_step(run: Run, target: str = "cpu") -> dict:
             "host": tracker.largest.get(HOST, 0),
         },
         "flops": dict(tracker.flops),
+        "expert_flops": tracker.expert_flops,
     }
 
 
@@ -314,6 +317,7 @@ def _estimate(measured: dict, layout: Layout, tokens: int, accumulation: int) ->
         loss=int(measured["largest"]["loss"]),
         host=int(measured["largest"].get("host", 0)),
         flops=dict(measured["flops"]),
+        expert_flops=float(measured.get("expert_flops", 0.0)),
         tokens=tokens,
         accumulation=accumulation,
         peak_phase=phase,
@@ -332,8 +336,8 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
 
     plan = reduction_for(model_config, fcsd_config, layout)
     measured = results(model_config, fcsd_config, layout, target, plan.subsets)
-    keys = ("static", "largest", "flops", "buckets")
-    combined = {key: plan.combine([m[key] for m in measured]) for key in keys}
+    keys = ("static", "largest", "flops", "buckets", "expert_flops")
+    combined = {key: plan.combine([m.get(key, 0.0) for m in measured]) for key in keys}
     phases = {name for m in measured for name in m["phases"]}
     combined["phases"] = {name: plan.combine([m["phases"].get(name, {}) for m in measured]) for name in phases}
     estimate = _estimate(combined, layout, layout.micro_batch * config.data.seq_len, accumulation_steps(config, layout))

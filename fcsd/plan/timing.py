@@ -3,7 +3,9 @@ Appendix B).
 
 A training step's time per GPU is its FLOPs (counted through the real step by :mod:`fcsd.plan.simulate`: student
 forward and backward, recomputation under checkpointing, the loss, the online teacher's forward) at ``mfu`` of the
-GPU's peak, plus the communication the step cannot hide (:class:`StepTime` keeps each part):
+GPU's peak (with a cluster file: the measured GEMM rate, and the routed experts' grouped GEMMs at the rate measured
+for the layout's EP size, :meth:`~fcsd.plan.cluster.Cluster.expert_rate`), plus the communication the step cannot
+hide (:class:`StepTime` keeps each part):
 
 - expert parallelism over ``P`` GPUs (:func:`exchange`), each MoE layer's Dispatch and Combine, forward and backward.
   Inside a node (``P`` at most the GPUs of a node: the plain dispatcher) one all-to-all each of ``tokens x top_k``
@@ -331,8 +333,10 @@ def step_time(
     processes = layout.processes
     tokens = batch_tokens // processes  # per GPU and step
     flops_per_token = sum(estimate.flops.values()) / estimate.tokens
+    expert_per_token = min(estimate.expert_flops / estimate.tokens, flops_per_token)
     peak = cluster.gpu.tflops * 1e12
-    compute = tokens * flops_per_token / (peak * cluster.mfu)
+    compute = tokens * (flops_per_token - expert_per_token) / (peak * cluster.mfu)
+    compute += tokens * expert_per_token / cluster.expert_rate(layout.ep_size)
     online = layout.teacher == "online"
     a2a, fsdp, dp, host = Exposure(), 0.0, 0.0, 0.0
     grad_bytes = estimate.gradients  # fp32 gradients held by this GPU

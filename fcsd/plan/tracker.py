@@ -128,6 +128,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_phase = ""
         self.phase_peaks: dict[str, tuple[int, dict[str, int]]] = {}  # phase -> (its peak, what was alive then)
         self.flops: dict[str, float] = defaultdict(float)
+        self.expert_flops = 0.0  # of them, the routed experts' grouped GEMMs (``_grouped_mm``), every phase
         self._storages = WeakIdKeyDictionary()  # storage -> [bytes, category]
         self._resize = None
 
@@ -237,7 +238,10 @@ class MemoryTracker(TorchDispatchMode):
             self._change(self.phase, -scratch)
         else:
             out = func(*args, **(kwargs or {}))
-        self.flops[self.phase] += count_flops(func, args, kwargs, out)
+        flops = count_flops(func, args, kwargs, out)
+        self.flops[self.phase] += flops
+        if func._overloadpacket is aten._grouped_mm:
+            self.expert_flops += flops
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
                 self.track(tensor)
