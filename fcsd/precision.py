@@ -15,25 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fcsd.connectivity.adapters import in_compute_dtype
+
 _CLASSES: dict[type, type] = {}
-
-
-def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast computes matmuls in on ``tensor``'s device, or ``None`` where autocast is off."""
-    kind = tensor.device.type
-    if kind == "meta" or not torch.is_autocast_enabled(kind):
-        return None
-    return torch.get_autocast_dtype(kind)
-
-
-def in_compute_dtype(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module``'s own floating-point parameters cast to the autocast dtype (empty when autocast is off or they
-    are in that dtype already)."""
-    params = {name: p for name, p in module.named_parameters(recurse=False) if p.is_floating_point()}
-    dtype = autocast_dtype(next(iter(params.values()))) if params else None
-    if dtype is None or all(p.dtype == dtype for p in params.values()):
-        return {}
-    return {name: p.to(dtype) for name, p in params.items()}
 
 
 class _CastView:

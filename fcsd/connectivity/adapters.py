@@ -92,6 +92,24 @@ def deepseek_groups(always: bool):
     return routing_groups
 
 
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes matmuls in on ``tensor``'s device, or ``None`` where autocast is off."""
+    kind = tensor.device.type
+    if kind == "meta" or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def in_compute_dtype(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s own floating-point parameters cast to the autocast dtype (empty when autocast is off or they
+    are in that dtype already): transformers' grouped experts kernel is no autocast op (:mod:`fcsd.precision`)."""
+    params = {name: p for name, p in module.named_parameters(recurse=False) if p.is_floating_point()}
+    dtype = autocast_dtype(next(iter(params.values()))) if params else None
+    if dtype is None or all(p.dtype == dtype for p in params.values()):
+        return {}
+    return {name: p.to(dtype) for name, p in params.items()}
+
+
 def weighted_experts(moe: nn.Module, tokens_RD, expert_ids_RK, weights_RK) -> torch.Tensor:
     """Experts modules taking ``(rows, ids, weights)`` and weighting their outputs (all families but Llama-4)."""
     return moe.experts(tokens_RD, expert_ids_RK, weights_RK)
@@ -104,15 +122,13 @@ def llama4_experts(moe: nn.Module, tokens_RD, expert_ids_RK, weights_RK) -> torc
     to 0, so the sums are the same). No host synchronisation; each row's pairs are summed in fp32."""
     from transformers.integrations.moe import _default_apply_gate, grouped_mm_experts_forward
 
-    from fcsd.precision import in_compute_dtype
-
     experts = moe.experts
     weights = {"gate_up_proj": experts.gate_up_proj, "down_proj": experts.down_proj, **in_compute_dtype(experts)}
     num_rows, num_slots = expert_ids_RK.shape
     pairs = tokens_RD.repeat_interleave(num_slots, dim=0, output_size=num_rows * num_slots)
     scaled = (pairs.float() * weights_RK.reshape(-1, 1).float()).to(tokens_RD.dtype)
     kernel = types.SimpleNamespace(
-        **weights,  # in the autocast dtype under autocast (fcsd.precision)
+        **weights,  # in the autocast dtype under autocast
         num_experts=experts.gate_up_proj.shape[0],  # held here; ids beyond are experts held elsewhere (skipped)
         _is_expert_parallel=True,
         has_gate=True,

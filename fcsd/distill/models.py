@@ -71,24 +71,22 @@ def load_models(
     if need_teacher:
         keep_fp8 = config.teacher.dtype == "fp8"  # a block-FP8 source's FP8 modules (fcsd.fp8); else dequantized
         dtype = _dtype("bfloat16" if keep_fp8 else config.teacher.dtype, cuda, "float32", "bfloat16")
-        if keep_fp8:
-            from fcsd.fp8 import check_fp8_modules, fp8_settings
-
-            check_fp8_modules(fp8_settings(load_config(path, revision=config.model.revision)), path)
-            if teacher_load is not from_pretrained:
-                raise ValueError(
-                    "teacher.dtype=fp8 loads the teacher whole with transformers' FP8 modules, which fcsd's parallel "
-                    "layouts (parallel.ep_size / parallel.fsdp) do not shard: use teacher.dtype=auto"
-                )
-        fp8 = {"keep_fp8": True, "device_map": {"": device}} if keep_fp8 else {}
-        teacher = teacher_load(path, dtype=dtype, **common, **fp8)
+        if keep_fp8 and teacher_load is not from_pretrained:  # its kernels: fcsd.fp8.check_fp8_modules
+            raise ValueError(
+                "teacher.dtype=fp8 loads the teacher whole with transformers' FP8 modules, which fcsd's parallel "
+                "layouts (parallel.ep_size / parallel.fsdp) do not shard: use teacher.dtype=auto"
+            )
+        fp8 = {"keep_fp8": True} if keep_fp8 else {}
+        placed = straight_to(device) if teacher_load is from_pretrained else {}
+        teacher = teacher_load(path, dtype=dtype, **common, **fp8, **placed)
         teacher.eval().requires_grad_(False).to(device)
     if need_student:
         from fcsd.export.composite import record_source
 
         source_config = load_config(path, revision=config.model.revision)  # an export's: its stock config
         dtype = _dtype(config.model.dtype, cuda, "float32", "float32")
-        student = student_load(path, layers=config.farskip.layers, dtype=dtype, **common)
+        placed = straight_to(device) if student_load is from_pretrained and not sharded_by_accelerate() else {}
+        student = student_load(path, layers=config.farskip.layers, dtype=dtype, **common, **placed)
         student.config.dtype = source_config.dtype
         record_source(student.config, source_config)  # final/ says whether its export puts a vision tower back
     for model in (teacher, student):
@@ -100,6 +98,23 @@ def load_models(
         vocab = student.get_output_embeddings().out_features
         losses.check_vocabularies(vocab, teacher.get_output_embeddings().out_features)
     return teacher, student
+
+
+def sharded_by_accelerate() -> bool:
+    """Whether accelerate shards the student from host memory (its FSDP or DeepSpeed plugins)."""
+    from accelerate.utils import parse_flag_from_env
+
+    return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+
+
+def straight_to(device: torch.device) -> dict:
+    """Load options that read the weights straight onto ``device`` (transformers builds the model on the meta device
+    and fills it from the files), so that no process of a DDP job holds a whole fp32 model in host memory on its way
+    to its GPU; on the CPU too, so that the path is tested there. Not under DeepSpeed ZeRO-3, whose loader refuses a
+    ``device_map``."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return {} if is_deepspeed_zero3_enabled() else {"device_map": {"": device}}
 
 
 def _dtype(name: str, cuda: bool, cpu_default: str, gpu_default: str) -> torch.dtype:
