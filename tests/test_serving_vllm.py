@@ -11,10 +11,14 @@ vllm_generate.py) and the matrix covers each code path once:
   converted -> stock hand-overs;
 - qwen2_moe, mixtral, olmoe, deepseek_v2, deepseek_v3 (all), TP 1: each family vLLM's CPU build runs (gated shared
   expert; MLA + shared experts + a dense first layer; DeepSeek-V3's biased sigmoid router);
-- qwen3_moe all, TP 2, overlap auto (on) and off: the overlapped routed all-reduce (gloo async) and the reference;
-- qwen3_moe all, TP 2, compiled (vLLM's CPU default: one Dynamo trace, Inductor), overlap auto (on), and its stock
-  copy compiled at TP 2: the overlap without eager mode, and its negative control;
-- qwen2_moe all, TP 2, overlap on: shared experts and a converted dense layer under tensor parallelism;
+- qwen3_moe all, TP 2, overlap auto (on) in every forward (prefill and decode: farskip_overlap_above_tokens 0) and
+  off: the overlapped routed all-reduce (gloo async) and the reference;
+- qwen3_moe all, TP 2, compiled (vLLM's CPU default: one Dynamo trace, Inductor), overlap auto (on) in every forward,
+  and its stock copy compiled at TP 2: the overlap without eager mode, and its negative control;
+- qwen2_moe all, TP 2, overlap on in every forward: shared experts and a converted dense layer under tensor
+  parallelism;
+- (a fixture of its own) qwen3_moe all, TP 2, eager and compiled, overlapped only in forwards of more than 4 tokens
+  (prefill) and blocking in the others (decode), and the stock copy at TP 2: the per-forward choice;
 - a stock copy of qwen3_moe all, TP 1: the negative control;
 - `vllm serve` of qwen3_moe last:50%: the server, vLLM's default compiled (dynamo) mode, text in and out.
 """
@@ -166,10 +170,10 @@ def served(tmp_path_factory, tokenizer):
     jobs += [job("stock", stock), job("unserved", unserved), job("corrupt", corrupt)]
     jobs += [job(name, folder) for name, folder in exports_edited.items()]
     jobs += [
-        job("qwen3_moe-all-tp2", exports["qwen3_moe-all"], tp=2),
+        job("qwen3_moe-all-tp2", exports["qwen3_moe-all"], tp=2, overlap_above=0),
         job("qwen3_moe-all-tp2-blocking", exports["qwen3_moe-all"], tp=2, overlap=False),
-        job("qwen2_moe-all-tp2", exports["qwen2_moe-all"], tp=2, overlap=True),
-        job("qwen3_moe-all-tp2-compiled", exports["qwen3_moe-all"], tp=2, eager=False),
+        job("qwen2_moe-all-tp2", exports["qwen2_moe-all"], tp=2, overlap=True, overlap_above=0),
+        job("qwen3_moe-all-tp2-compiled", exports["qwen3_moe-all"], tp=2, eager=False, overlap_above=0),
         job("stock-tp2-compiled", stock, tp=2, eager=False),
     ]
     served = run_worker(jobs, root / "out.json")
@@ -185,6 +189,48 @@ def served(tmp_path_factory, tokenizer):
         "absent_log": absent["log"],
         "exports": exports,
     }
+
+
+ABOVE = 4  # farskip_overlap_above_tokens of the per-forward fixture: prefill (7 + 11 tokens) overlaps, decode not
+
+
+@pytest.fixture(scope="module")
+def by_tokens(tmp_path_factory, tokenizer):
+    """qwen3_moe all at TP 2 overlapped above ABOVE tokens, eager and compiled, and its stock copy: vLLM's outputs,
+    each worker's overlap counts, fcsd's reference."""
+    root = tmp_path_factory.mktemp("by-tokens")
+    model = fcsd.apply_farskip(build("qwen3_moe", len(tokenizer)), "all")
+    folder = export(model, tokenizer, root / "qwen3_moe-all")
+    stock = stock_copy(folder, root / "stock")
+    expected = {"farskip": reference(model), "stock": reference(fcsd.remove_farskip(fcsd.from_pretrained(str(folder))))}
+    common = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": TOP_N, "tp": 2, "overlap_above": ABOVE}
+    jobs = [
+        {"name": "eager", "model": str(folder), **common},
+        {"name": "compiled", "model": str(folder), "eager": False, **common},
+        {"name": "stock", "model": str(stock), **common},
+    ]
+    return {"expected": expected, **run_worker(jobs, root / "out.json")}
+
+
+@pytest.mark.parametrize("name", ["eager", "compiled"])
+def test_prefill_overlaps_and_decode_reduces_at_once_and_both_match_fcsd(by_tokens, name):
+    """farskip_overlap_above_tokens: forwards of more tokens (prefill) start the routed all-reduce and wait it after
+    the next attention, smaller ones (decode: what vLLM captures in CUDA graphs on GPUs) reduce with vLLM's own
+    all-reduce, on every worker; greedy tokens equal fcsd's, and the stock copy served alike differs."""
+    got = outputs(by_tokens, name)
+    assert mismatch(by_tokens["expected"]["farskip"], got) is None
+    assert [o["tokens"] for o in got] == [e["tokens"] for e in by_tokens["expected"]["farskip"]]
+    assert f"overlapped in forwards of more than {ABOVE} tokens" in by_tokens["log"]
+    stats = by_tokens["results"][name]["overlap_stats"]
+    assert len(stats) == 2, stats
+    for worker in stats:
+        assert worker["started"] and worker["waited"] == worker["started"] and worker["blocking"], worker
+        assert worker["blocking_max_tokens"] <= ABOVE < worker["started_min_tokens"], worker
+        if name == "compiled":  # the choice is made inside the compiled code's routed ops
+            assert worker["compiled_calls"] >= worker["started"] + worker["blocking"] + worker["waited"], worker
+    control = outputs(by_tokens, "stock")
+    assert mismatch(by_tokens["expected"]["stock"], control) is None
+    assert mismatch(by_tokens["expected"]["farskip"], control) is not None
 
 
 def identity_edits(config: dict) -> dict:
@@ -403,25 +449,43 @@ def test_the_routed_ops_split_vllms_piecewise_graph_around_the_next_attention():
 
 def test_the_plugin_places_the_routed_ops_by_vllms_execution_settings():
     """With vLLM's own CompilationConfig (a CUDA device pretended): under piecewise compilation split at attention the
-    routed ops join the splitting ops and full CUDA graphs (vLLM's GPU default, and decode-only) are lowered to
-    piecewise; CUDA graphs with no split at attention (splitting ops without it, breakable graphs of an eager model)
-    leave ``auto`` off and refuse ``true`` in one line; --enforce-eager overlaps."""
+    routed ops join the splitting ops and full CUDA graphs (vLLM's GPU default, and decode-only) stay full: only
+    forwards above vLLM's largest capture size (256 here; 512 without graphs) overlap, the captured ones reduce with
+    vLLM's all-reduce; CUDA graphs with no split at attention (splitting ops without it, breakable graphs of an eager
+    model) leave ``auto`` off and refuse ``true`` in one line; --enforce-eager overlaps."""
     worker = Path(__file__).parent / "workers" / "vllm_overlap_modes.py"
     done = subprocess.run([vllm_python(), worker], capture_output=True, text=True, env=vllm_env(), timeout=600)
     assert done.returncode == 0, done.stderr
     cases = json.loads(done.stdout.strip().splitlines()[-1])
     for name in ("gpu default (piecewise, full and piecewise graphs)", "gpu full decode only"):
         case = cases[name]
-        assert case["auto"] and case["true"] == "on" and case["cudagraph_mode"] == "PIECEWISE", case
+        assert case["auto"] and case["true"] == "on", case
         assert case["splitting_ops"][-2:] == ["fcsd::farskip_routed_start", "fcsd::farskip_routed_wait"], case
+        assert case["above_tokens"] == 256, case
+        assert case["overlaps"] == {"1": False, "256": False, "257": True, "8192": True}, case
     for name in ("gpu splitting ops without attention", "gpu breakable graphs (mode none)"):
         case = cases[name]
         assert not case["auto"] and case["true"].startswith("refused: farskip_overlap=true cannot run"), case
         assert "\n" not in case["true"] and not any("fcsd" in op for op in case["splitting_ops"] or []), case
     assert cases["gpu breakable graphs (mode none)"]["cudagraph_mode"] == "PIECEWISE"
     assert cases["gpu splitting ops without attention"]["cudagraph_mode"] == "FULL"  # not lowered: nothing to split
+    assert cases["gpu default (piecewise, full and piecewise graphs)"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    assert cases["gpu full decode only"]["cudagraph_mode"] == "FULL_DECODE_ONLY"  # decode keeps its full graphs
     eager = cases["gpu enforce eager"]
     assert eager["auto"] and eager["true"] == "on" and eager["what"] == "eager"
+    assert eager["above_tokens"] == 512 and eager["overlaps"]["513"] and not eager["overlaps"]["512"]
+
+
+def test_overlap_token_threshold_setting():
+    """farskip_overlap_above_tokens: auto is vLLM's largest CUDA-graph capture size (512 without graphs), a number
+    is taken as is, anything else is refused in one line."""
+    from fcsd.serving.vllm.overlap import resolve_above_tokens
+
+    assert resolve_above_tokens(None, 256) == 256 and resolve_above_tokens("auto", None) == 512
+    assert resolve_above_tokens(0, 256) == 0 and resolve_above_tokens("2048", 256) == 2048
+    for bad in (-1, "many", 1.5, True):
+        with pytest.raises(ValueError, match="farskip_overlap_above_tokens=.*expected a whole number"):
+            resolve_above_tokens(bad, 256)
 
 
 def test_overlap_switch():

@@ -2,8 +2,9 @@
 greedy tokens with their top-k log-probabilities. One process for many engines saves vLLM's import time.
 
 argv: JOBS.json OUT.json. A job: {"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "tp", "eager",
-"overlap" (null = the plugin's default)}. A result holds the outputs and each worker's overlap counts (started,
-waited); a job that fails records {"error": <last line of the exception>}.
+"overlap" (null = the plugin's default), "overlap_above" (farskip_overlap_above_tokens; null = default)}.
+A result holds the outputs and each worker's overlap counts (started, waited, blocking); a job that fails records
+{"error": <last line of the exception>}.
 """
 
 import gc
@@ -27,6 +28,8 @@ def run(job):
 
     bind_threads(job.get("tp", 1))
     additional = {} if job.get("overlap") is None else {"farskip_overlap": job["overlap"]}
+    if job.get("overlap_above") is not None:
+        additional["farskip_overlap_above_tokens"] = job["overlap_above"]
     llm = LLM(
         job["model"],
         dtype="float32",

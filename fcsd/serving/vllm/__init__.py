@@ -11,6 +11,7 @@ neither vLLM nor the rest of fcsd.
 from __future__ import annotations
 
 OVERLAP_KEY = "farskip_overlap"  # vLLM `additional_config` key: "auto" (default), true or false
+ABOVE_TOKENS_KEY = "farskip_overlap_above_tokens"  # forwards of more tokens overlap: "auto" (default) or a number
 
 
 def register() -> None:

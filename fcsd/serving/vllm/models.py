@@ -13,10 +13,10 @@ import importlib
 import torch
 from torch import nn
 
-from fcsd.serving.vllm import OVERLAP_KEY
+from fcsd.serving.vllm import ABOVE_TOKENS_KEY, OVERLAP_KEY
 from fcsd.serving.vllm.families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
 from fcsd.serving.vllm.moe import check_runner
-from fcsd.serving.vllm.overlap import RoutedAllReduce, resolve_overlap, split_at_routed_ops
+from fcsd.serving.vllm.overlap import RoutedAllReduce, resolve_above_tokens, resolve_overlap, split_at_routed_ops
 from fcsd.serving.vllm.wiring import (
     FarSkipDecoderLayerMixin,
     LayerWiring,
@@ -87,23 +87,21 @@ def _execution(vllm_config) -> tuple[str, bool, bool]:
 
 
 def _place_routed_ops(vllm_config, piecewise: bool, log) -> None:
-    """With the overlap on under piecewise compilation: the routed ops split vLLM's graphs too, and CUDA graphs of
-    the whole forward (``FULL``, ``FULL_DECODE_ONLY``, ``FULL_AND_PIECEWISE``) are lowered to piecewise ones (a
-    captured graph cannot hold the started all-reduce)."""
-    from vllm.config import CUDAGraphMode
+    """With the overlap on under piecewise compilation: the routed ops split vLLM's graphs too. The CUDA-graph mode
+    stays as vLLM set it: full graphs (decode) capture the routed ops' blocking path, as every captured forward takes
+    it (:meth:`~fcsd.serving.vllm.overlap.RoutedAllReduce.overlaps`)."""
+    if piecewise:
+        split_at_routed_ops(vllm_config.compilation_config)
 
+
+def _above_tokens(vllm_config, setting) -> int:
+    """:func:`~fcsd.serving.vllm.overlap.resolve_above_tokens` at vLLM's largest CUDA-graph capture size (where
+    CUDA graphs are on)."""
     compilation = vllm_config.compilation_config
-    if not piecewise:
-        return
-    split_at_routed_ops(compilation)
-    cudagraphs = getattr(compilation, "cudagraph_mode", None)
-    if torch.cuda.is_available() and cudagraphs is not None and cudagraphs.has_full_cudagraphs():
-        log.info(
-            "FarSkip overlap: CUDA graphs %s lowered to PIECEWISE (the routed all-reduce runs between the graphs; "
-            "farskip_overlap=false keeps full graphs)",
-            cudagraphs,
-        )
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    graphs = not vllm_config.model_config.enforce_eager and torch.cuda.is_available()
+    graphs = graphs and bool(getattr(compilation, "cudagraph_mode", None))
+    capture = getattr(compilation, "max_cudagraph_capture_size", None) if graphs else None
+    return resolve_above_tokens(setting, capture)
 
 
 def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
@@ -125,11 +123,12 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
     tp_size = get_tensor_model_parallel_world_size()
     log = init_logger("vllm.farskip")
     execution, piecewise, unsplit_graphs = _execution(vllm_config)
-    setting = (vllm_config.additional_config or {}).get(OVERLAP_KEY)
-    overlap_on = resolve_overlap(setting, tp_size, unsplit_graphs)
+    additional = vllm_config.additional_config or {}
+    overlap_on = resolve_overlap(additional.get(OVERLAP_KEY), tp_size, unsplit_graphs)
+    above = _above_tokens(vllm_config, additional.get(ABOVE_TOKENS_KEY))
     overlap = None
     if overlap_on:
-        overlap = RoutedAllReduce(get_tp_group().make_sibling_device_group("farskip_routed"))
+        overlap = RoutedAllReduce(get_tp_group().make_sibling_device_group("farskip_routed"), above)
         _place_routed_ops(vllm_config, piecewise, log)
     chosen = set(converted)
     # the layers that may start a routed all-reduce for their successor: MoE layers (a converted dense one has no
@@ -162,13 +161,16 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
         layer.__class__ = farskip_layer_class(type(layer))
         layer._farskip = wiring
     log.info(
-        "FarSkip connectivity on layers %s of %d (%s); routed all-reduce %s (tensor-parallel size %d), %s",
+        "FarSkip connectivity on layers %s of %d (%s); routed all-reduce %s (tensor-parallel size %d), %s%s",
         converted,
         num_layers,
         family.architecture,
         "overlapped" if overlap_on else "blocking",
         tp_size,
         execution,
+        f"; overlapped in forwards of more than {above} tokens (smaller ones and CUDA graphs: blocking)"
+        if overlap_on
+        else "",
     )
     return converted
 

@@ -23,8 +23,14 @@ the handle lives on the host between them.
 - vLLM's default CPU compilation (one Dynamo trace, Inductor) calls both ops from the compiled code;
 - vLLM's piecewise compilation (GPUs) gets both as splitting ops (:func:`split_at_routed_ops`): they run eagerly
   between the compiled pieces, so the pieces can be captured as CUDA graphs while the all-reduce runs beside the
-  next piece. Full CUDA graphs would capture the side stream and the host handle, so with the overlap on the
-  CUDA-graph mode is lowered to piecewise (said in the log); ``farskip_overlap=false`` keeps full graphs.
+  next piece.
+
+**Where it overlaps.** The start decides per forward, at run time, by the forward's token count (static per captured
+graph size): a forward of more than ``above_tokens`` tokens (``farskip_overlap_above_tokens``; default vLLM's largest
+CUDA-graph capture size, 512 without graphs) overlaps; a smaller one, and any forward being captured into a CUDA
+graph, reduces at once with vLLM's own all-reduce (its custom all-reduce on GPUs), in place, and the wait finds
+nothing pending. Decode keeps vLLM's full CUDA graphs (nothing started is ever captured) and prefill-sized batches,
+which run outside graphs, overlap.
 """
 
 from __future__ import annotations
@@ -33,7 +39,17 @@ import torch
 
 _CHANNELS: dict[str, RoutedAllReduce] = {}  # name -> the model's RoutedAllReduce (vLLM: one model per worker)
 # what this process did: all-reduces started and waited, and how many of those calls came from compiled code
-STATS = {"started": 0, "waited": 0, "compiled_calls": 0}
+# and the routed all-reduces a small forward reduced at once (blocking), with the fewest tokens a started one had and
+# the most a blocking one had
+STATS = {
+    "started": 0,
+    "waited": 0,
+    "compiled_calls": 0,
+    "blocking": 0,
+    "started_min_tokens": 0,
+    "blocking_max_tokens": 0,
+}
+DEFAULT_ABOVE_TOKENS = 512  # without CUDA graphs: forwards of more tokens overlap (vLLM's default capture size)
 ROUTED_OPS = ("fcsd::farskip_routed_start", "fcsd::farskip_routed_wait")
 
 
@@ -57,8 +73,9 @@ class RoutedAllReduce:
     """Starts the routed all-reduces of one model on ``group`` (a process group with the tensor-parallel ranks) and
     holds each started one under its layer's key until it is waited."""
 
-    def __init__(self, group):
+    def __init__(self, group, above_tokens: int = 0):
         self.group = group
+        self.above_tokens = above_tokens  # forwards of more tokens overlap; the others reduce at once
         self.name = "routed"  # a fixed name: compiled graphs (and vLLM's cache of them) hold it as a constant
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: dict[str, Pending] = {}
@@ -86,13 +103,28 @@ class RoutedAllReduce:
         tensor.record_stream(side)  # the allocator must not reuse it before the side stream is done
         return Pending(tensor, event=done)
 
+    def overlaps(self, tensor: torch.Tensor) -> bool:
+        """Whether the forward of ``tensor`` (tokens x hidden) overlaps: more than :attr:`above_tokens` tokens and
+        not being captured into a CUDA graph (the same on every rank: the tokens are replicated over the group)."""
+        if tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        return tensor.shape[0] > self.above_tokens
+
     def park(self, key: str, tensor: torch.Tensor) -> None:
-        """Start ``tensor``'s sum under ``key``; one still pending there (never waited) is completed first, so that
-        every rank keeps issuing the same collectives."""
+        """Start ``tensor``'s sum under ``key`` where the forward overlaps (:meth:`overlaps`), else sum it now in place
+        with vLLM's all-reduce; one still pending under ``key`` (never waited) is completed first, so that every rank
+        keeps issuing the same collectives."""
         stale = self._pending.pop(key, None)
         if stale is not None:
             stale.wait()
+        if not self.overlaps(tensor):
+            tensor.copy_(blocking_all_reduce(tensor))
+            STATS["blocking"] += 1
+            STATS["blocking_max_tokens"] = max(STATS["blocking_max_tokens"], tensor.shape[0])
+            return
         self._pending[key] = self.start(tensor)
+        low = STATS["started_min_tokens"]
+        STATS["started_min_tokens"] = tensor.shape[0] if not STATS["started"] else min(low, tensor.shape[0])
         STATS["started"] += 1
 
     def take(self, key: str) -> None:
@@ -163,6 +195,21 @@ def blocking_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     from vllm.distributed import tensor_model_parallel_all_reduce
 
     return tensor_model_parallel_all_reduce(tensor)
+
+
+def resolve_above_tokens(setting, capture_size: int | None) -> int:
+    """Forwards of more tokens than this overlap: ``setting`` is vLLM's
+    ``additional_config["farskip_overlap_above_tokens"]`` (``"auto"``/None: ``capture_size``, vLLM's largest CUDA-graph
+    capture size where graphs are on, else :data:`DEFAULT_ABOVE_TOKENS`; 0 overlaps every forward outside a capture)."""
+    if setting is None or (isinstance(setting, str) and setting.lower() == "auto"):
+        return capture_size if capture_size else DEFAULT_ABOVE_TOKENS
+    try:
+        value = int(setting) if not isinstance(setting, bool) and float(setting) == int(setting) else -1
+    except (TypeError, ValueError):
+        value = -1
+    if value < 0:
+        raise ValueError(f"farskip_overlap_above_tokens={setting!r}: expected a whole number of tokens >= 0, or auto")
+    return value
 
 
 def resolve_overlap(setting, tp_size: int, unsplit_graphs: bool = False) -> bool:
