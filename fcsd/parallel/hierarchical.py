@@ -31,6 +31,7 @@ Seam for node-aware kernels (DeepEP-style fused forwarding): the two hops are th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -215,21 +216,71 @@ def _same(rank: int) -> int:
     return 0  # every rank of a node group shares the node
 
 
+def default_group_timeout():
+    """The default process group's timeout (``parallel.timeout_minutes`` once the run set it), for the groups made
+    after it; None outside a job (torch's own default then)."""
+    if not dist.is_initialized():
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def _node_of_rank() -> str:
+    """This process's node: the launcher's node rank (``GROUP_RANK``), else the host name."""
+    import socket
+
+    return os.environ.get("GROUP_RANK") or socket.gethostname()
+
+
+def _span(ranks: list) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+
+
+def agreed_node_size(every: list, group_size: int) -> None:
+    """Refuse, in one line, ranks that took different node sizes (``every``: per rank ``(node, its processes, the
+    node size it took)``): each would create other node and rail groups, and all would wait in them forever."""
+    taken = sorted({size for _node, _local, size in every})
+    if len(taken) == 1:
+        return
+    nodes: dict = {}
+    for rank, (node, local, _size) in enumerate(every):
+        nodes.setdefault(node, (local, []))[1].append(rank)
+    described = ", ".join(f"node {node} ({_span(ranks)}): {local}" for node, (local, ranks) in nodes.items())
+    fits = [
+        size for size in sorted({local for local, _ranks in nodes.values()}, reverse=True) if group_size % size == 0
+    ]
+    suggestion = fits[0] if fits else "N"
+    raise ValueError(
+        f"parallel.dispatcher=hierarchical: the nodes differ in processes per node ({described}), so the ranks "
+        f"disagree on the node size ({' vs '.join(map(str, taken))}): set parallel.node_size={suggestion} for every "
+        "node (the same on all; it must divide parallel.ep_size)"
+    )
+
+
 def node_and_rail_groups(group, node_size: int) -> tuple:
     """This rank's node group and rail group inside expert-parallel ``group`` (``None``: the whole job) of
     consecutive-rank nodes of ``node_size``. Every rank of the job creates every such group, in the same order (torch
-    requires it): each rank's group membership is shared first with an object collective."""
+    requires it): each rank's group membership and node size are shared first with one object collective, a
+    disagreement refused (:func:`agreed_node_size`); the groups wait at most the default group's timeout."""
     mine = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or node_size)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    groups = sorted({tuple(ranks) for ranks in every})
+    dist.all_gather_object(every, (mine, _node_of_rank(), local, node_size))
+    agreed_node_size([entry[1:] for entry in every], len(mine))
+    groups = sorted({tuple(entry[0]) for entry in every})
+    timeout = default_group_timeout()
     found = {}
     for ranks in groups:
         nodes = [ranks[start : start + node_size] for start in range(0, len(ranks), node_size)]
         rails = [ranks[position::node_size] for position in range(node_size)]
         for kind, cuts in (("node", nodes), ("rail", rails)):
             for cut in cuts:
-                created = dist.new_group(list(cut))
+                created = dist.new_group(list(cut), timeout=timeout)
                 if dist.get_rank() in cut:
                     found[kind] = created
     return found["node"], found["rail"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fcsd.parallel.apply import expert_parallel
+from fcsd.parallel.hierarchical import default_group_timeout
 
 OPTIMIZER_SHARD = "optimizer_ep_rank{rank}.pt"  # each process's optimizer state (its experts' moments differ)
 DENSE_FILE = "model_replicated.pt"  # the non-expert weights, written by the main process
@@ -36,9 +37,9 @@ def expert_parallel_group(ep_size: int):
     options = None
     if dist.get_backend() == "nccl":
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
-    mine = None
+    mine, timeout = None, default_group_timeout()  # parallel.timeout_minutes, not torch's 10 or 30 minutes
     for first in range(0, world, ep_size):
-        group = dist.new_group(list(range(first, first + ep_size)), pg_options=options)
+        group = dist.new_group(list(range(first, first + ep_size)), pg_options=options, timeout=timeout)
         if first <= rank < first + ep_size:
             mine = group
     return mine
