@@ -99,12 +99,30 @@ BAD_FILES = [
     (lambda d: {**d, "tflops": -1.0}, "tflops is -1.0"),
     (lambda d: {**d, "host_gbps": "fast"}, "host_gbps is 'fast'"),
     (lambda d: {**d, "gpus_per_node": 0}, "gpus_per_node is 0"),
-    (lambda d: {**d, "latency_us": {"broadcast": {"2": 1.0}}}, "latency_us must map"),
+    (lambda d: {**d, "latency_us": {"broadcast": {"2": 1.0}}}, "latency_us is {'broadcast'"),
     (lambda d: {**d, "latency_us": {"all_gather": {"two": 1.0}}}, "latency_us.all_gather"),
     (lambda d: {**d, "reduced_tflops": {"128": 0}}, "reduced_tflops"),
     (lambda d: {**d, "overlap": 1.5}, "overlap is 1.5"),
     (lambda d: {**d, "expert_tflops": {"2": 0}}, "expert_tflops is"),
     (lambda d: {**d, "reduced_expert_tflops": {"128": {"x": 1.0}}}, "reduced_expert_tflops is"),
+    # every field's type and range, and every required field (a schema, not the first use's TypeError)
+    (lambda d: {**d, "assumed": 5}, "assumed is 5, not a list of the file's figures"),
+    (lambda d: {**d, "assumed": ["bogus"]}, "assumed is ['bogus']"),
+    (lambda d: {**d, "compute_capability": "9.0"}, "compute_capability is '9.0', not CUDA's [major, minor]"),
+    (lambda d: {**d, "threads": "two"}, "threads is 'two', not a whole number"),
+    (lambda d: {**d, "threads": -1}, "threads is -1, not a whole number of at least 1"),
+    (lambda d: {**d, "op_us": -2.0}, "op_us is -2.0"),
+    (lambda d: {**d, "name": 7}, "name is 7, not a text"),
+    (lambda d: {**d, "alltoall_intra_gbps": "x"}, "alltoall_intra_gbps is 'x'"),
+    (lambda d: {**d, "measurements": []}, "measurements is []"),
+    *[
+        (lambda d, key=key: {k: v for k, v in d.items() if k != key}, f"the field {key!r} is missing")
+        for key in ("op_us", "memory_gbps", "latency_us", "reduced_tflops", "host_memory_gib")
+    ],
+    (
+        lambda d: {k: v for k, v in d.items() if k not in ("op_us", "latency_us")},
+        "the fields 'op_us', 'latency_us' are missing",
+    ),
 ]
 
 
@@ -123,6 +141,33 @@ def test_bad_cluster_files_are_refused_in_one_line(tmp_path, capsys, content, pr
     assert main(["plan", "demo", "--cluster", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and problem in err and "fcsd bench cluster" in err
+
+
+def test_an_fp8_plan_on_a_file_with_a_text_compute_capability_is_refused_in_one_line(tmp_path, capsys):
+    from fcsd.cli import main
+
+    path, _ = made_up_file(tmp_path)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "compute_capability": "9.0"}))
+    assert main(["plan", "demo", "--cluster", str(path), "teacher.dtype=fp8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--cluster {path}: compute_capability is '9.0'" in err, err
+
+
+def test_one_process_keeps_the_presets_links_and_says_so():
+    """No collective measured: both links are the preset's (not a memcpy rate), listed under assumed and said."""
+    from fcsd.plan.calibrate import combine, format_cluster
+    from fcsd.plan.cluster import GPUS
+
+    alone = {**rank_result(0.04, 10.0, 500.0, 0.5), "collectives": []}
+    data = combine([alone], 1, 1, "none")
+    assert (data["intra_gbps"], data["inter_gbps"]) == (GPUS["h100"].intra_gbps, GPUS["h100"].inter_gbps)
+    assert data["assumed"] == ["intra_gbps", "inter_gbps"] and data["host_gbps"] == 3.0
+    note = [line for line in format_cluster(data).splitlines() if line.startswith("assumed")]
+    assert note == [
+        "assumed    intra_gbps, inter_gbps kept from the H100 SXM 80GB preset (360 / 45 GB/s): one process "
+        "measures no collective; run it under torchrun, or give --intra-gbps / --inter-gbps"
+    ]
 
 
 def test_plan_refuses_preset_options_beside_a_cluster_file(tmp_path, capsys):

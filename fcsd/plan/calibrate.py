@@ -51,6 +51,7 @@ from fcsd.plan.cluster import GIB, GPUS, write_cluster_file
 CPU_GEMM_FLOPS = 4e8  # the most FLOPs one measured GEMM takes on a CPU (its rows are cut to fit)
 REDUCED_TOKENS = (128, 256)  # the reduced run's micro-batch tokens (fcsd plan --measure: 128-token sequences)
 COLLECTIVE_KINDS = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+LINK_PRESET = "h100"  # the links a measurement without collectives keeps (fcsd plan's default --gpu)
 SMALL_BYTES = 4096  # the latency message (bytes of the collective's whole buffer)
 WORK_STEPS = 4  # tiny training steps before each latency message (a step's collectives follow compute)
 LARGE_BYTES = {"cpu": 16 * 2**20, "cuda": 512 * 2**20}  # the bandwidth message
@@ -724,15 +725,15 @@ def combine(results: list[dict], world: int, local: int, backend: str) -> dict:
         return len(found) / sum(1 / g for g in found)  # harmonic mean: equal bytes through each
 
     assumed = []
-    preset = GPUS["h100"] if first["device_name"] != "CPU" else None
+    preset = GPUS[LINK_PRESET]
     intra = bus("intra", ("all_gather", "reduce_scatter"))
     inter = bus("inter", ("all_gather", "reduce_scatter"))
-    if intra is None:
+    if intra is None:  # one process: no collective measured, both links stay the preset's (a memcpy is no link)
         assumed.append("intra_gbps")
-        intra = preset.intra_gbps if preset else min(r["host"]["gbps"] for r in results)
+        intra = preset.intra_gbps
     if inter is None:  # one node: GPUs keep the preset's NICs, a CPU its own (intra-node) figure
         assumed.append("inter_gbps")
-        inter = preset.inter_gbps if preset else intra
+        inter = preset.inter_gbps if first["device_name"] != "CPU" or "intra_gbps" in assumed else intra
     name = first["device_name"]
     threads = first["threads"]
     if name == "CPU":
@@ -801,6 +802,18 @@ def run_cluster_benchmark(model: str = "demo", out=None, tokens: int | None = No
             dist.destroy_process_group()
 
 
+def assumed_note(data: dict) -> str:
+    """What the file's ``assumed`` figures are: the preset's links where one process measured no collective."""
+    fields = ", ".join(data["assumed"])
+    if "intra_gbps" in data["assumed"]:
+        preset = GPUS[LINK_PRESET]
+        return (
+            f"{fields} kept from the {preset.name} preset ({preset.intra_gbps:g} / {preset.inter_gbps:g} GB/s): one "
+            "process measures no collective; run it under torchrun, or give --intra-gbps / --inter-gbps"
+        )
+    return f"{fields} (not measured here: give --intra-gbps / --inter-gbps)"
+
+
 def format_cluster(data: dict) -> str:
     """The cluster file's figures in a few lines."""
 
@@ -831,5 +844,5 @@ def format_cluster(data: dict) -> str:
     for kind, sizes in data["latency_us"].items():
         lines.append(f"latency    {kind}: " + ", ".join(f"{us:.0f} us over {n}" for n, us in sizes.items()))
     if data["assumed"]:
-        lines.append(f"assumed    {', '.join(data['assumed'])} (not measured here: give --intra-gbps / --inter-gbps)")
+        lines.append(f"assumed    {assumed_note(data)}")
     return "\n".join(lines)

@@ -241,7 +241,10 @@ def make_cluster(
 REMEASURE = "measure it again: `fcsd bench cluster --model MODEL --out FILE` (under torchrun for several processes)"
 NUMBERS = ("gpu_memory_gib", "host_memory_gib", "tflops", "intra_gbps", "inter_gbps", "host_gbps")
 COUNTS = ("nodes", "gpus_per_node")
-OPTIONAL = ("alltoall_intra_gbps", "alltoall_inter_gbps", "memory_gbps")
+OPTIONAL = ("alltoall_intra_gbps", "alltoall_inter_gbps")  # null where not measured
+REQUIRED = (*COUNTS, *NUMBERS, "op_us", "memory_gbps", "latency_us", "reduced_tflops")  # besides format, version
+TEXTS = ("name", "device", "backend", "model")
+FIGURES = (*NUMBERS, *OPTIONAL, "op_us", "memory_gbps")  # what "assumed" may name
 
 
 def write_cluster_file(path, data: dict) -> Path:
@@ -290,36 +293,74 @@ def check_cluster_data(data, path: str = "FILE") -> None:
             f"{where}: cluster file version {version!r}, this fcsd reads version {CLUSTER_VERSION}; upgrade fcsd or "
             + REMEASURE
         )
-    for key in (*COUNTS, *NUMBERS):
-        if key not in data:
-            raise ValueError(f"{where}: the field {key!r} is missing; {REMEASURE}")
+    missing = [key for key in REQUIRED if key not in data]
+    if missing:
+        names = ", ".join(repr(key) for key in missing)
+        raise ValueError(
+            f"{where}: the field{'s' if len(missing) > 1 else ''} {names} "
+            f"{'are' if len(missing) > 1 else 'is'} missing; {REMEASURE}"
+        )
+    for key, value, problem in _field_problems(data):
+        raise ValueError(f"{where}: {key} is {value!r}, {problem}; {REMEASURE}")
+
+
+def _field_problems(data: dict):
+    """``(field, value, what it should be)`` for each field of ``data`` of the wrong type or range (absent optional
+    ones pass), in the file's schema order."""
     for key in COUNTS:
-        value = data[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{where}: {key} is {value!r}, not a whole number of at least 1; {REMEASURE}")
-    for key in (*NUMBERS, *OPTIONAL, "op_us"):
-        value = data.get(key)
-        if key not in NUMBERS and value is None:
-            continue
-        if not positive_number(value) and not (key == "op_us" and value == 0):
-            raise ValueError(f"{where}: {key} is {value!r}, not a number above 0; {REMEASURE}")
+        if not _whole(data[key], 1):
+            yield key, data.get(key), "not a whole number of at least 1"
+    for key in NUMBERS + ("memory_gbps",):
+        if not positive_number(data[key]):
+            yield key, data.get(key), "not a number above 0"
+    if not (positive_number(data["op_us"]) or data["op_us"] == 0) or isinstance(data["op_us"], bool):
+        yield "op_us", data.get("op_us"), "not a number of at least 0 (microseconds)"
+    for key in OPTIONAL:
+        if data.get(key) is not None and not positive_number(data[key]):
+            yield key, data.get(key), "not a number above 0 (or null: not measured)"
+    for key in TEXTS:
+        if key in data and not isinstance(data[key], str):
+            yield key, data.get(key), "not a text"
+    if "threads" in data and not _whole(data["threads"], 1):
+        yield "threads", data.get("threads"), "not a whole number of at least 1 (torch's threads per process)"
     overlap = data.get("overlap", 1.0)
     if not isinstance(overlap, (int, float)) or isinstance(overlap, bool) or not 0 <= overlap <= 1:
-        raise ValueError(f"{where}: overlap is {overlap!r}, not a share between 0 and 1; {REMEASURE}")
-    latency = data.get("latency_us", {})
+        yield "overlap", data.get("overlap"), "not a share between 0 and 1"
+    assumed = data.get("assumed", [])
+    if not isinstance(assumed, list) or not all(isinstance(name, str) and name in FIGURES for name in assumed):
+        yield "assumed", data.get("assumed"), f"not a list of the file's figures (of {', '.join(FIGURES)})"
+    capability = data.get("compute_capability")
+    if capability is not None and not (
+        isinstance(capability, list) and len(capability) == 2 and all(_whole(part, 0) for part in capability)
+    ):
+        yield (
+            "compute_capability",
+            data.get("compute_capability"),
+            "not CUDA's [major, minor] such as [9, 0] (or null: none known)",
+        )
+    latency = data["latency_us"]
     if not isinstance(latency, dict) or any(kind not in COLLECTIVES for kind in latency):
-        raise ValueError(f"{where}: latency_us must map {', '.join(COLLECTIVES)} to {{ranks: us}}; {REMEASURE}")
-    for kind, sizes in latency.items():
-        if not isinstance(sizes, dict) or not all(str(n).isdigit() and positive_number(us) for n, us in sizes.items()):
-            raise ValueError(f"{where}: latency_us.{kind} is {sizes!r}, not {{ranks: microseconds}}; {REMEASURE}")
-    reduced = data.get("reduced_tflops", {})
+        yield "latency_us", data.get("latency_us"), f"not a map of {', '.join(COLLECTIVES)} to {{ranks: us}}"
+    else:
+        for kind, sizes in latency.items():
+            if not isinstance(sizes, dict) or not all(
+                str(n).isdigit() and positive_number(us) for n, us in sizes.items()
+            ):
+                yield f"latency_us.{kind}", sizes, "not {ranks: microseconds}"
+    reduced = data["reduced_tflops"]
     if not isinstance(reduced, dict) or not all(str(n).isdigit() and positive_number(v) for n, v in reduced.items()):
-        raise ValueError(f"{where}: reduced_tflops is {reduced!r}, not {{tokens: TFLOP/s}}; {REMEASURE}")
+        yield "reduced_tflops", data.get("reduced_tflops"), "not {tokens: TFLOP/s}"
     if not _rates(data.get("expert_tflops", {})):
-        raise ValueError(f"{where}: expert_tflops is {data['expert_tflops']!r}, not {{ep: TFLOP/s}}; {REMEASURE}")
+        yield "expert_tflops", data.get("expert_tflops"), "not {ep: TFLOP/s}"
     reduced = data.get("reduced_expert_tflops", {})
     if not isinstance(reduced, dict) or not all(str(n).isdigit() and _rates(v) for n, v in reduced.items()):
-        raise ValueError(f"{where}: reduced_expert_tflops is {reduced!r}, not {{tokens: {{ep: TFLOP/s}}}}; {REMEASURE}")
+        yield "reduced_expert_tflops", data.get("reduced_expert_tflops"), "not {tokens: {ep: TFLOP/s}}"
+    if not isinstance(data.get("measurements", {}), dict):
+        yield "measurements", data.get("measurements"), "not a map of the raw tables"
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def _rates(value) -> bool:
