@@ -188,6 +188,9 @@ def dequantized_state_dict(files: list[str], block: list[int], stack: ExitStack)
         if key not in entries:
             raise ValueError(f"{scale_key} has no weight {key} in the checkpoint: copy or download it again")
         entries[key] = DequantizedSlice(entries[key], entries.pop(scale_key), block)
+    check_block_scales(
+        {k: (e.get_shape(), e.scale.get_shape()) for k, e in entries.items() if k + SCALE_SUFFIX in scaled}, block
+    )
     unscaled = sorted(k for k, e in entries.items() if not isinstance(e, DequantizedSlice) and "F8" in e.get_dtype())
     if unscaled:  # read as they are, e4m3 codes would be weights up to 448 times too large, silently
         raise ValueError(
@@ -206,6 +209,55 @@ def dequantized_state_dict(files: list[str], block: list[int], stack: ExitStack)
         "scaled": sorted(key.removesuffix(SCALE_SUFFIX) for key in scaled),
         "scale_dtype": "bfloat16" if scale_dtypes == {"BF16"} else "float32",  # as the export writes them back
     }
+
+
+def check_block_scales(shapes: dict, block: list[int]) -> None:
+    """Refuse, in one line, scales that do not fit the declared ``block``: ``shapes`` maps each scaled weight to
+    ``(weight shape, scale shape)`` (headers only); a scale must be the weight's shape divided by the block, rounded
+    up. Read with another block, the weights would be dequantized with the wrong scales, silently or not at all."""
+    wrong = [(key, w, s) for key, (w, s) in sorted(shapes.items()) if list(s) != expected_scale_shape(w, block)]
+    if not wrong:
+        return
+    key, weight, scale = wrong[0]
+    implied = implied_block(list(shapes.values()))
+    fix = (
+        f"the scales are for {implied} blocks: set quantization_config.weight_block_size to {implied} in config.json"
+        if implied is not None
+        else "no one block size fits them all: the checkpoint is damaged; copy or download it again"
+    )
+    raise ValueError(
+        f"{key}{SCALE_SUFFIX} has shape {list(scale)}, but weight {list(weight)} in the declared weight_block_size "
+        f"{list(block)} needs {expected_scale_shape(weight, block)} ({len(wrong)} such scales): {fix}"
+    )
+
+
+def expected_scale_shape(weight_shape, block: list[int]) -> list[int]:
+    """The shape of a weight's block scales: its leading dims, then its last two divided by ``block``, rounded up."""
+    *lead, rows, cols = weight_shape
+    return [*lead, -(-rows // block[0]), -(-cols // block[1])]
+
+
+def implied_block(pairs) -> list[int] | None:
+    """The block size (the smallest power of two, else the smallest size) that every ``(weight shape, scale
+    shape)`` of ``pairs`` fits, or None when none does."""
+    bounds = [[1, None], [1, None]]  # per dim: the smallest and largest block that fit every tensor
+    for weight, scale in pairs:
+        if len(weight) < 2 or len(scale) != len(weight) or list(scale[:-2]) != list(weight[:-2]):
+            return None
+        for dim, (size, count) in enumerate(zip(weight[-2:], scale[-2:], strict=True)):
+            if not 0 < count <= size:
+                return None
+            bounds[dim][0] = max(bounds[dim][0], -(-size // count))
+            if count > 1:  # ceil(size / b) == count: b < size / (count - 1)
+                high = (size - 1) // (count - 1)
+                bounds[dim][1] = high if bounds[dim][1] is None else min(bounds[dim][1], high)
+    found = []
+    for low, high in bounds:
+        if high is not None and low > high:
+            return None
+        power = 1 << (low - 1).bit_length()
+        found.append(power if high is None or power <= high else low)
+    return found
 
 
 def dropped_on_load(keys, unexpected, model) -> set[str]:

@@ -14,6 +14,7 @@ CITATION = """@article{farskip2025,
   journal = {arXiv preprint arXiv:2511.11505},
   year    = {2025}
 }"""
+LOAD_HEADING = "## How to load"
 
 
 def run_facts(checkpoint: Path) -> dict:
@@ -48,7 +49,9 @@ def refresh_card(run) -> None:
     config = json.loads((run.export / "config.json").read_text())
     text_config = config.get("text_config") or {}
     num_layers = config.get("num_hidden_layers") or text_config.get("num_hidden_layers")
-    card = render_card(config["farskip"], run_facts(run.final), num_layers, config.get("dtype"))
+    record = run.export / "fcsd_export.json"  # fcsd.export.save.PARITY_RECORD
+    fp8 = json.loads(record.read_text()).get("fp8") if record.exists() else None
+    card = render_card(config["farskip"], run_facts(run.final), num_layers, config.get("dtype"), fp8)
     from fcsd.staging import atomic_file
 
     with atomic_file(run.export / "README.md") as staging:
@@ -95,8 +98,9 @@ def base_license(base_model: str | None, revision: str | None = None) -> str | N
         return None
 
 
-def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None = None) -> str:
-    """The card's markdown with YAML metadata (huggingface_hub's ``ModelCardData``); ``dtype``: the weights'."""
+def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None = None, fp8: dict | None = None) -> str:
+    """The card's markdown with YAML metadata (huggingface_hub's ``ModelCardData``); ``dtype``: the weights';
+    ``fp8``: an FP8 export's check and logit drift (``fcsd_export.json``'s, :func:`fp8_lines`)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     config = facts.get("config", {})
@@ -144,7 +148,7 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
             f"| steps | {steps if steps is not None else 'unknown'} |",
             f"| tokens | {tokens:,} |" if tokens else "| tokens | unknown |",
             f"| batch size | {train['batch_tokens']:,} tokens |",
-            f"| learning rate | {learning_rate(train, config.get('recovery') or {})} |",
+            f"| learning rate | {learning_rate(train, config.get('recovery') or {}, schedule_ran(config, steps))} |",
             f"| data | `{display_name((config.get('data') or {}).get('path'))}` |",
         ]
         before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
@@ -166,8 +170,9 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
         lines.append("")
     if facts.get("eval_table"):
         lines += ["## Evaluation", "", facts["eval_table"], ""]
+    lines += fp8_lines(fp8)
     lines += [
-        "## How to load",
+        LOAD_HEADING,
         "",
         "```python",
         "from transformers import AutoModelForCausalLM",
@@ -219,9 +224,56 @@ def objective(train: dict, recovery: dict) -> str:
     return words + f" + {weight:g} x relative hidden-state error (the teacher's states), {fade}"
 
 
-def learning_rate(train: dict, recovery: dict) -> str:
-    """The run's optimizer and LR in words (the recovery recipe may scale the LR and replace AdamW's schedule)."""
+def fp8_lines(fp8: dict | None) -> list[str]:
+    """The card's section on an FP8 export: what its check proved and the logit drift FP8 rounding causes."""
+    if not fp8:
+        return []
+    drift = fp8["logit_drift"]
+    relative = f" ({drift['relative']:.1%} of the largest |logit|)" if drift.get("relative") is not None else ""
+    return [
+        "## FP8 weights",
+        "",
+        f"{fp8['quantized_weights']} weights are stored in block FP8 (e4m3 with block scales, as the checkpoint it "
+        "was converted from); the export's check read each back from the written files and found it equal, bit for "
+        "bit, to the block quantization of the trained weight, and every other tensor stored exactly. FP8 rounding "
+        f"moves the logits of a fixed 2 x 32-token batch by at most {drift['max_abs']:.4g}{relative} from the "
+        "trained model's.",
+        "",
+    ]
+
+
+def with_fp8_check(card: str, fp8: dict) -> str:
+    """``card`` (a rendered model card) with the FP8 section of ``fp8`` before its loading instructions."""
+    section = "\n".join(fp8_lines(fp8)) + "\n"
+    at = card.find(LOAD_HEADING)
+    return card[:at] + section + card[at:] if at >= 0 else card.rstrip("\n") + "\n\n" + section
+
+
+def schedule_ran(config: dict, steps: int | None) -> dict | None:
+    """What the run's schedule was over the ``steps`` it ran, as the trainer derives it from its config
+    (:mod:`fcsd.distill.config`): the LR schedule's horizon, its warm-up steps and the batch-ramp stages reached
+    (``(first, last, updates)``, 1-based steps); None when unknown (no step count, a config from an older fcsd)."""
+    if steps is None:
+        return None
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.config import ramp_stages, schedule_steps, warmup_steps
+
+    try:
+        run = OmegaConf.create(config)
+        stages = [(start + 1, min(end, steps), split) for start, end, split in ramp_stages(run) if start < steps]
+        return {"steps": steps, "horizon": schedule_steps(run.train), "warmup": warmup_steps(run), "stages": stages}
+    except Exception:  # keys an older fcsd did not write: the card describes the config instead
+        return None
+
+
+def learning_rate(train: dict, recovery: dict, ran: dict | None = None) -> str:
+    """The run's optimizer and LR in words (the recovery recipe may scale the LR and replace AdamW's schedule);
+    ``ran`` (:func:`schedule_ran`): the schedule and batch-ramp stages of the steps the run made, else the config's
+    shares."""
     peak = train["lr"] * recovery.get("lr_scale", 1.0)
+    if ran is not None:
+        return _schedule_words(peak, train, recovery, ran)
     share = recovery.get("warmup_share")
     warmup = f"{share:.1%} of the steps" if share is not None else f"{train['warmup_steps']} steps"
     if recovery.get("optimizer") == "schedule_free":
@@ -234,4 +286,25 @@ def learning_rate(train: dict, recovery: dict) -> str:
     ]
     if stages:
         words += f"; batch ramp: {', '.join(stages)} updates each, at the LR / sqrt(updates)"
+    return words
+
+
+def _schedule_words(peak: float, train: dict, recovery: dict, ran: dict) -> str:
+    warmup = f"a warm-up of {ran['warmup']} steps" if ran["warmup"] else "no warm-up"
+    if recovery.get("optimizer") == "schedule_free":
+        words = f"{peak:g} (schedule-free AdamW, constant after {warmup}; the average is saved)"
+    else:
+        floor = train.get("min_lr_ratio")
+        to = f" to {floor:g} x" if floor is not None else ""
+        words = f"{peak:g} (AdamW, {warmup}, cosine{to} over {ran['horizon']} steps)"
+    if ran["steps"] < ran["horizon"]:
+        words += f", stopped after {ran['steps']} of its {ran['horizon']} steps"
+    stages = [
+        f"step {first} in {split} updates" if first == last else f"steps {first}-{last} in {split} updates"
+        for first, last, split in ran["stages"]
+    ]
+    if stages:
+        words += f"; batch ramp: {', '.join(stages)}, each at the LR / sqrt(updates)"
+    elif recovery.get("batch_ramp"):
+        words += f"; no batch ramp (recovery.batch_ramp's shares hold none of the {ran['steps']} steps)"
     return words

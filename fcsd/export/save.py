@@ -4,6 +4,7 @@ connectivity, verified by reloading it (design §3: "export must reload and matc
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -99,8 +100,17 @@ def complete_export(staging: Path, model_config, model_class: type, source, dtyp
 
 def write_parity_record(staging: Path, difference: float, dtype: torch.dtype | str, farskip: dict) -> None:
     """The record ``fcsd push`` requires: written only once the reload-parity check passed; ``dtype``: the weights'
-    dtype or format as written (:func:`fcsd.export.fp8.format_name`)."""
+    dtype or format as written (:func:`fcsd.export.fp8.format_name`). An FP8 export's record and model card also
+    say what its check proved and the logit drift FP8 rounding causes (:func:`fcsd.export.fp8.take_check`)."""
+    from fcsd.export.fp8 import CHECK_FILE, take_check
+    from fcsd.export.model_card import with_fp8_check
+
     record = {"parity_max_abs_diff": difference, "dtype": str(dtype).removeprefix("torch."), "farskip": farskip}
+    if (staging / CHECK_FILE).exists():
+        record["fp8"] = take_check(staging, difference)
+        card = staging / "README.md"
+        if card.exists():
+            card.write_text(with_fp8_check(card.read_text(), record["fp8"]))
     (staging / PARITY_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -155,9 +165,15 @@ def text_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def check_parity(model, folder: Path) -> float:
     """Reload ``folder`` (stock transformers classes + fcsd, no remote code) and compare its logits with ``model``'s
-    on a fixed batch; raises :class:`ExportError` with the numbers when they differ beyond the dtype's tolerance."""
+    on a fixed batch; raises :class:`ExportError` with the numbers when they differ beyond the dtype's tolerance.
+    An FP8 export must store what it was written from (:func:`fcsd.export.fp8.read_check`) and reload every tensor it
+    left unquantized exactly; its logit difference is FP8 rounding's drift, reported rather than bounded."""
+    from fcsd.export.fp8 import read_check
     from fcsd.loading import from_pretrained
 
+    fp8 = _is_fp8(folder)
+    if fp8:
+        read_check(folder)  # before the reload: a tensor stored wrongly is refused as such
     device = next(model.parameters()).device
     batch = parity_batch(model).to(device)
     was_training = model.training
@@ -167,22 +183,56 @@ def check_parity(model, folder: Path) -> float:
     reloaded = from_pretrained(str(folder), dtype="auto").to(device).eval()
     got = text_logits(reloaded, batch)
     difference = float((got - expected).abs().max())
-    tolerance = parity_tolerance(folder, expected, next(model.parameters()).dtype)
+    tolerance = _tolerance(folder, expected, next(model.parameters()).dtype)
     if reloaded.dtype != model.dtype or not difference <= tolerance:
         raise ExportError(
             f"reload parity failed: max |logit difference| {difference:.3g} (tolerance {tolerance:g}), dtype "
             f"{reloaded.dtype} vs {model.dtype}; the export was not written"
         )
+    if fp8:
+        _check_unquantized(model, reloaded)
     return difference
 
 
-def parity_tolerance(folder: Path, expected: torch.Tensor, dtype: torch.dtype) -> float:
-    """The largest |logit difference| the reload of the export in ``folder`` may show: the dtype's, or for block-FP8
-    weights :func:`fcsd.export.fp8.parity_tolerance` (FP8 rounding)."""
-    from fcsd.export.fp8 import parity_tolerance as fp8_tolerance
+def _is_fp8(folder: Path) -> bool:
+    return "quantization_config" in json.loads((Path(folder) / "config.json").read_text())
 
-    if "quantization_config" in json.loads((Path(folder) / "config.json").read_text()):
-        return fp8_tolerance(expected)
+
+def _check_unquantized(model, reloaded) -> None:
+    """Refuse an FP8 export whose reload changed a tensor it stores unquantized (the source's unscaled weights, the
+    norms, biases and buffers)."""
+    from fcsd.export.fp8 import source_quantization
+
+    kept = set((source_quantization(model.config) or {}).get("kept", []))
+    got = reloaded.state_dict()
+    for name, tensor in model.state_dict().items():
+        if (name in kept or tensor.ndim < 2) and not (name in got and torch.equal(got[name].to(tensor), tensor)):
+            raise ExportError(
+                f"reload parity failed: {name}, stored unquantized, reloads with other values; the export was not "
+                "written"
+            )
+
+
+def parity_tolerance(folder: Path, expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest |logit difference| the reload of the export in ``folder`` may show: the dtype's; none for block-FP8
+    weights, whose check is that they store what they were written from (:func:`fcsd.export.fp8.read_check`, which
+    refuses one that does not), the drift FP8 rounding causes recorded beside it (relative to ``expected``'s largest
+    |logit|). Every process of a laid-out export calls it: they wait for each other, so that all have read the
+    FP8 proof before the main process takes it out of the folder (:func:`write_parity_record`)."""
+    import torch.distributed as dist
+
+    tolerance = _tolerance(folder, expected, dtype)
+    if _is_fp8(folder) and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return tolerance
+
+
+def _tolerance(folder: Path, expected: torch.Tensor, dtype: torch.dtype) -> float:
+    from fcsd.export.fp8 import record_drift
+
+    if _is_fp8(folder):
+        record_drift(folder, expected)
+        return math.inf
     return PARITY_TOLERANCE.get(dtype, 1e-2)
 
 
