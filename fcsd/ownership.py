@@ -178,6 +178,7 @@ class Marker:
     kind: str
     written: list[str] | None  # None: a marker from before manifests (see LEGACY_NAMES)
     damage: str | None = None  # what is wrong with a marker fcsd cannot read (then ``kind`` means nothing)
+    run_id: str | None = None  # a run's identity, made when the folder is claimed (or cleared) for a new run
 
     def owns(self, name: str) -> bool:
         if self.damage is not None:
@@ -218,7 +219,8 @@ def read_marker(folder: Path) -> Marker | None:
         return Marker("", None, f"unknown kind {str(kind)[:40]!r}")
     if not isinstance(written, list) or not all(isinstance(name, str) for name in written):
         return Marker("", None, "its manifest is not a list of names")
-    return Marker(kind, list(written))
+    run_id = data.get("run_id")
+    return Marker(kind, list(written), run_id=run_id if isinstance(run_id, str) and run_id else None)
 
 
 def kind_from_contents(folder: Path) -> tuple[str, list[str]] | None:
@@ -235,19 +237,33 @@ def kind_from_contents(folder: Path) -> tuple[str, list[str]] | None:
 
 def _write_marker(folder: Path, marker: Marker) -> None:
     staging = folder / f"{MARKER}.tmp{os.getpid()}"
-    staging.write_text(json.dumps({"kind": marker.kind, "written": marker.written or []}) + "\n")
+    data = {"kind": marker.kind, "written": marker.written or []}
+    if marker.run_id:
+        data["run_id"] = marker.run_id
+    staging.write_text(json.dumps(data) + "\n")
     os.replace(staging, folder / MARKER)
 
 
+def new_run_id() -> str:
+    """A run's identity: random, recorded in its marker, every step checkpoint and ``final/``."""
+    import secrets
+
+    return secrets.token_hex(8)
+
+
 def mark(folder: Path, kind: str, written: list[str] | None = None) -> None:
-    """Claim ``folder`` for ``kind`` (created if needed); an existing marker of the same kind is kept."""
+    """Claim ``folder`` for ``kind`` (created if needed); an existing marker of the same kind is kept (a run's
+    marker from before run identities gets one)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     marker = read_marker(folder)
     if marker is not None and not marker.is_kind(kind):
         raise FolderError(f"{folder} is {marker.description()}, not {a_kind(kind)}")
+    run_id = (marker.run_id if marker is not None else None) or (new_run_id() if kind == "run" else None)
     if marker is None or written is not None:
-        _write_marker(folder, Marker(kind, sorted(set(written or []))))
+        _write_marker(folder, Marker(kind, sorted(set(written or [])), run_id=run_id))
+    elif run_id != marker.run_id and marker.written is not None:  # (a marker from before manifests stays)
+        _write_marker(folder, Marker(kind, marker.written, run_id=run_id))
 
 
 def record(path: Path) -> None:
@@ -256,7 +272,8 @@ def record(path: Path) -> None:
     marker = read_marker(path.parent)
     if marker is None or marker.damage is not None or marker.owns(path.name):
         return
-    _write_marker(path.parent, Marker(marker.kind, sorted({*(marker.written or []), path.name})))
+    written = sorted({*(marker.written or []), path.name})
+    _write_marker(path.parent, Marker(marker.kind, written, run_id=marker.run_id))
 
 
 def is_marked(folder: Path) -> bool:
@@ -351,7 +368,7 @@ def clear(folder: Path, kind: str, what: str, fix: str) -> None:
         if nested is not None and nested.damage is None and nested.kind in KEPT_KINDS:
             continue
         remove(entry)
-    _write_marker(folder, Marker(kind, []))
+    _write_marker(folder, Marker(kind, [], run_id=new_run_id() if kind == "run" else None))  # a new run
 
 
 def remove(entry: Path) -> None:

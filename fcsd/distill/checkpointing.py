@@ -48,8 +48,11 @@ def save_checkpoint(
             # the files a resume needs, with their sizes and SHA-256: --resume and `fcsd export` refuse a checkpoint
             # that lost one or whose bytes changed since
             files = {p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()}
+            from fcsd.distill.resume import RUN_RECORD, checkpoint_record
+
             state = {
                 **trainer_state,
+                RUN_RECORD: checkpoint_record(run),  # whose checkpoint this is: --resume refuses another run's
                 "checkpoint_format": CHECKPOINT_FORMAT,
                 "files": files,
                 checksums.ALGORITHM: hashes,
@@ -87,13 +90,59 @@ def restore_checkpoint(accelerator, run: RunFolder, expert_parallel=None, step: 
     trainer_state = json.loads((checkpoint / TRAINER_STATE).read_text())
     layout = expert_parallel[0].fcsd_layout.dims.name if expert_parallel is not None else None
     step_state.check_resumable(trainer_state.get("layout"), checkpoint, layout)
+    optimizers = [expert_parallel[1]] if expert_parallel is not None else accelerator._optimizers
+    before = _schedule_state(optimizers, accelerator._custom_objects)
     accelerator.load_state(str(checkpoint))
     if expert_parallel is not None:
         step_state.load(*expert_parallel, checkpoint)
+    _check_loaded_state(run, checkpoint, before, _schedule_state(optimizers, accelerator._custom_objects))
+    _check_scheduler_step(run, checkpoint, accelerator._custom_objects, trainer_state.get("step"))
     print_once(
         f"resuming from {checkpoint}" + (f" (note: {SIZE_ONLY_NOTE})" if run.checked_by_size_only(checkpoint) else "")
     )
     return trainer_state
+
+
+def _schedule_state(optimizers, objects) -> dict:
+    """What a step checkpoint's state sets that the run's own settings decide: each optimizer group's peak LR,
+    betas and weight decay, and each scheduler's base LRs."""
+    found = {}
+    for i, optimizer in enumerate(optimizers):
+        for j, group in enumerate(optimizer.param_groups):
+            for key in ("initial_lr", "betas", "weight_decay"):
+                if key in group:
+                    value = group[key]
+                    found[f"optimizer group {j}{f' of optimizer {i}' if i else ''} {key}"] = (
+                        list(value) if isinstance(value, tuple | list) else value
+                    )
+    for i, scheduler in enumerate(o for o in objects if hasattr(o, "base_lrs")):
+        found[f"scheduler{f' {i}' if i else ''} base LRs"] = list(scheduler.base_lrs)
+    return found
+
+
+def _check_loaded_state(run: RunFolder, checkpoint: Path, before: dict, after: dict) -> None:
+    """A checkpoint's optimizer and scheduler state must carry the run's own LR schedule and optimizer settings
+    (those of a checkpoint with no run record, or an edited one, are only known once loaded)."""
+    changed = [
+        f"{key}: {after.get(key)} vs the run's {value}" for key, value in before.items() if after.get(key) != value
+    ]
+    if changed:
+        raise ownership.FolderError(
+            f"--resume: {checkpoint.relative_to(run.root)} holds another LR schedule or optimizer than the run's "
+            f"({'; '.join(changed[:3])}): it is no checkpoint of this run; move it out of {run.checkpoints_dir} and "
+            f"resume from the run's own, or train from it as a new run with `train.init_from={checkpoint}`"
+        )
+
+
+def _check_scheduler_step(run: RunFolder, checkpoint: Path, objects, step) -> None:
+    """The scheduler's position (one step per training step) must be the checkpoint's step."""
+    positions = [o.last_epoch for o in objects if hasattr(o, "base_lrs") and hasattr(o, "last_epoch")]
+    if isinstance(step, int) and any(position != step for position in positions):
+        raise ownership.FolderError(
+            f"--resume: {checkpoint.relative_to(run.root)} is at step {step} but its LR schedule at step "
+            f"{positions[0]}: its trainer state or scheduler state was edited or copied from elsewhere; resume from "
+            "another of the run's checkpoints (`--resume train.resume_step=N`)"
+        )
 
 
 def save_model(
@@ -127,6 +176,7 @@ def save_model(
         tokenizer.save_pretrained(staging)
         OmegaConf.save(OmegaConf.structured(config), staging / CONFIG)
         files = sorted({*(p.name for p in staging.iterdir()), CHECKPOINT_RECORD})  # what a replace may remove
+        record = {**record, **_final_identity(folder.parent, config)}
         (staging / CHECKPOINT_RECORD).write_text(json.dumps({**record, "files": files}, indent=2))
 
 
@@ -199,3 +249,51 @@ def load_step_checkpoint(checkpoint: Path):
         raise ValueError(f"{checkpoint} does not match {config.model.name}: missing {absent}, unexpected {unexpected}")
     model.tie_weights()
     return model.eval(), tokenizer_from_pretrained(name, revision=revision)
+
+
+def _final_identity(root: Path, config) -> dict:
+    """``final/``'s (and ``best/``'s) record of the run it belongs to and where its weights started
+    (``train.init_from``)."""
+    marker = ownership.read_marker(root)
+    found = {"run_id": marker.run_id} if marker is not None and marker.run_id else {}
+    if config.train.init_from:
+        found["init_from"] = init_source(Path(config.train.init_from))
+    return found
+
+
+def init_source(checkpoint: Path) -> dict:
+    """How a run records the step checkpoint it started from: its path, step and run id."""
+    record = RunFolder.of_checkpoint(checkpoint).trainer_state(checkpoint).get("run")
+    run_id = record.get("id") if isinstance(record, dict) else None
+    return {"path": str(checkpoint), "step": int(checkpoint.name[5:]), "run_id": run_id}
+
+
+def load_init_weights(student, config, run: RunFolder) -> None:
+    """``train.init_from``: the student starts from the weights of another run's step checkpoint (its optimizer and
+    schedule are this run's own, fresh); nothing to do when ``--resume`` restores a checkpoint of this run."""
+    if not config.train.init_from:
+        return
+    if config.train.resume and run.resume_checkpoint(config.train.resume_step) is not None:
+        return
+    from safetensors.torch import load_file
+
+    checkpoint = Path(config.train.init_from)
+    if (checkpoint / "model.safetensors").exists():
+        state = load_file(str(checkpoint / "model.safetensors"))
+    else:  # the shards of a parallel layout, read back in the stock layout
+        from fcsd.parallel.step_state import stock_tensors
+
+        state = dict(stock_tensors(checkpoint))
+    absent, unexpected = student.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if student.config.get_text_config().tie_word_embeddings else set()
+    if set(absent) - tied or unexpected:
+        raise ValueError(
+            f"train.init_from={checkpoint} does not hold this model's weights (missing {sorted(absent)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}); give a step checkpoint of a run of {config.model.name}"
+        )
+    student.tie_weights()
+    source = init_source(checkpoint)
+    print_once(
+        f"train.init_from: starting from the weights of {checkpoint} (run id {source['run_id']}, step "
+        f"{source['step']}), with a fresh optimizer and this run's LR schedule"
+    )

@@ -110,6 +110,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # how many step checkpoints to keep (0: keep them all)
     resume: bool = False  # continue from the newest checkpoint in output_dir
     resume_step: int | None = None  # with resume: continue from checkpoints/step-N instead of the newest
+    # start from the weights of another run's step checkpoint (PATH/checkpoints/step-N, the same model), with this run's
+    # own fresh optimizer and LR schedule; recorded in fcsd_config.yaml and final/. --resume continues this run's own.
+    init_from: str | None = None
     # held-out KL every N steps besides step 0 and the end (0: only those two); None: automatic, about a tenth of
     # the run for runs of at most SHORT_RUN_STEPS steps (so curves.png has points along them), else 0
     eval_every: int | None = None
@@ -301,6 +304,7 @@ PATH_KEYS = (
     ("data", "cache_dir"),
     ("teacher", "cache_dir"),
     ("early_stop", "data"),
+    ("train", "init_from"),
     ("sweep", "dir"),
     (None, "output_dir"),
     (None, "export_dir"),

@@ -58,6 +58,7 @@ def preflight(config: FCSDConfig, is_main: bool = True) -> Checked:
     model = resolve_model(config.model.name)
     model_config = check_model_config(config, model)
     check_tokenizer_files(model)  # before the run folder is made: the run trains with the checkpoint's tokenizer
+    check_init_from(config, model, is_main)
     data = resolve_data(config.data.path)
     eval_data = resolve_data(config.data.eval_path) if config.data.eval_path else None
     check_launcher(config)  # last: what the command would be refused for under torchrun is said first
@@ -72,6 +73,7 @@ INPUTS = {
     "MBPP+ file": "early_stop.data",
     "teacher cache": "teacher.cache_dir",
     "placement": "parallel.placement",
+    "train.init_from checkpoint": "train.init_from",
 }
 
 
@@ -93,6 +95,55 @@ def absolute_inputs(config: FCSDConfig) -> FCSDConfig:
             if Path(value).expanduser().exists():
                 setattr(getattr(config, group), name, os.path.abspath(Path(value).expanduser()))
     return config
+
+
+def check_init_from(config, model: str, is_main: bool = True) -> None:
+    """``train.init_from`` names a sound step checkpoint of a run of the same model (its weights in the same
+    placement), and the student loads in one piece (not laid out by ``parallel.ep_size`` / ``parallel.fsdp``)."""
+    source = config.train.init_from
+    if not source or (config.train.resume and RunFolder(config.output_dir).checkpoints()):
+        return  # a resume continues from the run's own checkpoint (the source may be pruned since)
+    from fcsd.run_folder import is_step_checkpoint
+
+    checkpoint, where = Path(source), f"train.init_from={source}"
+    if not checkpoint.exists():
+        raise ValueError(f"{where} does not exist; give a step checkpoint of another run (RUN/checkpoints/step-N)")
+    if not checkpoint.is_dir() or not is_step_checkpoint(checkpoint) or not checkpoint.name[5:].isdigit():
+        raise ValueError(
+            f"{where} is no step checkpoint (RUN/checkpoints/step-N with its trainer_state.json); give one, or give a "
+            "run's final/ or an export as MODEL to train further from it"
+        )
+    run = RunFolder.of_checkpoint(checkpoint)
+    problems = run.checkpoint_problems(checkpoint, contents=is_main)
+    if not run.config.exists():
+        problems.append(f"{run.config} missing")
+    if problems:
+        raise ValueError(f"{where} cannot be trained from: {', '.join(problems)}; give a sound step checkpoint")
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.resume import _same_setting, weights_fingerprint
+
+    theirs = OmegaConf.load(run.config)
+    recorded = (run.trainer_state(checkpoint).get("inputs") or {}).get("model")
+    now = weights_fingerprint(model, config.model.revision) if recorded else None
+    name = OmegaConf.select(theirs, "model.name")
+    same = recorded == now if recorded and now else _same_setting("model.name", name, config.model.name)
+    if not same:
+        raise ValueError(
+            f"{where} is a checkpoint of another model ({name}), not of model.name={config.model.name}; give a step "
+            "checkpoint of a run of this model"
+        )
+    placement = OmegaConf.select(theirs, "parallel.placement")
+    if not _same_setting("parallel.placement", placement, config.parallel.placement):
+        raise ValueError(
+            f"{where} holds its experts in the order of parallel.placement={placement}, this run "
+            f"{config.parallel.placement}: set parallel.placement={placement}"
+        )
+    if config.parallel.ep_size > 1 or config.parallel.fsdp:
+        raise ValueError(
+            f"{where} loads into a student in one piece: drop parallel.ep_size / parallel.fsdp, or use accelerate's "
+            "DDP or FSDP (recipes/accelerate/)"
+        )
 
 
 def check_launcher(config) -> None:

@@ -42,6 +42,7 @@ RESUME_KEYS = (
     "train.batch_tokens",
     "train.micro_batch_size",
     "train.seed",
+    "train.init_from",  # the weights the run started from
     # the optimizer's parameter groups: which parameters train (a resume of other groups fails to load the
     # optimizer's state), and their settings, which loading that state puts back whatever the command says
     "train.freeze_embeddings",
@@ -61,7 +62,13 @@ RESUME_KEYS = (
     "recovery.echo",  # how many updates the echoed steps make
     "recovery.echo_share",
 )
-PATH_KEYS = ("model.name", "data.path", "data.eval_path", "parallel.placement")  # equal when they name one file
+PATH_KEYS = (
+    "model.name",
+    "data.path",
+    "data.eval_path",
+    "parallel.placement",
+    "train.init_from",
+)  # equal when they name one file
 MOVABLE_KEYS = ("model.name", "data.path")  # a recorded path gone is taken for a move: their content is fingerprinted
 # The LR schedule is rebuilt from these on a resume and its position restored from the checkpoint: another value
 # would bend the curve where the run continues (the LR of the next step jumps) without a word.
@@ -74,6 +81,10 @@ SCHEDULE_KEYS = (
     "recovery.lr_scale",
     "recovery.warmup_share",
 )
+# What every step checkpoint records of the run it belongs to (:func:`checkpoint_record`) beside the run's id: the
+# LR schedule and the optimizer whose state it holds, compared with the run's by :func:`check_belongs`.
+OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_betas", "train.freeze_embeddings", "recovery.optimizer")
+RUN_RECORD = "run"  # the record's key in the trainer state
 
 
 def check_resume(run: RunFolder, config) -> None:
@@ -121,6 +132,7 @@ def check_resume(run: RunFolder, config) -> None:
     except ValueError as error:
         raise ownership.FolderError(str(error)) from None
     _check_length_and_schedule(run, checkpoint, config, saved)
+    check_belongs(run, checkpoint, marker.run_id, saved)
     problems = run.checkpoint_problems(checkpoint)
     if problems and all(FOREIGN_FILE in p for p in problems):  # sound, beside a file of the user's: say that
         names = ", ".join(p.split(FOREIGN_FILE, 1)[0] for p in problems)
@@ -378,3 +390,68 @@ def check_resume_inputs(run: RunFolder, config, fingerprints: dict) -> None:
                 f"{then} then, {now} now, {setting}={value}); resume with the inputs it was trained on, or start a "
                 "new run in another output_dir"
             )
+
+
+def run_settings(config) -> dict:
+    """The settings a step checkpoint's state depends on: LR schedule, its horizon, optimizer (JSON values)."""
+    from omegaconf import OmegaConf
+
+    from fcsd.distill.config import schedule_steps
+
+    def value(key):
+        found = _saved_value(config, key)
+        return OmegaConf.to_container(found) if OmegaConf.is_config(found) else found
+
+    settings = {key: value(key) for key in (*SCHEDULE_KEYS, *OPTIMIZER_KEYS)}
+    return {**settings, "schedule steps": schedule_steps(config.train)}
+
+
+def checkpoint_record(run: RunFolder) -> dict:
+    """What a step checkpoint records of its run: the run's id and folder and :func:`run_settings` of its
+    ``fcsd_config.yaml`` (written before the first step)."""
+    from omegaconf import OmegaConf
+
+    marker = ownership.read_marker(run.root)
+    record = {"id": marker.run_id if marker is not None else None, "folder": str(run.root.resolve())}
+    if run.config.exists():
+        saved = OmegaConf.load(run.config)
+        record["settings"] = run_settings(saved)
+        record["init_from"] = _saved_value(saved, "train.init_from")
+    return record
+
+
+def check_belongs(run: RunFolder, checkpoint: Path, run_id: str | None, saved) -> None:
+    """Refuse a checkpoint of another run (its recorded id is not the run's) or whose recorded LR schedule,
+    optimizer or schedule length differ from the run's ``saved`` config. A checkpoint with no record (written before
+    checkpoints recorded their run) is checked when its state loads (:mod:`fcsd.distill.checkpointing`)."""
+    record = run.trainer_state(checkpoint).get(RUN_RECORD)
+    if not isinstance(record, dict):
+        return
+    where = checkpoint.relative_to(run.root)
+    theirs = record.get("id")
+    if theirs != run_id:
+        raise ownership.FolderError(
+            f"--resume: {where} belongs to another run ({_run_name(theirs)}, written in {record.get('folder')}), not "
+            f"to the run in {run.root} ({_run_name(run_id)}); move it out of {run.checkpoints_dir} and resume from "
+            "the run's own checkpoints, or train from it as a new run in another output_dir with "
+            f"`train.init_from={checkpoint}`"
+        )
+    recorded = record.get("settings")
+    if saved is None or not isinstance(recorded, dict):
+        return
+    own = run_settings(saved)
+    changed = [
+        f"{key}: {recorded.get(key)!r} vs the run's {value!r}"
+        for key, value in own.items()
+        if recorded.get(key) != value
+    ]
+    if changed:
+        raise ownership.FolderError(
+            f"--resume: {where} records another LR schedule or optimizer than the run's ({'; '.join(changed)}): its "
+            f"state would train on with them; resume from another of the run's checkpoints "
+            "(`--resume train.resume_step=N`), or start the run again with overwrite=true and no --resume"
+        )
+
+
+def _run_name(run_id) -> str:
+    return f"run id {run_id}" if run_id else "a run that records no id"

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
-from fcsd.distill.checkpointing import restore_checkpoint, save_checkpoint, save_model
+from fcsd.distill.checkpointing import load_init_weights, restore_checkpoint, save_checkpoint, save_model
 from fcsd.distill.config import (
     FCSDConfig,
     echo_passes,
@@ -217,6 +217,7 @@ class TrainingSession:
             source=checked.model,
         )
         self.inputs["model"] = self.inputs["model"] or weights_fingerprint(checked.model, config.model.revision)
+        load_init_weights(student, config, self.run)  # train.init_from: another run's weights, before prepare
         self.cache = None
         if not online:
             rows = all_rows(self.train_rows, self.held_rows)
