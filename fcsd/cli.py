@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = stopping.install()  # first of all: a stop while fcsd imports or loads is one line too
     whole_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = None
+    args, said = None, None
     try:
         from fcsd import ownership, quiet
 
@@ -704,8 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except BaseException as error:
+        stopping.ignore_further_stops()  # the command has ended: a stop now must not chain onto this report
         name = _command_name(args, argv)
-        code = stopping.was_stopped(error)
+        code = stopping.was_stopped(error) or stopping.orphaned_stop()
         if code is not None:
             stopping.ignore_further_stops()  # a second Ctrl-C (or SIGTERM) while the stop is reported is the same stop
             _say_stopped(args, argv, code)
@@ -714,12 +715,13 @@ def main(argv: list[str] | None = None) -> int:
             return code
         if isinstance(error, _input_errors()) or _is_symlink_loop(error):
             say(f"fcsd {name}: error: {_one_line(error)}", 2)
+            said = 2
             return 2
         raise
     finally:
         stopping.restore(previous)
         if whole_process:
-            _stops_said_at_exit(args, argv, previous)
+            _stops_said_at_exit(args, argv, previous, said)
 
 
 def _command_name(args, argv: list[str]) -> str:
@@ -734,15 +736,18 @@ def _say_stopped(args, argv: list[str], code: int) -> None:
     say(f"fcsd {_command_name(args, argv)}: {how}{_resume_hint(args)}", code)
 
 
-def _stops_said_at_exit(args, argv: list[str], handled: dict) -> None:
+def _stops_said_at_exit(args, argv: list[str], handled: dict, said: int | None = None) -> None:
     """A stop that comes after the command returned, while the interpreter ends (threads joined, exit handlers), is
     said in one line too, as any stop (a Ctrl-C just after a run's "exported" line ended it with status 130 and
-    nothing said), and ends the process at once with its status. ``handled``: the signals fcsd handles (a SIGINT the
-    shell ignores stays ignored)."""
+    nothing said), and ends the process at once with its status; after an error already said (status ``said``: a
+    launcher stopping the other ranks of a refusal) the process ends silently with that status. ``handled``: the
+    signals fcsd handles (a SIGINT the shell ignores stays ignored)."""
     from fcsd import stopping
 
     def stop(signum, frame):
         stopping.ignore_further_stops()
+        if said:
+            _exit_stopped(said)
         code = 143 if signum == signal.SIGTERM else 130
         _say_stopped(args, argv, code)
         _exit_stopped(code)

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +31,9 @@ from pathlib import Path
 
 MESSAGES_ENV = "FCSD_LAUNCH_MESSAGES"  # the folder each process of a launch leaves its last word in
 LINE_ENV = "FCSD_LAUNCH_LINE"  # the launch line's first words: what a message tells the user to run again
+LAUNCHER_ENV = "FCSD_LAUNCH_PID"  # the process of fcsd launch: the ranks' parent while it lives
 STOPS = {130: signal.SIGINT, 143: signal.SIGTERM}
+WAIT_FOR_MAIN = 10.0  # seconds another rank waits for rank 0's last word before it says its own
 USAGE = (
     "put fcsd launch in front of a launch line of fcsd: `fcsd launch torchrun --nproc_per_node N -m fcsd.cli "
     "convert ...` or `fcsd launch accelerate launch --config_file FILE -m fcsd.cli convert ...`"
@@ -38,21 +41,120 @@ USAGE = (
 
 
 def say(line: str, code: int) -> None:
-    """Print ``line`` (an error or a stop, one line; the command ends with status ``code``) on stderr; in a process
-    of ``fcsd launch``, leave it to the launch to print once instead (the first word a process says is kept)."""
-    folder = os.environ.get(MESSAGES_ENV)
-    if folder is None or os.environ.get("TORCHELASTIC_RUN_ID") is None:
+    """Say the last word ``line`` of a command ending with status ``code`` (one line on stderr) with one voice: the
+    one rule of every launch. Outside a launcher it is printed. In a rank of ``torchrun`` / ``accelerate launch``,
+    rank 0 says its line; another rank says nothing of a stop (rank 0 says it) nor of the line rank 0 said (every
+    rank reached the same refusal), and says a different line, or one rank 0 did not say within
+    :data:`WAIT_FOR_MAIN` seconds, with its rank's name. Under ``fcsd launch`` the words are left in the launch's
+    folder for it to print once; a rank whose ``fcsd launch`` is gone (killed) prints them itself, and rank 0 removes
+    the folder."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
         print(line, file=sys.stderr)
         return
-    record = json.dumps({"rank": int(os.environ.get("RANK", "0")), "line": line, "code": code, "time": time.time()})
-    path = Path(folder) / f"{os.environ.get('RANK', '0')}.json"
-    try:
-        with open(path, "x") as file:
-            file.write(record)
-    except FileExistsError:
-        pass
-    except OSError:  # the launch's folder is gone: say it here
+    rank, folder = int(os.environ.get("RANK", "0")), os.environ.get(MESSAGES_ENV)
+    folder = Path(folder) if folder and launcher_alive() is not None else None
+    alive = folder is not None and launcher_alive()
+    if rank == 0:
+        if not alive:
+            print(line, file=sys.stderr)
+        if alive or code not in STOPS:  # the other ranks compare their errors with it
+            _post(folder, rank, line, code)
+        if not alive and folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    if code in STOPS and not alive:
+        return  # rank 0 says how the stopped run resumes
+    if code not in STOPS:
+        main = _main_word(folder)
+        if main == line:
+            return
+        line = named(line, rank)
+    if alive:
+        _post(folder, rank, line, code)
+    else:
         print(line, file=sys.stderr)
+
+
+def named(line: str, rank: int) -> str:
+    """``line`` with the rank that said it: ``fcsd convert (rank 1): error: ...``."""
+    head, colon, rest = line.partition(":")
+    if colon and head.startswith("fcsd ") and " " not in head[5:]:
+        return f"{head} (rank {rank}):{rest}"
+    return f"rank {rank}: {line}"
+
+
+def launcher_alive() -> bool | None:
+    """Whether this rank's ``fcsd launch`` still runs (it is the ranks' parent); None: not under ``fcsd launch``."""
+    pid = os.environ.get(LAUNCHER_ENV)
+    if pid is None or not pid.isdigit():
+        return None
+    return os.getppid() == int(pid)
+
+
+def _post(folder: Path | None, rank: int, line: str, code: int) -> None:
+    """Leave ``line`` where the launch and the other ranks read it: the launch's folder, else the launcher's store."""
+    record = json.dumps({"rank": rank, "line": line, "code": code, "time": time.time()})
+    if folder is not None:
+        try:
+            with open(folder / f"{rank}.json", "x") as file:
+                file.write(record)
+        except OSError:  # said already (the first word is kept), or the folder is gone
+            pass
+        return
+    if rank == 0:
+        store = _store()
+        if store is not None:
+            try:
+                store.set(_said_key(), line)
+            except Exception:  # noqa: BLE001 - the store is gone: the other ranks name themselves
+                pass
+
+
+def _main_word(folder: Path | None) -> str | None:
+    """Rank 0's last word, waited for up to :data:`WAIT_FOR_MAIN` seconds (stops ignored meanwhile: this process is
+    ending with its own status); None when it said none."""
+    from fcsd.stopping import ignore_further_stops
+
+    ignore_further_stops()
+    if folder is None:
+        store = _store()
+        if store is None:
+            return None
+        try:
+            from datetime import timedelta
+
+            store.wait([_said_key()], timedelta(seconds=WAIT_FOR_MAIN))
+            return store.get(_said_key()).decode()
+        except Exception:  # noqa: BLE001 - not said in time, or the store is gone
+            return None
+    deadline = time.monotonic() + WAIT_FOR_MAIN
+    while time.monotonic() < deadline:
+        try:
+            return json.loads((folder / "0.json").read_text())["line"]
+        except (OSError, ValueError, KeyError):
+            time.sleep(0.1)
+    return None
+
+
+def _store():
+    """A client of the launcher's store (``MASTER_ADDR:MASTER_PORT``), or None."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not address or not port.isdigit():
+        return None
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=WAIT_FOR_MAIN)
+        return dist.TCPStore(address, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no store to reach: said without comparing
+        return None
+
+
+def _said_key() -> str:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"fcsd-last-word/{os.environ.get('TORCHELASTIC_RUN_ID')}/{restart}"
 
 
 def launch_prefix() -> list[str] | None:
@@ -79,8 +181,8 @@ def launch(words: list[str]) -> int:
     prefix = ["fcsd", "launch", *words[: len(words) - len(command)]]
     name = next((word for word in command if not word.startswith("-")), "launch")
     with tempfile.TemporaryDirectory(prefix="fcsd-launch-") as folder:
-        saved = {key: os.environ.get(key) for key in (MESSAGES_ENV, LINE_ENV)}
-        os.environ.update({MESSAGES_ENV: folder, LINE_ENV: shlex.join(prefix)})
+        saved = {key: os.environ.get(key) for key in (MESSAGES_ENV, LINE_ENV, LAUNCHER_ENV)}
+        os.environ.update({MESSAGES_ENV: folder, LINE_ENV: shlex.join(prefix), LAUNCHER_ENV: str(os.getpid())})
         try:
             return _run_quietly(run, args, Path(folder), name)
         finally:

@@ -86,7 +86,37 @@ def install() -> dict:
         previous[sig] = signal.signal(sig, _stop)
     if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # a rank of torchrun / accelerate launch: none outlives it
         die_with_parent(orphaned_ends=False)
+        _watch_launcher()
     return previous
+
+
+def orphaned_stop() -> int | None:
+    """143 in a rank whose ``fcsd launch`` is gone (killed): an error it meets then (its peers' and store's links
+    broke) is that stop, said as one (the resume line), not a traceback; None otherwise."""
+    from fcsd.launch import launcher_alive
+
+    return 143 if launcher_alive() is False else None
+
+
+_WATCHING: list = []
+
+
+def _watch_launcher(every: float = 1.0) -> None:
+    """In a rank of ``fcsd launch``: SIGTERM to this process once its launcher is gone (``PR_SET_PDEATHSIG`` is
+    bound to the thread that started it, and does not cross a launcher that re-parents its workers)."""
+    from fcsd.launch import launcher_alive
+
+    if _WATCHING or launcher_alive() is None:
+        return
+    import threading
+
+    def watch():
+        while launcher_alive():
+            time.sleep(every)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    _WATCHING.append(threading.Thread(target=watch, name="fcsd-launcher-watch", daemon=True))
+    _WATCHING[0].start()
 
 
 def restore(previous: dict) -> None:

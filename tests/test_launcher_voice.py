@@ -150,3 +150,62 @@ def test_a_damaged_checkpoint_is_hashed_by_every_process_its_share_and_refused_o
     assert done.returncode == 2, done.stderr[-3000:]
     assert len(fcsd_lines(done.stderr)) == 1 and "step-3 is damaged (model.safetensors" in done.stderr, done.stderr
     assert not any(noise in done.stderr for noise in LAUNCHER_NOISE), done.stderr
+
+
+# -- one voice under plain torchrun, and a killed fcsd launch ---------------------------------------------------------
+
+LAST_WORDS = """
+import os, sys
+from fcsd.launch import say
+
+rank, mode = int(os.environ["RANK"]), sys.argv[1]
+line = "fcsd demo: error: the same refusal" if mode == "same" or rank == 0 else f"fcsd demo: error: only rank {rank}"
+say(line, 2)
+sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("mode", ["same", "differ"])
+def test_under_plain_torchrun_a_refusal_every_rank_says_is_printed_by_rank_0_alone(tmp_path, mode):
+    """The rule of fcsd.launch.say over torchrun's store: a line every rank says once, a rank's own line named."""
+    from launch import torchrun
+
+    script = tmp_path / "last_words.py"
+    script.write_text(LAST_WORDS)
+    done = torchrun(3, str(script), mode, check=False, timeout=120)
+    said = fcsd_lines(done.stderr)
+    if mode == "same":
+        assert said == ["fcsd demo: error: the same refusal"], done.stderr[-3000:]
+    else:
+        expected = ["fcsd demo (rank 1): error: only rank 1", "fcsd demo (rank 2): error: only rank 2"]
+        assert sorted(said) == sorted(["fcsd demo: error: the same refusal", *expected]), done.stderr[-3000:]
+
+
+def test_a_refusal_under_plain_torchrun_is_said_once_by_rank_0(assets, tmp_path):
+    from launch import torchrun
+
+    command = launch_line(assets, tmp_path / "r", "parallel.ep_size=3")
+    done = torchrun(2, *command[command.index("-m", 4) :], check=False, timeout=600)
+    refusal = "fcsd convert: error: parallel.ep_size=3 must divide the number of processes (2)"
+    assert done.returncode != 0
+    assert fcsd_lines(done.stderr) == [line for line in done.stderr.splitlines() if line.startswith(refusal)]
+    assert done.stderr.count(refusal) == 1 and "(rank 1)" not in done.stderr, done.stderr[-3000:]
+
+
+def test_sigkill_of_the_launcher_ranks_say_the_resume_line_and_remove_the_launch_folder(assets, tmp_path):
+    """fcsd launch killed (-9): its ranks notice, rank 0 prints how to resume (one line, no Terminated traceback),
+    the launch's message folder is removed and no process is left."""
+    out, temporary = tmp_path / "run", tmp_path / "tmp"
+    temporary.mkdir()
+    argv = launch_line(assets, out, "train.max_steps=50", "train.save_every=1", "export=false")
+    options = dict(env={**environ(), "TMPDIR": str(temporary)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with started(argv, text=True, **options) as launch:
+        wait_for(lambda: list((out / "checkpoints").glob("step-*")), 300, "the first step checkpoint", launch)
+        assert [p.name for p in temporary.iterdir() if p.name.startswith("fcsd-launch-")]
+        launch.kill()
+        _, err = launch.communicate(timeout=300)  # the ranks hold stderr until they end
+        wait_for(lambda: not tagged(os.environ[TAG]), 60, "every process of the launch ended")
+    assert len(fcsd_lines(err)) == 1, err[-3000:]
+    assert "fcsd convert: terminated (SIGTERM); the last checkpoint is step-" in err, err[-3000:]
+    assert "continue with `fcsd launch torchrun" in err and "Traceback" not in err, err[-3000:]
+    assert not [p.name for p in temporary.iterdir() if p.name.startswith("fcsd-launch-")]
