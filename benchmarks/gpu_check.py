@@ -503,7 +503,8 @@ def fp8_teacher(ctx) -> dict:
         fp8 = cache_and_train("fp8", "fp8")
         cached = fp8["cache_teacher"]
         if cached["rc"] != 0:
-            lines = cached["stderr"].strip().splitlines()
+            # fcsd's refusal: exit 2, one line naming the kernel and teacher.dtype=auto (library warnings may precede)
+            lines = [line for line in cached["stderr"].strip().splitlines() if "teacher.dtype=auto" in line]
             if cached["timed_out"] or cached["rc"] != 2 or len(lines) != 1:
                 raise RuntimeError(f"fcsd cache-teacher teacher.dtype=fp8 failed: {cached['stderr'][-1500:]}")
             figures["fp8"] = {"outcome": "refused", "line": lines[0]}
