@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 MESSAGES_ENV = "FCSD_LAUNCH_MESSAGES"  # the folder each process of a launch leaves its last word in
@@ -210,7 +211,8 @@ def _run_quietly(run, args, folder: Path, name: str) -> int:
 
     _quiet_launcher_logs()
     try:
-        run(args)
+        with _quiet_rendezvous_shutdown():
+            run(args)
         return 0
     except SignalException as stop:
         return _report_stop(folder, name, int(stop.sigval))
@@ -230,9 +232,58 @@ def _run_quietly(run, args, folder: Path, name: str) -> int:
         return _report_failure(folder, name, 0, failed.returncode)
 
 
+STORE_NOISE = ("[c10d]", "TCPStore", "Exception raised from", "frame #", "<omitting python frames>")
+
+
+@contextmanager
+def _quiet_rendezvous_shutdown():
+    """An agent closing the rendezvous after the node that hosted its store has ended (every multi-node run's last
+    moment, a successful one's too) gets torch's C++ ``recvVector failed`` warning with its stack frames on stderr:
+    that noise is dropped (anything else said meanwhile is kept)."""
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    except ImportError:
+        yield
+        return
+    original = DynamicRendezvousHandler.shutdown
+
+    def shutdown(self):
+        with _stderr_filtered(STORE_NOISE):
+            return original(self)
+
+    DynamicRendezvousHandler.shutdown = shutdown
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler.shutdown = original
+
+
+@contextmanager
+def _stderr_filtered(noise: tuple):
+    """This process's file descriptor 2 (C++ writes to it too) into a file for the block; then its lines that hold
+    none of ``noise`` are written back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines()
+            kept = [line for line in lines if line.strip() and not any(word in line for word in noise)]
+            if kept:
+                print("\n".join(kept), file=sys.stderr)
+
+
 def _quiet_launcher_logs() -> None:
     """torchrun's warnings of a failure or a stop ("failed (exitcode: 2)", "Sending process ... closing signal"):
     this launch reports those in one line. Each of its loggers has its level set, so each is set here."""
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401 - its logger, made before run
+
     names = [name for name in logging.root.manager.loggerDict if name.startswith(("torch.distributed.elastic",
              "torch.distributed.launcher", "torch.distributed.run"))]  # fmt: skip
     for name in names:

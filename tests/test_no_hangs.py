@@ -87,3 +87,101 @@ def test_a_configured_node_size_runs_and_its_groups_wait_the_runs_timeout(tmp_pa
         assert result.returncode == 0, f"rank {rank}: {result.stderr[-3000:]}"
         written = json.loads((tmp_path / f"groups.{rank}.json").read_text())
         assert written == {"timeouts": [77.0, 77.0, 77.0], "sizes": [2, 2]}
+
+
+# -- a sweep chosen at the edge of its grid says so ------------------------------------------------------------------
+
+
+def _sweep_rows(chosen_batch: int, chosen_lr: float) -> list[dict]:
+    rows = []
+    for stage, batch, lr in [(1, 32768, 4e-5), (1, 65536, 4e-5), (1, 131072, 4e-5)] + [
+        (2, chosen_batch, lr) for lr in (2e-5, 4e-5, 8e-5)
+    ]:
+        loss = 0.5 if (batch, lr) == (chosen_batch, chosen_lr) or (stage == 1 and batch == chosen_batch) else 1.0
+        row = {"stage": stage, "batch_tokens": batch, "lr": lr, "status": "finished", "steps": 4, "loss": loss}
+        rows.append({**row, "run": f"b{batch}-lr{lr:g}", "curve": [(1, 1.0), (4, loss)]})
+    return rows
+
+
+def test_a_sweep_chosen_at_the_top_of_both_grids_says_so_and_gives_the_next_grid(tmp_path):
+    from types import SimpleNamespace
+
+    from fcsd.distill.sweep import grid_edges, write_outputs
+
+    sweep = SimpleNamespace(batch_tokens=[32768, 65536, 131072], lrs=[2e-5, 4e-5, 8e-5])
+    selection = {"batch_tokens": 131072, "lr": 8e-5, "loss": 0.5, "lr_scale": 1.0, "peak_lr": 8e-5, "command": "x"}
+    selection["notes"] = grid_edges(sweep, selection, 4096)
+    assert selection["notes"] == [
+        "the chosen batch size 131072 is the largest of sweep.batch_tokens: the best may lie above it; sweep again "
+        "with sweep.batch_tokens=[131072,262144,524288]",
+        "the chosen LR 8e-05 is the largest of sweep.lrs: the best may lie above it; sweep again with "
+        "sweep.lrs=[8e-05,0.00016,0.00032]",
+    ]
+    write_outputs(tmp_path, _sweep_rows(131072, 8e-5), selection, 4)
+    table = (tmp_path / "sweep_table.md").read_text()
+    assert "Note: the chosen LR 8e-05 is the largest of sweep.lrs" in table
+    assert "Note: the chosen batch size 131072 is the largest" in table
+
+
+def test_a_sweep_at_the_bottom_says_so_and_one_inside_its_grids_says_nothing():
+    from types import SimpleNamespace
+
+    from fcsd.distill.sweep import grid_edges
+
+    sweep = SimpleNamespace(batch_tokens=[32768, 65536, 131072], lrs=[2e-5, 4e-5, 8e-5])
+    assert grid_edges(sweep, {"batch_tokens": 65536, "lr": 4e-5}, 4096) == []
+    assert grid_edges(sweep, {"batch_tokens": 32768, "lr": 2e-5}, 4096) == [
+        "the chosen batch size 32768 is the smallest of sweep.batch_tokens: the best may lie below it; sweep again "
+        "with sweep.batch_tokens=[8192,16384,32768]",
+        "the chosen LR 2e-05 is the smallest of sweep.lrs: the best may lie below it; sweep again with "
+        "sweep.lrs=[5e-06,1e-05,2e-05]",
+    ]
+
+
+# -- a successful multi-node run ends without the store's C++ warnings ------------------------------------------------
+
+SLOW_SHUTDOWN = """import os
+if os.environ.get("FCSD_TEST_SLOW_SHUTDOWN") and os.environ.get("LOCAL_RANK") is None:  # the agent, not its rank
+    import time
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = dynamic_rendezvous.DynamicRendezvousHandler.shutdown
+
+    def shutdown(self):
+        time.sleep(4)  # the node that hosts the rendezvous store has ended by now
+        return original(self)
+
+    dynamic_rendezvous.DynamicRendezvousHandler.shutdown = shutdown
+"""
+
+
+def test_a_successful_two_node_launch_shows_no_store_warnings(tmp_path):
+    """Two agents of `fcsd launch torchrun --nnodes 2` (c10d rendezvous on this machine); the second closes the
+    rendezvous after the first, whose agent hosts the store, has ended (what happens by chance at the end of every
+    multi-node run, here made certain): that printed torch's C++ "recvVector failed" warning and stack frames."""
+    import socket
+
+    from processes import wait_for
+
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "sitecustomize.py").write_text(SLOW_SHUTDOWN)
+    port = free_port()
+    launcher = ["torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d"]
+    launcher += ["--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "fcsd.cli", "perfmodel", "--preset", "deepseek-v3"]
+    argv = [sys.executable, "-m", "fcsd.cli", "launch", *launcher]
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    slow = {**base, "PYTHONPATH": os.pathsep.join([str(tmp_path / "slow"), *sys.path]), "FCSD_TEST_SLOW_SHUTDOWN": "1"}
+    options = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def listening() -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    with started(argv, env=base, **options) as first:
+        wait_for(listening, 120, "the first agent's rendezvous store", first)
+        with started(argv, env=slow, **options) as second:
+            _, second_err = second.communicate(timeout=300)
+        _, first_err = first.communicate(timeout=300)
+    assert (first.returncode, second.returncode) == (0, 0), first_err[-2000:] + second_err[-2000:]
+    for err in (first_err, second_err):
+        assert "recvVector" not in err and "frame #" not in err and "[c10d]" not in err, err[-3000:]

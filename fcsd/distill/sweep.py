@@ -203,10 +203,41 @@ def _run_stages(config: FCSDConfig, overrides: list[str], root: Path) -> dict:
     selection["lr_scale"] = config.recovery.lr_scale  # the LR rule: the run's peak is train.lr x the recipe's multiple
     selection["peak_lr"] = best["lr"] * config.recovery.lr_scale
     selection["command"] = final_command(config, overrides, selection)
+    selection["notes"] = grid_edges(sweep, selection, config.data.seq_len)
     write_outputs(root, rows, selection, sweep.select_last)
     if sweep.launch_final:
         launch_final(config, overrides, selection)
     return selection
+
+
+def grid_edges(sweep, selection: dict, seq_len: int) -> list[str]:
+    """One line per swept value chosen at the top or bottom of its grid (of two values or more): the best may lie
+    beyond it, and the grid of the next sweep, stepped as the grid's own neighbours there (batch sizes whole
+    sequences)."""
+    notes = []
+    grids = (
+        ("batch size", "sweep.batch_tokens", sorted(set(sweep.batch_tokens)), selection["batch_tokens"]),
+        ("LR", "sweep.lrs", sorted(set(sweep.lrs)), selection["lr"]),
+    )
+    for what, key, grid, chosen in grids:
+        if len(grid) < 2 or chosen not in (grid[0], grid[-1]):
+            continue
+        top = chosen == grid[-1]
+        step = grid[-1] / grid[-2] if top else grid[1] / grid[0]
+        step = step if step >= 1.5 else 2.0
+        beyond = [chosen * step, chosen * step * step] if top else [chosen / step / step, chosen / step]
+        if key == "sweep.batch_tokens":
+            beyond = [max(seq_len, round(value / seq_len) * seq_len) for value in beyond]
+        values = sorted({*beyond, chosen})
+        if len(values) < 2:
+            notes.append(f"the chosen {what} {chosen:g} is the smallest of {key}, one sequence: none is smaller")
+            continue
+        shown = ",".join(f"{value:g}" for value in values)
+        notes.append(
+            f"the chosen {what} {chosen:g} is the {'largest' if top else 'smallest'} of {key}: the best may lie "
+            f"{'above' if top else 'below'} it; sweep again with {key}=[{shown}]"
+        )
+    return notes
 
 
 def final_command(config: FCSDConfig, overrides: list[str], selection: dict) -> str:
@@ -252,6 +283,7 @@ def write_outputs(root: Path, rows: list[dict], selection: dict, select_last: in
                      f"| {loss} | `{row['run']}` |")  # fmt: skip
     lines += ["", f"Chosen: batch {selection['batch_tokens']:,} tokens, LR {selection['lr']:g} (train.lr; the run's "
               f"peak LR {selection['peak_lr']:g}, the recipe's recovery.lr_scale {selection['lr_scale']:g} times it).",
+              *(f"Note: {note}." for note in selection.get("notes", ())),
               "",
               f"Full conversion: `{selection['command']}`"]  # fmt: skip
     (root / "sweep_table.md").write_text("\n".join(lines) + "\n")
