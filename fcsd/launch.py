@@ -208,12 +208,15 @@ def _launcher(words: list[str]):
 def _run_quietly(run, args, folder: Path, name: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     _quiet_launcher_logs()
     try:
         with _quiet_rendezvous_shutdown():
             run(args)
         return 0
+    except RendezvousConnectionError:
+        return _report_lost_store(folder, name, args)
     except SignalException as stop:
         return _report_stop(folder, name, int(stop.sigval))
     except KeyboardInterrupt as stop:  # before the processes started, or accelerate's one-process launch
@@ -238,24 +241,29 @@ STORE_NOISE = ("[c10d]", "TCPStore", "Exception raised from", "frame #", "<omitt
 @contextmanager
 def _quiet_rendezvous_shutdown():
     """An agent closing the rendezvous after the node that hosted its store has ended (every multi-node run's last
-    moment, a successful one's too) gets torch's C++ ``recvVector failed`` warning with its stack frames on stderr:
-    that noise is dropped (anything else said meanwhile is kept)."""
+    moment, a successful one's too), or polling it once that node is lost, gets torch's C++ ``recvVector failed``
+    warning with its stack frames on stderr: that noise is dropped (anything else said meanwhile is kept)."""
     try:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     except ImportError:
         yield
         return
-    original = DynamicRendezvousHandler.shutdown
+    originals = {name: getattr(DynamicRendezvousHandler, name) for name in ("shutdown", "num_nodes_waiting")}
 
-    def shutdown(self):
-        with _stderr_filtered(STORE_NOISE):
-            return original(self)
+    def quiet(original):
+        def call(self):
+            with _stderr_filtered(STORE_NOISE):
+                return original(self)
 
-    DynamicRendezvousHandler.shutdown = shutdown
+        return call
+
+    for name, original in originals.items():  # both run on the agent's main thread, which also starts the ranks
+        setattr(DynamicRendezvousHandler, name, quiet(original))
     try:
         yield
     finally:
-        DynamicRendezvousHandler.shutdown = original
+        for name, original in originals.items():
+            setattr(DynamicRendezvousHandler, name, original)
 
 
 @contextmanager
@@ -309,6 +317,42 @@ def _report_stop(folder: Path, name: str, signum: int) -> int:
     how = "terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted"
     print(line or f"fcsd {name}: {how}", file=sys.stderr)
     return code
+
+
+def _report_lost_store(folder: Path, name: str, args) -> int:
+    """The node hosting the rendezvous store is gone: this node's processes are stopped (they leave their words
+    here: how to resume) and the launch ends in one line naming the store, status 1."""
+    _stop_children()
+    endpoint = getattr(args, "rdzv_endpoint", "") or ":".join(
+        str(part) for part in (getattr(args, "master_addr", None), getattr(args, "master_port", None)) if part
+    )
+    stops = [m["line"] for m in _messages(folder) if m["code"] in STOPS]
+    hint = next((line.split("; ", 1)[1] for line in stops if "; " in line), None)
+    how = hint or "once every node is up, run the same launch line again on each"
+    print(
+        f"fcsd {name}: lost the rendezvous store at {endpoint or 'the first node'} (the node hosting it is gone or "
+        f"unreachable); this node's processes were stopped; {how}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _stop_children(grace: float = 60) -> None:
+    """SIGTERM to the processes this one started (the node's ranks), waited for ``grace`` seconds, then killed."""
+    import psutil
+
+    children = psutil.Process().children()
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _report_failure(folder: Path, name: str, rank: int | None, exitcode: int) -> int:

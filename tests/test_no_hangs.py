@@ -185,3 +185,55 @@ def test_a_successful_two_node_launch_shows_no_store_warnings(tmp_path):
     assert (first.returncode, second.returncode) == (0, 0), first_err[-2000:] + second_err[-2000:]
     for err in (first_err, second_err):
         assert "recvVector" not in err and "frame #" not in err and "[c10d]" not in err, err[-3000:]
+
+
+# -- the agent that survives the loss of the store's node says so in one line -----------------------------------------
+
+HELD_AT_EXIT = """import atexit, os, time
+if os.environ.get("FCSD_TEST_MARK") and os.environ.get("LOCAL_RANK") is not None:  # a rank, not its agent
+    def hold():
+        open(os.environ["FCSD_TEST_MARK"] + os.environ["RANK"], "w").close()
+        time.sleep(120)  # the run goes on while the test takes the first node away
+    atexit.register(hold)
+"""
+
+
+def test_the_agent_that_survives_the_store_node_says_so_in_one_line(tmp_path):
+    """`fcsd launch torchrun --nnodes 2`: the first node (its agent hosts the c10d store, and its rank) killed; the
+    other agent printed torch's C++ frames and a RendezvousConnectionError traceback. Now: its ranks stopped, one
+    line naming the lost store and how to go on, status 1."""
+    import signal
+    import socket
+
+    import psutil
+    from processes import wait_for
+
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / "sitecustomize.py").write_text(HELD_AT_EXIT)
+    port, mark = free_port(), str(tmp_path / "rank")
+    launcher = ["torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d"]
+    launcher += ["--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "fcsd.cli", "perfmodel", "--preset", "deepseek-v3"]
+    argv = [sys.executable, "-m", "fcsd.cli", "launch", *launcher]
+    path = os.pathsep.join([str(tmp_path / "held"), *sys.path])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "FCSD_TEST_MARK": mark}
+    options = dict(env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def listening() -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    with started(argv, **options) as first:
+        wait_for(listening, 120, "the first agent's rendezvous store", first)
+        with started(argv, **options) as second:
+            wait_for(lambda: all(os.path.exists(f"{mark}{r}") for r in (0, 1)), 300, "both ranks ran", second)
+            lost = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+            for process in lost:  # the node goes: its agent and its rank at once
+                process.send_signal(signal.SIGKILL)
+            _, err = second.communicate(timeout=300)
+    assert second.returncode == 1, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"fcsd perfmodel: lost the rendezvous store at 127.0.0.1:{port} (the node hosting it"), (
+        err
+    )
+    assert "this node's processes were stopped; once every node is up, run the same launch line again" in lines[0]
