@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -238,32 +239,60 @@ def _run_quietly(run, args, folder: Path, name: str) -> int:
 STORE_NOISE = ("[c10d]", "TCPStore", "Exception raised from", "frame #", "<omitting python frames>")
 
 
+_FD2 = threading.Lock()  # one block at a time swaps file descriptor 2, never while ranks are started (they inherit it)
+
+
 @contextmanager
 def _quiet_rendezvous_shutdown():
     """An agent closing the rendezvous after the node that hosted its store has ended (every multi-node run's last
-    moment, a successful one's too), or polling it once that node is lost, gets torch's C++ ``recvVector failed``
+    moment, a successful one's too), or talking to it once that node is lost, gets torch's C++ ``recvVector failed``
     warning with its stack frames on stderr: that noise is dropped (anything else said meanwhile is kept)."""
     try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     except ImportError:
         yield
         return
-    originals = {name: getattr(DynamicRendezvousHandler, name) for name in ("shutdown", "num_nodes_waiting")}
 
-    def quiet(original):
-        def call(self):
-            with _stderr_filtered(STORE_NOISE):
-                return original(self)
+    def quiet(original):  # the agent's main thread: closing, polling the rendezvous
+        def call(self, *args, **kwargs):
+            with _FD2, _stderr_filtered(STORE_NOISE):
+                return original(self, *args, **kwargs)
 
         return call
 
-    for name, original in originals.items():  # both run on the agent's main thread, which also starts the ranks
-        setattr(DynamicRendezvousHandler, name, quiet(original))
+    def quiet_heartbeat(original):  # its heartbeat thread: skips a beat rather than wait for the main thread
+        def call(self):
+            if not _FD2.acquire(blocking=False):
+                return None
+            try:
+                with _stderr_filtered(STORE_NOISE):
+                    return original(self)
+            finally:
+                _FD2.release()
+
+        return call
+
+    def starting(original):  # the ranks start with this process's own stderr
+        def call(self, *args, **kwargs):
+            with _FD2:
+                return original(self, *args, **kwargs)
+
+        return call
+
+    patches = [(DynamicRendezvousHandler, name, quiet) for name in ("shutdown", "num_nodes_waiting")]
+    patches += [
+        (DynamicRendezvousHandler, "_keep_alive", quiet_heartbeat),
+        (LocalElasticAgent, "_start_workers", starting),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for (owner, name, wrap), (_, _, original) in zip(patches, originals, strict=True):
+        setattr(owner, name, wrap(original))
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(DynamicRendezvousHandler, name, original)
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 @contextmanager

@@ -155,9 +155,13 @@ def test_a_damaged_checkpoint_is_hashed_by_every_process_its_share_and_refused_o
 # -- one voice under plain torchrun, and a killed fcsd launch ---------------------------------------------------------
 
 LAST_WORDS = """
-import os, sys
+import os, signal, sys
+import torch.distributed as dist
 from fcsd.launch import say
 
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as fcsd's main once a command has ended: torchrun's stop is no news
+dist.init_process_group("gloo")
+dist.barrier()  # every rank reaches its last word (else torchrun ends a slow one when rank 0 exits)
 rank, mode = int(os.environ["RANK"]), sys.argv[1]
 line = "fcsd demo: error: the same refusal" if mode == "same" or rank == 0 else f"fcsd demo: error: only rank {rank}"
 say(line, 2)
