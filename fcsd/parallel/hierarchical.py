@@ -216,6 +216,12 @@ def _same(rank: int) -> int:
     return 0  # every rank of a node group shares the node
 
 
+def high_priority_options():
+    """Under NCCL, the options of a group whose collectives run on a high-priority stream (the expert-parallel,
+    node and rail groups: the exchanges the schedule overlaps with compute are not queued behind it); else None."""
+    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True) if dist.get_backend() == "nccl" else None
+
+
 def default_group_timeout():
     """The default process group's timeout (``parallel.timeout_minutes`` once the run set it), for the groups made
     after it; None outside a job (torch's own default then)."""
@@ -273,14 +279,14 @@ def node_and_rail_groups(group, node_size: int) -> tuple:
     dist.all_gather_object(every, (mine, _node_of_rank(), local, node_size))
     agreed_node_size([entry[1:] for entry in every], len(mine))
     groups = sorted({tuple(entry[0]) for entry in every})
-    timeout = default_group_timeout()
+    timeout, options = default_group_timeout(), high_priority_options()  # as the expert-parallel group's
     found = {}
     for ranks in groups:
         nodes = [ranks[start : start + node_size] for start in range(0, len(ranks), node_size)]
         rails = [ranks[position::node_size] for position in range(node_size)]
         for kind, cuts in (("node", nodes), ("rail", rails)):
             for cut in cuts:
-                created = dist.new_group(list(cut), timeout=timeout)
+                created = dist.new_group(list(cut), timeout=timeout, pg_options=options)
                 if dist.get_rank() in cut:
                     found[kind] = created
     return found["node"], found["rail"]

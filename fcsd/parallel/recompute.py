@@ -50,7 +50,7 @@ class HostCopy:
         self.event = None
         with host_allocation():
             if tensor.device.type == "cuda":
-                stream = _copy_stream(tensor.device)
+                stream = _copy_stream(tensor.device, "out")
                 stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the exchange's result is complete
                 with torch.cuda.stream(stream):
                     self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -85,7 +85,7 @@ class HostCopy:
         fake tensors stand for a GPU run's: they come back at once, charged to the device a layer early."""
         if self.event is None:
             return Prefetched(self.back()) if _is_fake(self.host) else self
-        stream = _copy_stream(self.device)
+        stream = _copy_stream(self.device, "back")
         with torch.cuda.stream(stream):
             stream.wait_event(self.event)
             tensor = self.host.to(self.device, non_blocking=True)
@@ -135,10 +135,12 @@ def _is_fake(tensor) -> bool:
 _COPY_STREAMS: dict = {}
 
 
-def _copy_stream(device):
-    if device not in _COPY_STREAMS:
-        _COPY_STREAMS[device] = torch.cuda.Stream(device)
-    return _COPY_STREAMS[device]
+def _copy_stream(device, direction: str):
+    """One copy stream per device and direction ("out" to host memory, "back" to the device): PCIe copies both ways
+    at once, so a layer's rows going out need not queue behind another's prefetch."""
+    if (device, direction) not in _COPY_STREAMS:
+        _COPY_STREAMS[device, direction] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device, direction]
 
 
 #: the context host copies are allocated in; the planner's memory tracker charges them to host memory
