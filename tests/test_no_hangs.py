@@ -29,8 +29,14 @@ WORKER = textwrap.dedent(
     except ValueError as error:
         print(error, file=sys.stderr)
         sys.exit(2)
+    from fcsd.parallel.apply import _replica_group
+    from fcsd.parallel.layout import ParallelDims, build_meshes
+
+    meshes = build_meshes(ParallelDims(world=4, ep=2, fsdp=True), "cpu")
+    made = [node, rail, expert_parallel_group(2), _replica_group(expert_parallel_group(2), 2)]
+    made += [meshes.dense.get_group("fsdp"), meshes.sparse.get_group("ep"), meshes.sparse.get_group("efsdp")]
     timeouts = [group._get_backend(__import__("torch").device("cpu")).options._timeout.total_seconds()
-                for group in (node, rail, expert_parallel_group(2))]
+                for group in made]
     sizes = [dist.get_world_size(node), dist.get_world_size(rail)]
     open(f"{out}.{rank}.json", "w").write(json.dumps({"timeouts": timeouts, "sizes": sizes}))
     dist.destroy_process_group()
@@ -86,7 +92,7 @@ def test_a_configured_node_size_runs_and_its_groups_wait_the_runs_timeout(tmp_pa
     for rank, result in enumerate(done):
         assert result.returncode == 0, f"rank {rank}: {result.stderr[-3000:]}"
         written = json.loads((tmp_path / f"groups.{rank}.json").read_text())
-        assert written == {"timeouts": [77.0, 77.0, 77.0], "sizes": [2, 2]}
+        assert written == {"timeouts": [77.0] * 7, "sizes": [2, 2]}  # node, rail, ep, replicas, the three meshes
 
 
 # -- a sweep chosen at the edge of its grid says so ------------------------------------------------------------------

@@ -222,6 +222,14 @@ def high_priority_options():
     return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True) if dist.get_backend() == "nccl" else None
 
 
+def bound_by_the_run_timeout(*groups) -> None:
+    """Give groups that torch's own helpers made (device meshes) the default group's timeout: they wait torch's 10
+    (NCCL) or 30 (gloo) minutes otherwise, whatever ``parallel.timeout_minutes`` says."""
+    timeout = default_group_timeout()
+    for group in groups if timeout is not None else ():
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def default_group_timeout():
     """The default process group's timeout (``parallel.timeout_minutes`` once the run set it), for the groups made
     after it; None outside a job (torch's own default then)."""

@@ -120,6 +120,8 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     with compute are not queued behind it."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    from fcsd.parallel.hierarchical import bound_by_the_run_timeout
+
     if dist.get_world_size() != dims.world:
         raise ValueError(f"the layout is for {dims.world} processes but the job has {dist.get_world_size()}")
     override = None
@@ -129,6 +131,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     sparse = init_device_mesh(
         device_type, (dims.efsdp, dims.ep), mesh_dim_names=("efsdp", "ep"), backend_override=override
     )
+    bound_by_the_run_timeout(dense.get_group("fsdp"), sparse.get_group("ep"), sparse.get_group("efsdp"))
     experts = DeviceMesh.from_group(
         [sparse.get_group("ep"), sparse.get_group("efsdp")],
         device_type,
