@@ -40,8 +40,22 @@ def _compute_dtype_class(stock: type) -> type:
             cast = in_compute_dtype(self)
             return stock_forward(_CastView(self, cast) if cast else self, *args, **kwargs)
 
-        _CLASSES[stock] = type(stock.__name__, (stock,), {"forward": forward, "_fcsd_stock_class": stock})
+        # named so that pickle finds it again (module __getattr__ below): Qwen3MoeExperts keeps its __name__
+        qualname = f"InComputeDtype__{stock.__module__.replace('.', '__')}__{stock.__qualname__}"
+        attributes = {"forward": forward, "_fcsd_stock_class": stock, "__qualname__": qualname}
+        _CLASSES[stock] = type(stock.__name__, (stock,), attributes)
     return _CLASSES[stock]
+
+
+def __getattr__(name: str) -> type:
+    """The compute-dtype class of a stock experts class by its pickled name (``InComputeDtype__<module>__<class>``)."""
+    import importlib
+
+    prefix = "InComputeDtype__"
+    if not name.startswith(prefix):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, _, stock = name[len(prefix) :].rpartition("__")
+    return _compute_dtype_class(getattr(importlib.import_module(module.replace("__", ".")), stock))
 
 
 def is_experts_module(module: nn.Module) -> bool:

@@ -3,6 +3,7 @@
 parallelism (gloo processes). Every grouped matmul is recorded at the dispatcher, forward and backward."""
 
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -62,6 +63,9 @@ def test_outside_autocast_the_experts_are_the_stock_forward():
     experts_in_compute_dtype(model)
     assert torch.equal(model(input_ids=ids).logits, before)  # bit for bit: nothing is cast in fp32
     assert experts_in_compute_dtype(model) == 0  # applied once
+    again = pickle.loads(pickle.dumps(model))  # torch.save(model) pickles the class
+    assert type(again.model.layers[0].mlp.experts) is type(model.model.layers[0].mlp.experts)
+    assert torch.equal(again(input_ids=ids).logits, before)
 
 
 @pytest.fixture(scope="module")

@@ -104,6 +104,8 @@ def in_compute_dtype(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s own floating-point parameters cast to the autocast dtype (empty when autocast is off or they
     are in that dtype already): transformers' grouped experts kernel is no autocast op (:mod:`fcsd.precision`)."""
     params = {name: p for name, p in module.named_parameters(recurse=False) if p.is_floating_point()}
+    if any(p.element_size() == 1 for p in params.values()):  # FP8 experts (and their scales) run their own kernels
+        return {}
     dtype = autocast_dtype(next(iter(params.values()))) if params else None
     if dtype is None or all(p.dtype == dtype for p in params.values()):
         return {}

@@ -8,6 +8,7 @@ dotted staging name and renamed into place once every process has finished writi
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -261,6 +262,7 @@ def _final_identity(root: Path, config) -> dict:
     return found
 
 
+@functools.cache  # read once at the start: the source run may prune that checkpoint before this run's final save
 def init_source(checkpoint: Path) -> dict:
     """How a run records the step checkpoint it started from: its path, step and run id."""
     record = RunFolder.of_checkpoint(checkpoint).trainer_state(checkpoint).get("run")

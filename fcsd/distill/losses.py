@@ -119,7 +119,7 @@ def chunked_topk_teacher(
     logps, ids = [], []
     with torch.no_grad():
         for start in range(0, hidden.shape[0], rows):
-            logits = head(hidden[start : start + rows]).float()
+            logits = head(hidden[start : start + rows]).to(torch.float32, copy=True)  # never the caller's
             logits.div_(temperature)
             logits.sub_(logits.logsumexp(-1, keepdim=True))  # log-softmax in place: one vocabulary-wide buffer
             values, top = logits.topk(k, dim=-1)

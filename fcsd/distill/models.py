@@ -40,7 +40,7 @@ def load_models(
     """Frozen teacher and FarSkip student (each ``None`` when not needed) from the same checkpoint.
 
     The student's master weights are fp32 (``model.dtype=auto``; bf16 compute comes from autocast, the experts'
-    included: :mod:`fcsd.precision`; on GPUs the fp32 matmuls that remain use TF32) and its
+    included: :mod:`fcsd.precision`) and its
     ``config.dtype`` is the checkpoint's, which is what ``final/`` is saved in. A multimodal checkpoint contributes
     its text model (what FCSD trains and exports). ``meshes`` (``parallel.ep_size`` > 1 or ``parallel.fsdp``,
     :func:`fcsd.parallel.training.run_meshes`): both are built on the meta device, laid out by
@@ -92,19 +92,18 @@ def load_models(
     for model in (teacher, student):
         if model is not None:
             experts_in_compute_dtype(model)  # fp32 masters, bf16 expert matmuls under autocast in every layout
-    if cuda:
-        torch.backends.cuda.matmul.fp32_precision = "tf32"  # the fp32 matmuls that remain (reductions stay fp32)
     if teacher is not None and student is not None:
         vocab = student.get_output_embeddings().out_features
         losses.check_vocabularies(vocab, teacher.get_output_embeddings().out_features)
     return teacher, student
 
 
-def sharded_by_accelerate() -> bool:
-    """Whether accelerate shards the student from host memory (its FSDP or DeepSpeed plugins)."""
+def sharded_by_accelerate(deepspeed_only: bool = False) -> bool:
+    """Whether accelerate shards the student from host memory (its FSDP or DeepSpeed plugins; DeepSpeed alone)."""
     from accelerate.utils import parse_flag_from_env
 
-    return parse_flag_from_env("ACCELERATE_USE_FSDP") or parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    return deepspeed or (not deepspeed_only and parse_flag_from_env("ACCELERATE_USE_FSDP"))
 
 
 def straight_to(device: torch.device) -> dict:

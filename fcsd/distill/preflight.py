@@ -139,10 +139,12 @@ def check_init_from(config, model: str, is_main: bool = True) -> None:
             f"{where} holds its experts in the order of parallel.placement={placement}, this run "
             f"{config.parallel.placement}: set parallel.placement={placement}"
         )
-    if config.parallel.ep_size > 1 or config.parallel.fsdp:
+    from fcsd.distill.models import sharded_by_accelerate
+
+    if config.parallel.ep_size > 1 or config.parallel.fsdp or sharded_by_accelerate(deepspeed_only=True):
         raise ValueError(
-            f"{where} loads into a student in one piece: drop parallel.ep_size / parallel.fsdp, or use accelerate's "
-            "DDP or FSDP (recipes/accelerate/)"
+            f"{where} loads into a student in one piece: drop parallel.ep_size / parallel.fsdp (and DeepSpeed, which "
+            "partitions the student as it loads), or use accelerate's DDP or FSDP (recipes/accelerate/)"
         )
 
 

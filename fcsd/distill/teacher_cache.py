@@ -51,7 +51,9 @@ def model_fingerprint(model) -> str:
     the dtype or the attention kernel) and the values of its embedding and LM-head weights (compared in fp32, so a
     bf16 checkpoint loaded in fp32 or in bf16 has one fingerprint)."""
     config = {k: v for k, v in model.config.to_dict().items() if k not in RUNTIME_CONFIG_KEYS}
-    config["quantization_config"] = source_format(config.pop("quantization_config", None), config.pop(RECORD_KEY, None))
+    source = source_format(config.pop("quantization_config", None), config.pop(RECORD_KEY, None))
+    if source is not None:  # a plain checkpoint's fingerprint is what it was
+        config["source_format"] = source
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     from torch.distributed.tensor import DTensor
 
@@ -69,11 +71,10 @@ def source_format(quantization: dict | None, record: dict | None) -> dict | None
     settings = (record or {}).get("quantization_config") or quantization
     if not settings:
         return None
-    return {
+    return {  # not modules_to_not_convert: transformers renames its entries when it keeps FP8 modules
         "fmt": settings.get("fmt") or "e4m3",
         "weight_block_size": [int(b) for b in settings.get("weight_block_size") or []],
         "activation_scheme": settings.get("activation_scheme") or "dynamic",
-        "modules_to_not_convert": sorted(settings.get("modules_to_not_convert") or []),
     }
 
 

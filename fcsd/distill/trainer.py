@@ -140,6 +140,8 @@ class TrainingSession:
         self.config, train_cfg = config, config.train
         self.run = checked.run
         cpu_only = not torch.cuda.is_available()  # so that torchrun / accelerate launch on CPUs form a gloo group
+        if not cpu_only:  # TF32 for the fp32 matmuls that remain under bf16 autocast (its reductions stay fp32)
+            torch.set_float32_matmul_precision("high")
         mixed = train_cfg.mixed_precision
         if mixed == "auto":
             mixed = "no" if cpu_only else "bf16"
