@@ -708,7 +708,6 @@ def main(argv: list[str] | None = None) -> int:
         name = _command_name(args, argv)
         code = stopping.was_stopped(error) or stopping.orphaned_stop()
         if code is not None:
-            stopping.ignore_further_stops()  # a second Ctrl-C (or SIGTERM) while the stop is reported is the same stop
             _say_stopped(args, argv, code)
             if whole_process:
                 _exit_stopped(code)

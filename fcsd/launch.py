@@ -31,9 +31,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from fcsd.stopping import LAUNCHER_ENV, launcher_alive
+
 MESSAGES_ENV = "FCSD_LAUNCH_MESSAGES"  # the folder each process of a launch leaves its last word in
 LINE_ENV = "FCSD_LAUNCH_LINE"  # the launch line's first words: what a message tells the user to run again
-LAUNCHER_ENV = "FCSD_LAUNCH_PID"  # the process of fcsd launch: the ranks' parent while it lives
 STOPS = {130: signal.SIGINT, 143: signal.SIGTERM}
 WAIT_FOR_MAIN = 10.0  # seconds another rank waits for rank 0's last word before it says its own
 USAGE = (
@@ -85,14 +86,6 @@ def named(line: str, rank: int) -> str:
     return f"rank {rank}: {line}"
 
 
-def launcher_alive() -> bool | None:
-    """Whether this rank's ``fcsd launch`` still runs (it is the ranks' parent); None: not under ``fcsd launch``."""
-    pid = os.environ.get(LAUNCHER_ENV)
-    if pid is None or not pid.isdigit():
-        return None
-    return os.getppid() == int(pid)
-
-
 def _post(folder: Path | None, rank: int, line: str, code: int) -> None:
     """Leave ``line`` where the launch and the other ranks read it: the launch's folder, else the launcher's store."""
     record = json.dumps({"rank": rank, "line": line, "code": code, "time": time.time()})
@@ -100,8 +93,10 @@ def _post(folder: Path | None, rank: int, line: str, code: int) -> None:
         try:
             with open(folder / f"{rank}.json", "x") as file:
                 file.write(record)
-        except OSError:  # said already (the first word is kept), or the folder is gone
+        except FileExistsError:  # said already: the first word is kept
             pass
+        except OSError:  # the launch's folder is gone: nobody will read it, so say it here
+            print(line, file=sys.stderr, flush=True)
         return
     if rank == 0:
         store = _store()
@@ -261,10 +256,10 @@ def _quiet_rendezvous_shutdown():
 
         return call
 
-    def quiet_heartbeat(original):  # its heartbeat thread: skips a beat rather than wait for the main thread
+    def quiet_heartbeat(original):  # its heartbeat thread: beats unfiltered rather than wait long for the main one
         def call(self):
-            if not _FD2.acquire(blocking=False):
-                return None
+            if not _FD2.acquire(timeout=1.0):
+                return original(self)
             try:
                 with _stderr_filtered(STORE_NOISE):
                     return original(self)
@@ -300,8 +295,12 @@ def _stderr_filtered(noise: tuple):
     """This process's file descriptor 2 (C++ writes to it too) into a file for the block; then its lines that hold
     none of ``noise`` are written back."""
     sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as caught:
+    try:
+        caught, saved = tempfile.TemporaryFile(), os.dup(2)
+    except OSError:  # no room for the file, or no descriptor left: unfiltered rather than failing the launch
+        yield
+        return
+    with caught:
         os.dup2(caught.fileno(), 2)
         try:
             yield

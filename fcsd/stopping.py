@@ -90,12 +90,22 @@ def install() -> dict:
     return previous
 
 
+LAUNCHER_ENV = "FCSD_LAUNCH_PID"  # the process of fcsd launch: the ranks' parent while it lives
+
+
+def launcher_alive() -> bool | None:
+    """Whether this rank's ``fcsd launch`` still runs (it is the ranks' parent); None: not under ``fcsd launch``."""
+    pid = os.environ.get(LAUNCHER_ENV)
+    if pid is None or not pid.isdigit():
+        return None
+    return os.getppid() == int(pid)
+
+
 def orphaned_stop() -> int | None:
     """143 in a rank whose ``fcsd launch`` is gone (killed): an error it meets then (its peers' and store's links
-    broke) is that stop, said as one (the resume line), not a traceback; None otherwise."""
-    from fcsd.launch import launcher_alive
-
-    return 143 if launcher_alive() is False else None
+    broke) is that stop, said as one (the resume line), not a traceback; None otherwise (also in a process started
+    under a rank, whose parent never was the launcher)."""
+    return 143 if _WATCHING and launcher_alive() is False else None
 
 
 _WATCHING: list = []
@@ -104,9 +114,7 @@ _WATCHING: list = []
 def _watch_launcher(every: float = 1.0) -> None:
     """In a rank of ``fcsd launch``: SIGTERM to this process once its launcher is gone (``PR_SET_PDEATHSIG`` is
     bound to the thread that started it, and does not cross a launcher that re-parents its workers)."""
-    from fcsd.launch import launcher_alive
-
-    if _WATCHING or launcher_alive() is None:
+    if _WATCHING or not launcher_alive():  # not under fcsd launch, or a process started under a rank
         return
     import threading
 
