@@ -120,13 +120,12 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     with compute are not queued behind it."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from fcsd.parallel.hierarchical import bound_by_the_run_timeout
+    from fcsd.parallel.hierarchical import bound_by_the_run_timeout, high_priority_options
 
     if dist.get_world_size() != dims.world:
         raise ValueError(f"the layout is for {dims.world} processes but the job has {dist.get_world_size()}")
-    override = None
-    if device_type == "cuda" and dist.get_backend() == "nccl":
-        override = {"ep": ("nccl", dist.ProcessGroupNCCL.Options(is_high_priority_stream=True))}
+    options = high_priority_options() if device_type == "cuda" else None
+    override = {"ep": ("nccl", options)} if options is not None else None
     dense = init_device_mesh(device_type, (dims.world,), mesh_dim_names=("fsdp",))
     sparse = init_device_mesh(
         device_type, (dims.efsdp, dims.ep), mesh_dim_names=("efsdp", "ep"), backend_override=override

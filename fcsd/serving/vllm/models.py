@@ -99,7 +99,8 @@ def _above_tokens(vllm_config, setting) -> int:
     CUDA graphs are on)."""
     compilation = vllm_config.compilation_config
     graphs = not vllm_config.model_config.enforce_eager and torch.cuda.is_available()
-    graphs = graphs and bool(getattr(compilation, "cudagraph_mode", None))
+    mode = getattr(compilation, "cudagraph_mode", None)  # an Enum: CUDAGraphMode.NONE is truthy
+    graphs = graphs and mode is not None and getattr(mode, "name", str(mode)) != "NONE"
     capture = getattr(compilation, "max_cudagraph_capture_size", None) if graphs else None
     return resolve_above_tokens(setting, capture)
 
