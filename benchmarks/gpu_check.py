@@ -1,4 +1,4 @@
-"""A prepared one-GPU check of fcsd, for the first time a GPU machine is lent (about 10 minutes on one H100/H200).
+"""A prepared one-GPU check of fcsd, the first run on a GPU (about 10 minutes on one H100 or H200).
 
 On the GPU machine, from the repository root (one command; every section has its own time budget, enforced by
 subprocess timeouts, so one hang cannot eat the others' time, and a failed section does not stop the others):
@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 SECTIONS = ["one_process", "fsdp_one_process", "expert_parallel", "fp8_teacher", "memory", "bench", "sglang"]
-# seconds per section: (full, quick); the full budgets add up to 9 minutes, under a 10-minute device lease
+# seconds per section: (full, quick); the full budgets add up to 9 minutes, so that a 10-minute slot suffices
 BUDGETS = {
     "one_process": (120, 150),
     "fsdp_one_process": (90, 240),

@@ -7,7 +7,11 @@ position + AdamW, on the same model, weights and token batch for all three:
 * ``trl``: TRL's distillation loss (``GKDTrainer.generalized_jsd_loss`` with beta=0, its forward KL) on full logits,
   i.e. the compute of TRL's ``compute_loss`` without the Trainer's data-loading overhead;
 * ``fcsd``: :func:`fcsd.distill.objectives.micro_batch_loss`, the trainer's step (LM head and loss chunked over
-  tokens, no full-vocabulary logits).
+  tokens, no full-vocabulary logits), on a student whose experts compute in the autocast dtype (``fcsd.precision``).
+
+``hf_loop`` and ``trl`` run transformers' model as it comes: with fp32 master weights its grouped experts kernel
+computes in fp32 under bf16 autocast. On a GPU their ratio to ``fcsd`` therefore includes that precision fix, not
+only the chunked loss; ``--same-experts`` gives them fcsd's compute-dtype experts too, to separate the two.
 
 Prints tokens/s, peak memory (CUDA) and ratios against ``hf_loop``.
 
@@ -126,6 +130,8 @@ def main() -> None:
     chunk_help = "tokens per chunk of fcsd's fused LM head + loss (train.loss_chunk_size)"
     parser.add_argument("--loss-chunk-size", type=int, default=TrainConfig.loss_chunk_size, help=chunk_help)
     parser.add_argument("--json", metavar="OUT", help="also write the results to this JSON file")
+    same = "every method's student computes its experts in the autocast dtype (default: fcsd's alone)"
+    parser.add_argument("--same-experts", action="store_true", help=same)
     args = parser.parse_args()
     preset = PRESETS[args.preset]
     bf16 = args.device == "cuda" if args.bf16 is None else args.bf16
@@ -147,8 +153,8 @@ def main() -> None:
         methods.remove("trl")
     for name in methods:
         model = student
-        if name == "fcsd":  # the trainer's student: experts in the autocast dtype (the stock model is left as it is,
-            # parked in host memory meanwhile so that it does not count in this method's peak)
+        if name == "fcsd" or args.same_experts:  # the trainer's student: experts in the autocast dtype (the stock
+            # model is left as it is, parked in host memory meanwhile so that it does not count in this method's peak)
             model = compute_dtype_copy(student.to("cpu"), args.device)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
         step = make_step(name, model, teacher, batch, optimizer, autocast, args.loss_chunk_size)

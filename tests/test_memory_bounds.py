@@ -5,6 +5,7 @@ logits takes (the unchunked cache peaked at 7.6 GiB here)."""
 import os
 import subprocess
 import sys
+import tempfile
 
 from big_vocab import save_big_vocab_model
 
@@ -14,10 +15,12 @@ GIB = 2**30
 def peak_rss(argv: list[str]) -> tuple[int, int]:
     """``(exit status, peak resident memory in bytes)`` of ``argv`` run to its end in a child process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    assert child.returncode == 0, child.stderr.read().decode()[-3000:]
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: a child that says much never blocks on it
+        child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        assert child.returncode == 0, err.read().decode()[-3000:]
     return child.returncode, usage.ru_maxrss * 1024  # kilobytes on Linux
 
 

@@ -154,7 +154,14 @@ if os.environ.get("FCSD_TEST_SLOW_SHUTDOWN") and os.environ.get("LOCAL_RANK") is
     original = dynamic_rendezvous.DynamicRendezvousHandler.shutdown
 
     def shutdown(self):
-        time.sleep(4)  # the node that hosts the rendezvous store has ended by now
+        import socket
+
+        port, deadline = int(os.environ["FCSD_TEST_STORE_PORT"]), time.monotonic() + 120
+        while time.monotonic() < deadline:  # until the node that hosts the rendezvous store has ended
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) != 0:
+                    break
+            time.sleep(0.2)
         return original(self)
 
     dynamic_rendezvous.DynamicRendezvousHandler.shutdown = shutdown
@@ -177,6 +184,7 @@ def test_a_successful_two_node_launch_shows_no_store_warnings(tmp_path):
     argv = [sys.executable, "-m", "fcsd.cli", "launch", *launcher]
     base = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     slow = {**base, "PYTHONPATH": os.pathsep.join([str(tmp_path / "slow"), *sys.path]), "FCSD_TEST_SLOW_SHUTDOWN": "1"}
+    slow["FCSD_TEST_STORE_PORT"] = str(port)
     options = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def listening() -> bool:

@@ -1,6 +1,6 @@
 """What a GPU run needs of the parallel runtime, checked on CPU gloo processes: the process groups' timeout, saves that
-gather each tensor only on the writing process, compute-dtype tensors saved for the combine's backward, gradient
-all-reduces overlapped with the backward (tests/workers/saves_and_grads.py)."""
+gather each tensor only on the writing process, compute-dtype tensors saved for the combine's backward, the gradient
+norm as one foreach kernel (tests/workers/saves_and_grads.py)."""
 
 import json
 from pathlib import Path
