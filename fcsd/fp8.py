@@ -41,11 +41,18 @@ def fp8_settings(config) -> dict | None:
     if getattr(method, "value", method) != "fp8":
         return None  # fcsd.loading.check_quantization refuses the other methods
     block = settings.get("weight_block_size")
+    whole = isinstance(block, (list, tuple)) and len(block) == 2
+    whole = whole and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    if block is not None and not whole:
+        raise ValueError(
+            f"quantization_config.weight_block_size {block!r} in config.json is no block: it must be two positive "
+            "whole numbers, e.g. [128, 128], the block the checkpoint's weight_scale_inv tensors were made for"
+        )
     problem = (
         f"format {settings.get('fmt')!r} (fmt)"
         if settings.get("fmt", "e4m3") != "e4m3"
         else "per-tensor scales (no weight_block_size)"
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(int(b) > 0 for b in block))
+        if block is None
         else f"activation_scheme {settings.get('activation_scheme')!r}"
         if settings.get("activation_scheme", "dynamic") != "dynamic"
         else None
@@ -187,6 +194,11 @@ def dequantized_state_dict(files: list[str], block: list[int], stack: ExitStack)
         key = scale_key.removesuffix(SCALE_SUFFIX)
         if key not in entries:
             raise ValueError(f"{scale_key} has no weight {key} in the checkpoint: copy or download it again")
+        if "F8" not in entries[key].get_dtype() or len(entries[key].get_shape()) < 2:
+            raise ValueError(
+                f"{scale_key} scales {key}, which is not stored in FP8 ({entries[key].get_dtype()}, shape "
+                f"{list(entries[key].get_shape())}): the checkpoint is damaged; remove that scale or download it again"
+            )
         entries[key] = DequantizedSlice(entries[key], entries.pop(scale_key), block)
     check_block_scales(
         {k: (e.get_shape(), e.scale.get_shape()) for k, e in entries.items() if k + SCALE_SUFFIX in scaled}, block

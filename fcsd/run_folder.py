@@ -112,7 +112,13 @@ class RunFolder:
 
         state = self.trainer_state(checkpoint)
         if not state:
-            return [f"{TRAINER_STATE} missing"]
+            there = (checkpoint / TRAINER_STATE).exists()
+            return [f"{TRAINER_STATE} {'is no JSON table (damaged or edited)' if there else 'missing'}"]
+        counts = [state.get(key, 0) for key in ("step", "tokens", "checkpoint_format")]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+            return [f"{TRAINER_STATE}'s step, tokens or checkpoint_format were edited: {counts} are no counts"]
+        if counts[2] > CHECKPOINT_FORMAT:
+            return [f"{TRAINER_STATE} is of checkpoint format {counts[2]}, newer than this fcsd's {CHECKPOINT_FORMAT}"]
         expected = state.get("files") or {name: None for name in LEGACY_CHECKPOINT_FILES}
         if not isinstance(expected, dict) or not all(isinstance(n, int) for n in expected.values() if n is not None):
             return [f"{TRAINER_STATE}'s file list was edited: it is no table of file sizes"]

@@ -76,6 +76,41 @@ def test_scales_made_for_other_blocks_are_refused_in_one_line_before_training(ti
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def _convert_copy(tiny, tmp_path, capsys, edit) -> list[str]:
+    """``fcsd convert`` of a copy of the tiny FP8 checkpoint after ``edit(folder)``: its status and error lines."""
+    root, args = tiny
+    source = tmp_path / "fp8"
+    source.mkdir()
+    for path in (root / "fp8").iterdir():
+        (source / path.name).write_bytes(path.read_bytes())
+    edit(source)
+    with torch_threads(1):
+        status = main(["convert", str(source), *args, "train.max_steps=2", f"output_dir={tmp_path / 'run'}"])
+    assert status == 2 and not (tmp_path / "run" / "metrics.jsonl").exists()
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("fcsd convert: error: ")]
+
+
+@pytest.mark.parametrize("block", [[16.5, 16], [True, True], [0, 16], "x", [16]])
+def test_a_weight_block_size_that_is_no_block_is_named_as_such(tiny, tmp_path, capsys, block):
+    """[16.5, 16] was read as [16, 16] and trained; [0, 16], "x" and [16] were called per-tensor scales."""
+    err = _convert_copy(tiny, tmp_path, capsys, lambda folder: _declare_block(folder, block))
+    assert len(err) == 1 and f"weight_block_size {block!r} in config.json is no block" in err[0], err
+
+
+def test_a_scale_of_a_weight_not_stored_in_fp8_is_refused(tiny, tmp_path, capsys):
+    """A weight_scale_inv beside the bf16 LM head multiplied the head by it, silently."""
+
+    def orphan_scale(folder: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(folder / "model.safetensors"))
+        tensors["lm_head.weight_scale_inv"] = torch.full((2, 2), 100.0)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    err = _convert_copy(tiny, tmp_path, capsys, orphan_scale)
+    assert len(err) == 1 and "lm_head.weight_scale_inv scales lm_head.weight, which is not stored in FP8" in err[0]
+
+
 def test_scales_made_for_other_blocks_are_refused_under_expert_parallelism(tiny, tmp_path):
     """Under EP 2 (2 gloo processes, each reading its slices) the same refusal, before training."""
     root, args = tiny

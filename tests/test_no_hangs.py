@@ -251,3 +251,22 @@ def test_the_agent_that_survives_the_store_node_says_so_in_one_line(tmp_path):
         err
     )
     assert "this node's processes were stopped; once every node is up, run the same launch line again" in lines[0]
+
+
+def test_a_node_size_that_does_not_divide_the_job_is_refused(tmp_path):
+    """The probe: parallel.node_size=3 on 2 processes was accepted silently (the group was taken as one node)."""
+    code = textwrap.dedent(
+        f"""
+        import torch.distributed as dist
+        from fcsd.parallel.apply import resolve_node_size
+        dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
+        assert resolve_node_size(1, 1) == 1
+        try:
+            resolve_node_size(1, 3)
+        except ValueError as error:
+            print(error)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().startswith("parallel.node_size=3 does not divide the job's 1 processes"), done.stdout

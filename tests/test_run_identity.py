@@ -195,3 +195,29 @@ def test_init_from_is_checked_before_anything_loads(world, tmp_path, capsys, sou
     message = one_line(capsys)
     assert expected in message and message.startswith("fcsd convert: error: train.init_from="), message
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda state: {**state, "step": "two"}, "step, tokens or checkpoint_format were edited"),
+        (lambda state: {**state, "tokens": -5}, "step, tokens or checkpoint_format were edited"),
+        (lambda state: {**state, "checkpoint_format": 99}, "checkpoint format 99, newer than this fcsd's"),
+        (lambda state: "{oops", "is no JSON table (damaged or edited)"),
+        (lambda state: [state], "is no JSON table (damaged or edited)"),
+    ],
+)
+def test_a_trainer_state_edited_into_nonsense_is_a_damaged_checkpoint(world, tmp_path, capsys, edit, said):
+    """The probe: a step of "two" was a TypeError traceback after "resuming from"; a state that is no JSON table
+    read as a missing file. Each is a damaged checkpoint now, refused in one line with the sound one to resume from."""
+    run = tmp_path / "slow"
+    shutil.copytree(world / "runs" / "slow", run)
+    state_file = run / "checkpoints" / f"step-{STOP_AT}" / "trainer_state.json"
+    edited = edit(json.loads(state_file.read_text()))
+    state_file.write_text(edited if isinstance(edited, str) else json.dumps(edited))
+    before = snapshot(run)
+    capsys.readouterr()
+    assert main([*convert(world, run, "train.lr=2e-5"), "--resume"]) == 2
+    message = one_line(capsys)
+    assert said in message and "train.resume_step=" in message, message
+    assert snapshot(run) == before

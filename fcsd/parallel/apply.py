@@ -178,6 +178,12 @@ def resolve_node_size(size: int, node_size: int | None = None) -> int:
     node = node_size or int(os.environ.get("LOCAL_WORLD_SIZE") or size)
     if node < 1:
         raise ValueError(f"parallel.node_size={node}: it must be at least 1 (processes per node)")
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if node_size and world is not None and world % node_size:
+        raise ValueError(
+            f"parallel.node_size={node_size} does not divide the job's {world} processes into whole nodes: set the "
+            "processes each node runs (the launcher's --nproc_per_node), or leave it unset"
+        )
     node = min(node, size)
     if size % node:
         raise ValueError(
