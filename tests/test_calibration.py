@@ -96,6 +96,7 @@ BAD_FILES = [
     (lambda d: {**d, "format": "other"}, "not a cluster file"),
     (lambda d: {**d, "version": 99}, "version 99"),
     (lambda d: {k: v for k, v in d.items() if k != "intra_gbps"}, "'intra_gbps' is missing"),
+    (lambda d: {**d, "nodes": 10**12}, "more than 131,072 GPUs in all"),  # the plan searched for minutes
     (lambda d: {**d, "tflops": -1.0}, "tflops is -1.0"),
     (lambda d: {**d, "host_gbps": "fast"}, "host_gbps is 'fast'"),
     (lambda d: {**d, "gpus_per_node": 0}, "gpus_per_node is 0"),

@@ -652,7 +652,9 @@ def test_deepseek_v3_prices_an_ep_group_across_nodes_fastest():
     times = {}
     for ep in (8, 16, 32, 64, 128):
         layout = Layout("ep_fsdp", 128, ep, "online", 1, True, offload=True)
-        stub = SimpleNamespace(layout=layout, flops=flops, tokens=tokens, gradients=0, accumulation=1, host=2**30)
+        stub = SimpleNamespace(
+            layout=layout, flops=flops, tokens=tokens, gradients=0, accumulation=1, host=2**30, expert_flops=0.0
+        )
         times[ep] = pricing.time(stub)
         assert sum(times[ep].breakdown().values()) == pytest.approx(times[ep].seconds)
         assert step_bound(layout, pricing) <= times[ep].seconds

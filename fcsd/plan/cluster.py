@@ -204,9 +204,10 @@ def make_cluster(
     """A :class:`Cluster` from the command line's options, with one-line errors for impossible values."""
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not a preset: choose one of {', '.join(GPUS)} (and --gpu-memory to adjust)")
-    if gpus_per_node < 1 or nodes < 1:
+    if gpus_per_node < 1 or nodes < 1 or gpus_per_node * nodes > MAX_GPUS:
         raise ValueError(
-            f"--gpus-per-node {gpus_per_node} --nodes {nodes}: a cluster needs at least one node of one GPU"
+            f"--gpus-per-node {gpus_per_node} --nodes {nodes}: a cluster holds 1 to {MAX_GPUS:,} GPUs, at least one "
+            "node of one GPU"
         )
     if not 0 < mfu <= 1:
         raise ValueError(f"--mfu {mfu}: the share of peak FLOP/s a step reaches lies in (0, 1], e.g. 0.3")
@@ -241,6 +242,7 @@ def make_cluster(
 REMEASURE = "measure it again: `fcsd bench cluster --model MODEL --out FILE` (under torchrun for several processes)"
 NUMBERS = ("gpu_memory_gib", "host_memory_gib", "tflops", "intra_gbps", "inter_gbps", "host_gbps")
 COUNTS = ("nodes", "gpus_per_node")
+MAX_GPUS = 2**17  # the largest cluster fcsd plans for (its searches grow with the GPU count)
 OPTIONAL = ("alltoall_intra_gbps", "alltoall_inter_gbps")  # null where not measured
 REQUIRED = (*COUNTS, *NUMBERS, "op_us", "memory_gbps", "latency_us", "reduced_tflops")  # besides format, version
 TEXTS = ("name", "device", "backend", "model")
@@ -310,6 +312,8 @@ def _field_problems(data: dict):
     for key in COUNTS:
         if not _whole(data[key], 1):
             yield key, data.get(key), "not a whole number of at least 1"
+    if all(_whole(data[key], 1) for key in COUNTS) and data["nodes"] * data["gpus_per_node"] > MAX_GPUS:
+        yield "nodes", data["nodes"], f"more than {MAX_GPUS:,} GPUs in all with gpus_per_node {data['gpus_per_node']}"
     for key in NUMBERS + ("memory_gbps",):
         if not positive_number(data[key]):
             yield key, data.get(key), "not a number above 0"
