@@ -124,27 +124,30 @@ def _timed(call, device: torch.device, min_seconds: float, batches: int = 5) -> 
 # -- GEMMs ----------------------------------------------------------------------------------------------------------
 
 
+def _layers_and_experts(model_config) -> tuple[object, int, list]:
+    """``(model, top_k, [(decoder layer, its routed experts module or None), ...])`` of ``model_config``'s text
+    model, built on the meta device."""
+    from fcsd.connectivity.families import family_for_config, find_decoder_layers, meta_model, text_config
+
+    family = family_for_config(model_config)
+    top_k = int(getattr(text_config(model_config), family.top_k_attr))
+    model, layers = meta_model(model_config), []
+    for layer in find_decoder_layers(model, family):
+        mlp = getattr(layer, family.mlp_attr)
+        layers.append((layer, getattr(mlp, family.experts_attr, None) if family.is_moe(mlp) else None))
+    return model, top_k, layers
+
+
 def gemm_shapes(model_config, tokens: int, fused_experts: bool = True) -> Counter:
     """``(M, K, N) -> count`` of the GEMMs one forward of ``tokens`` tokens makes through ``model_config``'s text
     model: every ``nn.Linear`` of each decoder layer at ``tokens`` rows, the routed experts' GEMMs at ``tokens x top_k
     / experts`` rows each (balanced routing, the planner's assumption; fused 3-D expert weights only with
     ``fused_experts``: :func:`expert_rate` times them as grouped GEMMs), the LM head."""
-    from fcsd.connectivity.families import (
-        expert_count,
-        family_for_config,
-        find_decoder_layers,
-        meta_model,
-        text_config,
-    )
+    from fcsd.connectivity.families import expert_count
 
-    family = family_for_config(model_config)
-    decoder = text_config(model_config)
-    model = meta_model(model_config)
-    top_k = int(getattr(decoder, family.top_k_attr))
     shapes: Counter = Counter()
-    for layer in find_decoder_layers(model, family):
-        mlp = getattr(layer, family.mlp_attr)
-        experts = getattr(mlp, family.experts_attr, None) if family.is_moe(mlp) else None
+    model, top_k, layers = _layers_and_experts(model_config)
+    for layer, experts in layers:
         expert_params = set()
         if experts is not None:
             count = expert_count(experts)
@@ -201,20 +204,11 @@ def expert_kinds(model_config) -> Counter:
     """``(experts, top_k, ((K, N, transposed), ...)) -> MoE layers`` of ``model_config``'s fused experts (3-D
     weights, which transformers' ``grouped_mm`` experts run as grouped GEMMs): each weight's GEMM, input width ``K``
     to output width ``N``, and whether it is stored ``(E, K, N)``; empty for per-expert ``nn.Linear`` experts."""
-    from fcsd.connectivity.families import (
-        expert_count,
-        family_for_config,
-        find_decoder_layers,
-        meta_model,
-        text_config,
-    )
+    from fcsd.connectivity.families import expert_count
 
-    family = family_for_config(model_config)
-    top_k = int(getattr(text_config(model_config), family.top_k_attr))
     kinds: Counter = Counter()
-    for layer in find_decoder_layers(meta_model(model_config), family):
-        mlp = getattr(layer, family.mlp_attr)
-        experts = getattr(mlp, family.experts_attr, None) if family.is_moe(mlp) else None
+    _, top_k, layers = _layers_and_experts(model_config)
+    for _, experts in layers:
         if experts is None:
             continue
         transposed = bool(getattr(experts, "is_transposed", False))
