@@ -30,7 +30,8 @@ from fcsd.parallel.dispatchers import (
     LocalDispatcher,
 )
 from fcsd.parallel.generate import install as install_generate
-from fcsd.parallel.hierarchical import HierarchicalDispatcher, default_group_timeout, node_and_rail_groups
+from fcsd.parallel.groups import new_group
+from fcsd.parallel.hierarchical import HierarchicalDispatcher, node_and_rail_groups
 from fcsd.parallel.schedule import FarSkipEPSchedule, _refuse_checkpointing, ep_moe_forward
 from fcsd.parallel.shards import GatherMode, install_state_dict_hooks, permute_sharded_experts, shard_experts
 
@@ -237,7 +238,7 @@ def _replica_group(group, size: int):
     mine = None
     for position in range(size):
         ranks = [r for r in range(world) if positions[r] == position]
-        created = dist.new_group(ranks, timeout=default_group_timeout())
+        created = new_group(ranks, high_priority=False)  # gradients and gathers, not the overlapped exchanges
         if position == dist.get_rank(group):
             mine = created
     return mine

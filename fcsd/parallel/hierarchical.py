@@ -51,6 +51,7 @@ from fcsd.parallel.dispatchers import (
     slot_sum,
     wire_dtype,
 )
+from fcsd.parallel.groups import new_group
 from fcsd.placement.stats import ID_BYTES, WEIGHT_BYTES
 
 PAIR_BYTES = ID_BYTES + WEIGHT_BYTES
@@ -216,34 +217,6 @@ def _same(rank: int) -> int:
     return 0  # every rank of a node group shares the node
 
 
-def high_priority_options():
-    """Under NCCL, the options of a group whose collectives run on a high-priority stream (the expert-parallel,
-    node and rail groups: the exchanges the schedule overlaps with compute are not queued behind it); else None."""
-    return dist.ProcessGroupNCCL.Options(is_high_priority_stream=True) if dist.get_backend() == "nccl" else None
-
-
-def bound_by_the_run_timeout(*groups) -> None:
-    """Give groups that torch's own helpers made (device meshes) the default group's timeout: they wait torch's 10
-    (NCCL) or 30 (gloo) minutes otherwise, whatever ``parallel.timeout_minutes`` says."""
-    timeout = default_group_timeout()
-    for group in groups if timeout is not None else ():
-        dist.distributed_c10d._set_pg_timeout(timeout, group)
-
-
-def default_group_timeout():
-    """The default process group's timeout (``parallel.timeout_minutes`` once the run set it), for the groups made
-    after it; None outside a job (torch's own default then)."""
-    if not dist.is_initialized():
-        return None
-    group = dist.distributed_c10d._get_default_group()
-    for device in ("cuda", "cpu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (RuntimeError, AttributeError, ValueError):
-            continue
-    return None
-
-
 def _node_of_rank() -> str:
     """This process's node: the launcher's node rank (``GROUP_RANK``), else the host name."""
     import socket
@@ -287,14 +260,13 @@ def node_and_rail_groups(group, node_size: int) -> tuple:
     dist.all_gather_object(every, (mine, _node_of_rank(), local, node_size))
     agreed_node_size([entry[1:] for entry in every], len(mine))
     groups = sorted({tuple(entry[0]) for entry in every})
-    timeout, options = default_group_timeout(), high_priority_options()  # as the expert-parallel group's
     found = {}
     for ranks in groups:
         nodes = [ranks[start : start + node_size] for start in range(0, len(ranks), node_size)]
         rails = [ranks[position::node_size] for position in range(node_size)]
         for kind, cuts in (("node", nodes), ("rail", rails)):
             for cut in cuts:
-                created = dist.new_group(list(cut), timeout=timeout, pg_options=options)
+                created = new_group(list(cut))  # high priority, the run's timeout: as the expert-parallel group
                 if dist.get_rank() in cut:
                     found[kind] = created
     return found["node"], found["rail"]

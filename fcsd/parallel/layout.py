@@ -120,7 +120,7 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     with compute are not queued behind it."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    from fcsd.parallel.hierarchical import bound_by_the_run_timeout, high_priority_options
+    from fcsd.parallel.groups import bound_by_the_run_timeout, high_priority_options
 
     if dist.get_world_size() != dims.world:
         raise ValueError(f"the layout is for {dims.world} processes but the job has {dist.get_world_size()}")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fcsd.parallel.apply import expert_parallel
-from fcsd.parallel.hierarchical import default_group_timeout, high_priority_options
+from fcsd.parallel.groups import new_group
 
 OPTIMIZER_SHARD = "optimizer_ep_rank{rank}.pt"  # each process's optimizer state (its experts' moments differ)
 DENSE_FILE = "model_replicated.pt"  # the non-expert weights, written by the main process
@@ -34,10 +34,9 @@ def expert_parallel_group(ep_size: int):
             f"parallel.ep_size={ep_size} must divide the number of processes ({world}): expert-parallel groups are "
             "consecutive ranks"
         )
-    options = high_priority_options()
-    mine, timeout = None, default_group_timeout()  # parallel.timeout_minutes, not torch's 10 or 30 minutes
+    mine = None
     for first in range(0, world, ep_size):
-        group = dist.new_group(list(range(first, first + ep_size)), pg_options=options, timeout=timeout)
+        group = new_group(list(range(first, first + ep_size)))
         if first <= rank < first + ep_size:
             mine = group
     return mine
