@@ -39,9 +39,10 @@ bench:  ## benchmarks, ours and the stock competitor side by side (see BENCHMARK
 	$(PYTHON) benchmarks/kd_step.py
 	$(PYTHON) benchmarks/kl_loss_memory.py
 
-lint:
+lint:  ## ruff, and the house's import layers (docs/design.md, section 1; contracts in pyproject.toml)
 	$(PYTHON) -m ruff check fcsd tests benchmarks docs/hooks.py
 	$(PYTHON) -m ruff format --check fcsd tests benchmarks docs/hooks.py
+	lint-imports
 
 # no banner about MkDocs 2 from Material on every build
 export NO_MKDOCS_2_WARNING = 1

@@ -90,7 +90,7 @@ def main() -> None:
     args = parser.parse_args()
     import os
 
-    from fcsd import demo_assets
+    from fcsd.embedded import assets as demo_assets
 
     with tempfile.TemporaryDirectory() as scratch:
         # the demo's files, its teacher barely pretrained (the walk does not depend on what the model knows)

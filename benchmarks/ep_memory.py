@@ -54,8 +54,8 @@ def build_assets(folder: Path, args) -> None:
     import torch
     import transformers
 
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     rows = make_dataset(200, seed=0)
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=300)

@@ -3,13 +3,13 @@
     python benchmarks/ep_overlap.py --config mid --ranks 2 [--iters 5] [--dispatcher plain|dedup] [--json]
         [--device auto|cuda|cpu] [--backend auto|nccl|gloo] [--dtype auto|float32|bfloat16]
 
-Figures and their definitions: fcsd/parallel/bench.py. Results are recorded in BENCHMARKS.md.
+Figures and their definitions: fcsd/bench/overlap.py. Results are recorded in BENCHMARKS.md.
 """
 
 import argparse
 import json
 
-from fcsd.parallel.bench import format_table, run_overlap_benchmark
+from fcsd.bench.overlap import format_table, run_overlap_benchmark
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -238,7 +238,7 @@ def chat_model(folder: Path, rows: int = 60) -> tuple[Path, Path]:
     (``folder/train.jsonl``)."""
     from tiny_models import save_chat_model
 
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
 
     data = make_dataset(rows, seed=5)
     save_chat_model(folder / "model", data)
@@ -467,8 +467,8 @@ def fp8_teacher(ctx) -> dict:
     from fp8_models import write_fp8_checkpoint
     from tiny_models import build
 
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     rows = make_dataset(20, seed=3)
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=200)

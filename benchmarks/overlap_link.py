@@ -9,14 +9,14 @@ share of the link time hidden by the overlapped schedule and by the regular one 
 time that ran while the rank computed), the structural limit (what the schedule's windows allow), the schedule
 efficiency and the exposed remainder by cause (per rank and step); the paper's overlap for the same phase beside it.
 Step times under the link are in the JSON (``--json``) but not in the table: on a shared CPU they are dominated by
-the real gloo collectives' waits, not by the modelled link. Definitions: fcsd/parallel/overlap.py. Results are
+the real gloo collectives' waits, not by the modelled link. Definitions: fcsd/bench/hidden_share.py. Results are
 recorded in BENCHMARKS.md.
 """
 
 import argparse
 import json
 
-from fcsd.parallel.bench import run_overlap_benchmark
+from fcsd.bench.overlap import run_overlap_benchmark
 
 #: paper Table 4 (all-to-all % overlap, Megatron-LM training, EP8, MI325X) and Sec. 5.2 (all-reduce overlap, vLLM
 #: prefill, 8x MI300X)

@@ -150,7 +150,7 @@ def teacher(out: Path, family: str, data: Path, steps: int, seed: int = 0, name:
     folder = out / "teachers" / (name or family)
     if (folder / "config.json").exists():
         return folder
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
     tokenizer = train_tokenizer(texts, vocab_size=1024)

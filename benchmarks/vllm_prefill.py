@@ -189,7 +189,7 @@ def write_tiny_export(folder: Path) -> None:
     import transformers
 
     import fcsd
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.tokenizer import train_tokenizer
     from fcsd.export.save import export
 
     tokenizer = train_tokenizer(["add 1 + 2", "sort 3 1 2", "count the apples"] * 50, vocab_size=2000)

@@ -24,7 +24,7 @@ def from_pretrained(
     the stock transformers classes, without its remote code. ``model_class`` overrides the class (expert
     parallelism's sharded loader passes one). ``kwargs`` go to ``from_pretrained`` (``dtype``, ``device_map``, ...).
 
-    A block-FP8 checkpoint (design §8) is dequantized by fcsd as it is read (:mod:`fcsd.fp8`), into ``dtype``;
+    A block-FP8 checkpoint (design §8) is dequantized by fcsd as it is read (:mod:`fcsd.block_fp8`), into ``dtype``;
     ``keep_fp8`` keeps transformers' FP8 modules instead (a CUDA GPU of compute capability >= 8.9 only).
     """
     config = _stock_config(name_or_path, kwargs.get("revision"))
@@ -35,7 +35,7 @@ def from_pretrained(
     )
     check_weight_files(name_or_path)
 
-    from fcsd.fp8 import check_fp8_modules, dequantizing_class, fp8_settings, without_quantization
+    from fcsd.block_fp8 import check_fp8_modules, dequantizing_class, fp8_settings, without_quantization
 
     settings = fp8_settings(checked)
     if keep_fp8:
@@ -188,7 +188,7 @@ def load_config(name_or_path: str, revision: str | None = None):
 
     folder = Path(name_or_path).expanduser()
     if folder.is_dir() and not (folder / "config.json").is_file():
-        from fcsd.run_folder import RunFolder
+        from fcsd.files.run_folder import RunFolder
 
         run = RunFolder(folder)
         inside = run.checkpoint()  # a run folder: its export/, best/ or final/
@@ -248,15 +248,15 @@ def config_error_text(error: Exception) -> str:
 
 def _stock_config(name_or_path: str, revision: str | None = None):
     """The stock transformers config of an exported FarSkip folder or hub repo, or None for anything else. Every
-    config fcsd loads passes here first: its FarSkip fields must agree (:func:`fcsd.identity.identify`), so that a
-    damaged export is refused in one line instead of loading with stock wiring."""
+    config fcsd loads passes here first: its FarSkip fields must agree (:func:`fcsd.serving.identity.identify`), so that
+    a damaged export is refused in one line instead of loading with stock wiring."""
     import json
     from pathlib import Path
 
     from transformers import AutoConfig
 
     from fcsd.connectivity.families import base_model_type
-    from fcsd.identity import identify_folder
+    from fcsd.serving.identity import identify_folder
 
     path = Path(name_or_path) / "config.json"
     if not path.exists():

@@ -1,5 +1,5 @@
 """Where models and data come from: a hub id, a local folder, a run folder of ``fcsd convert``, or the embedded
-``demo`` (built on first use by :mod:`fcsd.demo_assets`). Every command resolves its inputs' names here."""
+``demo`` (built on first use by :mod:`fcsd.embedded.assets`). Every command resolves its inputs' names here."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def resolve_model(name: str) -> str:
     """``demo`` -> the demo checkpoint folder (built on first use); a local-looking path that does not exist is a
     clear error (not a hub lookup); anything else (a folder, a hub id) unchanged."""
     if name == DEMO_NAME:
-        from fcsd.demo_assets import prepare_demo
+        from fcsd.embedded.assets import prepare_demo
 
         return str(prepare_demo() / "model")
     if looks_local(name) and not Path(name).expanduser().exists():
@@ -56,7 +56,7 @@ def resolve_data(name: str | None) -> str | None:
     """``demo`` / ``demo-heldout`` -> the demo's training / held-out file; anything else unchanged."""
     if name not in DEMO_DATA:
         return name
-    from fcsd.demo_assets import prepare_demo
+    from fcsd.embedded.assets import prepare_demo
 
     return str(prepare_demo() / "data" / DEMO_DATA[name])
 
@@ -69,7 +69,7 @@ def default_data(model: str) -> str | None:
 def resolve_checkpoint(ref: str) -> str:
     """The folder (or hub id) to load for ``ref``: ``demo``; a run folder (see :meth:`RunFolder.checkpoint`); an
     exported or converted folder; a stock checkpoint; or a hub id."""
-    from fcsd.run_folder import RunFolder
+    from fcsd.files.run_folder import RunFolder
 
     path = Path(ref).expanduser()
     if not path.exists():
@@ -97,7 +97,7 @@ def explain_error(error: BaseException, repo: str | None = None) -> str | None:
     names = {type(e).__name__ for e in chain}
     text = " ".join(str(e) for e in chain)
     local = "give a local checkpoint folder (e.g. ./models/my-model), a hub id, or 'demo'"
-    from fcsd.staging import is_disk_full
+    from fcsd.files.staging import is_disk_full
 
     if type(error).__module__.startswith("fcsd."):  # fcsd's own errors are one line naming the problem already
         return None

@@ -1,6 +1,6 @@
 """How fcsd writes durations: in s, ms or us, whichever shows the figure. A small model's step in ``fcsd plan`` is
 milliseconds or microseconds, which a fixed ``0.00 s`` would hide (and a ratio of two such figures would then read
-"1.26x as fast (0.00 s vs 0.00 s)"); a modelled link's latency (:mod:`fcsd.parallel.link`) is microseconds. A
+"1.26x as fast (0.00 s vs 0.00 s)"); a modelled link's latency (:mod:`fcsd.bench.modelled_link`) is microseconds. A
 neutral module: the plan and the parallel package both use it (``fcsd.parallel`` does not import ``fcsd.plan``)."""
 
 from __future__ import annotations

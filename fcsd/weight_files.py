@@ -51,7 +51,7 @@ def folder_tensor_names(folder: Path) -> list[str] | None:
 def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
     """Write ``folder``'s ``model.safetensors.index.json`` (tensor name -> file, total bytes of tensor data)
     atomically."""
-    from fcsd.staging import atomic_file
+    from fcsd.files.staging import atomic_file
 
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     with atomic_file(Path(folder) / INDEX) as partial:

@@ -11,7 +11,7 @@ QWEN3_VOCAB = 151_936
 
 def save_big_vocab_model(root: Path, rows: int = 400) -> tuple[Path, Path]:
     """``(model folder, chat.jsonl)`` under ``root``."""
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     chats = [
         {

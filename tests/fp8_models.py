@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import build
 
-from fcsd.fp8 import quantize_blocks
+from fcsd.block_fp8 import quantize_blocks
 
 BLOCK = [16, 16]  # the tiny models' sizes are multiples of 16, except MLA's 12-wide projections (partial blocks)
 NOT_CONVERTED = {

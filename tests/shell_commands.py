@@ -29,18 +29,18 @@ ROOT = Path(__file__).resolve().parent.parent
 # where each command's job starts: everything before it runs for real (parser, config and argument checks)
 JOBS = (
     "fcsd.distill.convert.convert",  # fcsd convert MODEL
-    "fcsd.demo.run_demo",  # fcsd convert demo
+    "fcsd.cli.demo.run_demo",  # fcsd convert demo
     "fcsd.distill.teacher_cache.cache_teacher",  # fcsd cache-teacher
     "fcsd.distill.sweep.run_sweep",  # fcsd sweep
     "fcsd.evaluate.harness.evaluate_checkpoints",  # fcsd eval: lm-eval (after the suite, option and code-execution
     # opt-in checks; resolving the model, below, comes first)
     "fcsd.export.save.export_checkpoint",  # fcsd export
     "fcsd.export.push.push",  # fcsd push
-    "fcsd.evaluate.probe.probe_checkpoint",  # fcsd probe
-    "fcsd.perfmodel.load_config",  # fcsd perfmodel (after its option checks)
+    "fcsd.distill.probe.probe_checkpoint",  # fcsd probe
+    "fcsd.plan.perfmodel.load_config",  # fcsd perfmodel (after its option checks)
     "fcsd.plan.planner.make_plan",  # fcsd plan (after its option and cluster checks)
     "fcsd.sources.resolve_model",  # inspect, eval, routes record, bench --model: resolving the model (`demo` builds it)
-    "fcsd.placement.commands.load_routes",  # fcsd routes stats / place: reading the routes file
+    "fcsd.cli.routes.load_routes",  # fcsd routes stats / place: reading the routes file
 )
 LAUNCH = "torch.distributed.run"  # a command that starts processes of this (fcsd bench overlap's ranks, after its
 # --ranks and --link checks) has reached its job too

@@ -22,12 +22,12 @@ from tiny_models import build, save_chat_model
 
 from fcsd.cli import main
 from fcsd.distill.config import compose, to_config
-from fcsd.ownership import MARKER
-from fcsd.run_folder import CONFIG, RunFolder
+from fcsd.files.ownership import MARKER
+from fcsd.files.run_folder import CONFIG, RunFolder
 
 FAST = ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=64", "train.micro_batch_size=2"]
 FAST += ["train.warmup_steps=0", "progress=false", "early_stop.enabled=false"]
-# what `fcsd export` writes into config.json to say what the folder is (fcsd.identity)
+# what `fcsd export` writes into config.json to say what the folder is (fcsd.serving.identity)
 EXPORT_IDENTITY = {"model_type": "farskip_qwen3_moe", "farskip": {"layers": [1]}}
 EXPORT_IDENTITY["architectures"] = ["FarSkipQwen3MoeForCausalLM"]
 
@@ -1256,7 +1256,7 @@ def test_short_runs_evaluate_the_held_out_kl_along_the_way():
 
 def test_one_command_per_folder(env, capsys):
     """A second command into a folder another one holds is refused, naming the holder; nothing is written."""
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     run = env / "runs" / "unfinished"
     before = snapshot(env)
@@ -1790,7 +1790,7 @@ def test_sigterm_to_bench_overlap_ends_every_rank(tmp_path):
             except psutil.NoSuchProcess:
                 return []
             commands = {p: " ".join(p.cmdline()) for p in children}  # the ranks, not torchrun that names them
-            return [p for p, c in commands.items() if "fcsd.parallel.bench" in c and "torch.distributed.run" not in c]
+            return [p for p, c in commands.items() if "fcsd.bench.overlap" in c and "torch.distributed.run" not in c]
 
         wait_for(lambda: len(ranks()) == 2, 900, "the benchmark's two ranks", process)
         workers = ranks()
@@ -1827,7 +1827,7 @@ def test_an_export_into_a_folder_a_run_has_claimed_is_refused_and_the_run_keeps_
     out = tmp_path / "out"
     ready = tmp_path / "claimed"
     holder = (
-        "import sys, pathlib; from fcsd import ownership\n"
+        "import sys, pathlib; from fcsd.files import ownership\n"
         f"with ownership.folder_lock(pathlib.Path({str(out)!r}), 'output_dir'):\n"
         f"    pathlib.Path({str(ready)!r}).write_text('1'); sys.stdin.read()\n"
     )  # what `fcsd convert` holds while it loads the data and the models
@@ -1846,7 +1846,7 @@ def test_an_export_into_a_folder_a_run_has_claimed_is_refused_and_the_run_keeps_
 def test_an_export_into_another_runs_export_folder_is_refused_even_with_overwrite(env, tmp_path, capsys):
     """`fcsd export RUN_A RUN_B/export --overwrite` replaced run B's export with run A's weights, which `fcsd eval
     RUN_B` and `fcsd push` then took for B's; now it is refused in one line and B's export is untouched."""
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     source = converted_checkpoint(env, tmp_path / "a", 1)
     other = tmp_path / "run-b"
@@ -1862,7 +1862,7 @@ def test_an_export_into_another_runs_export_folder_is_refused_even_with_overwrit
 def test_a_runs_checkpoint_named_relatively_still_exports_to_the_runs_own_export(env, tmp_path, monkeypatch):
     """The refusal of another run's ``export/`` resolves the source first: ``fcsd export . ../export`` from inside a
     run's ``final/`` is that run's own export."""
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     run = tmp_path / "run"
     converted_checkpoint(env, run / "final", 1)
@@ -1908,7 +1908,7 @@ def test_an_export_edited_to_run_layers_with_stock_wiring_is_refused_wherever_it
     from transformers import AutoModelForCausalLM
 
     import fcsd
-    from fcsd.identity import IdentityError
+    from fcsd.serving.identity import IdentityError
     from fcsd.serving.vllm.guard import FarSkipServingError, check_served_config
 
     out = tmp_path / "out"
@@ -2046,7 +2046,7 @@ def test_a_run_stopped_while_it_writes_final_or_its_export_resumes_or_says_how_t
     exported, the refusal of `--resume` names the command that writes the missing export/."""
     import fcsd.distill.trainer as trainer
     from fcsd.export import save
-    from fcsd.ownership import FolderError
+    from fcsd.files.ownership import FolderError
 
     out = tmp_path / "run"
     argv = run_convert(env, f"output_dir={out}", "train.max_steps=3", "train.save_every=1")

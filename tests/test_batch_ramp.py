@@ -9,8 +9,9 @@ from test_trainer import assert_same_training, pretrained_assets
 
 import fcsd
 from fcsd.cli import main
-from fcsd.distill.config import ramp_stages, update_split
+from fcsd.distill.config import update_split
 from fcsd.distill.optim import StepPlan
+from fcsd.run_facts import ramp_stages
 
 # 8 sequences of 32 tokens a step (test_trainer's FAST), guide off and no warm-up: the LR is constant from step 0
 PLAIN_SF = ["recovery=guided", "recovery.hidden_l2=0", "recovery.warmup_share=0"]

@@ -6,8 +6,8 @@ import types
 import pytest
 import torch
 
-from fcsd.parallel.bench import plan_device, run_overlap_benchmark
-from fcsd.parallel.timeline import StepTimer, Timeline
+from fcsd.bench.overlap import plan_device, run_overlap_benchmark
+from fcsd.bench.timeline import StepTimer, Timeline
 
 
 @pytest.mark.parametrize(

@@ -208,7 +208,7 @@ def test_a_cluster_files_figures_price_the_step(tmp_path):
     """`fcsd plan --cluster FILE` prices with the file: a DDP step's gradient all-reduce (exposed beyond two thirds
     of the compute) at a tenth of the bandwidth takes 2 (n-1)/n x gradient bytes x (1/b' - 1/b) longer, and twice the
     GEMM rate halves its compute."""
-    from fcsd import perfmodel as pm
+    from fcsd.plan import perfmodel as pm
     from fcsd.plan.candidates import parameter_counts
     from fcsd.plan.timing import step_time
 
@@ -235,7 +235,7 @@ def test_the_measured_overlap_is_the_share_of_each_window_the_step_hides(tmp_pat
     """combine() pools the ranks' overlap times; a file measuring no overlap (a CPU whose every core computes) prices
     a DDP step's all-reduce whole, beside the compute instead of behind the backward, and one measuring full overlap
     as the presets do (two thirds of the compute hide it)."""
-    from fcsd import perfmodel as pm
+    from fcsd.plan import perfmodel as pm
     from fcsd.plan.calibrate import combine, pooled_overlap
     from fcsd.plan.candidates import parameter_counts
     from fcsd.plan.timing import hardware, step_time
@@ -425,7 +425,7 @@ def test_the_plan_prices_the_experts_at_the_measured_grouped_rate(tmp_path):
     prediction reads the reduced rates."""
     from dataclasses import replace
 
-    from fcsd import perfmodel as pm
+    from fcsd.plan import perfmodel as pm
     from fcsd.plan.candidates import parameter_counts
     from fcsd.plan.predict import calibrated_for
     from fcsd.plan.run import Layout

@@ -8,8 +8,8 @@ import pytest
 from tiny_models import save_chat_model
 
 from fcsd.cli import main
-from fcsd.connectivity.summary import summarize
-from fcsd.distill.synthetic import make_dataset, write_jsonl
+from fcsd.embedded.synthetic import make_dataset, write_jsonl
+from fcsd.model_summary import summarize
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ from tiny_models import CONFIGS
 import fcsd
 from fcsd.cli import main
 from fcsd.distill.convert import convert
-from fcsd.distill.synthetic import make_dataset, write_jsonl
-from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.embedded.synthetic import make_dataset, write_jsonl
+from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export.composite import SOURCE_KEY, CompositeError
 from fcsd.export.save import export_checkpoint
-from fcsd.serving.vllm.families import BY_ARCHITECTURE
+from fcsd.serving.families import BY_ARCHITECTURE
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -222,7 +222,7 @@ def fp8_composite(source: Path, out: Path) -> Path:
     scales, as the hub's FP8 releases store them) and the vision tower and projector left in bf16."""
     from safetensors.torch import save_file
 
-    from fcsd.fp8 import quantize_blocks
+    from fcsd.block_fp8 import quantize_blocks
 
     state = tensors(source)
     text_linear = [

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fcsd import demo_assets
 from fcsd.cli import _resume_hint, main, parse_command
-from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, WRITER_PHRASE
+from fcsd.embedded import assets as demo_assets
+from fcsd.embedded.synthetic import GENERAL_TASKS, TASKS, WRITER_PHRASE
 
 TEACHER_STEPS = 100  # enough for answers of the tasks' lengths, each ended by EOS (the one-truth test needs them)
 
@@ -71,8 +71,8 @@ def test_a_changed_builder_gets_another_cache_folder(monkeypatch, tmp_path):
 def test_teacher_pretraining_learns():
     from transformers import Qwen3MoeForCausalLM
 
-    from fcsd.distill.synthetic import make_dataset
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.synthetic import make_dataset
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     rows = make_dataset(300)
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=300)
@@ -84,7 +84,7 @@ def test_teacher_pretraining_learns():
 def test_the_writer_answers_in_its_own_way():
     """About half of the writer's answers are the gold answer: a third open with its phrase, a quarter hold a
     mistake (the same items in another order, or one item one off)."""
-    from fcsd.distill.synthetic import writer_answer
+    from fcsd.embedded.synthetic import writer_answer
 
     rng = random.Random(0)
     for gold in ("1 3 6 7", "12", "c"):
@@ -126,7 +126,7 @@ def test_the_demo_teacher_scores_the_same_in_the_table_and_in_lm_eval(demo_root)
 
 def test_the_report_counts_the_steps_the_runs_made():
     """A demo with train.stop_after stops its runs early: the report's steps are theirs, not the schedule's."""
-    from fcsd.demo import format_report
+    from fcsd.cli.demo import format_report
     from fcsd.distill.config import FCSDConfig
 
     config = FCSDConfig()
@@ -160,7 +160,8 @@ def test_the_demo_folder_is_claimed_before_anything_trains(tmp_path, monkeypatch
     """The demo's output_dir is checked and locked before the demo is built or trains: a user's demo_report.md (it
     was overwritten), the current folder, a folder of another kind and a folder another demo holds are refused in one
     line; an unmarked folder an earlier demo wrote (its runs beside its reports) is the demo's."""
-    from fcsd import demo, ownership
+    from fcsd.cli import demo
+    from fcsd.files import ownership
 
     monkeypatch.setattr(demo_assets, "prepare_demo", lambda: pytest.fail("built before the folder was checked"))
     mine, export = tmp_path / "mine", tmp_path / "export"

@@ -15,10 +15,10 @@ from hub_server import no_hub_login
 from tiny_models import CONFIGS, build
 
 import fcsd
-from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export import save as export_module
 from fcsd.export.save import ExportError, export, text_logits
-from fcsd.serving.vllm.families import farskip_architecture
+from fcsd.serving.families import farskip_architecture
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused
     family-less class of fcsd 0.1 still pass."""
     from transformers import AutoModelForCausalLM
 
-    from fcsd.identity import identify
+    from fcsd.serving.identity import identify
 
     folder = export(fcsd.apply_farskip(build("qwen3_moe"), "all"), tokenizer, tmp_path / "out")
     config = json.loads((folder / "config.json").read_text())
@@ -234,7 +234,7 @@ def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused
 
 
 def test_serve_command_quotes_the_folder():
-    from fcsd.serving.vllm.families import serve_command
+    from fcsd.serving.families import serve_command
 
     assert serve_command("runs/my model", "qwen3_moe") == "vllm serve 'runs/my model'"  # one argument to a shell
     assert serve_command("out/export", "farskip_qwen3_moe") == "vllm serve out/export"
@@ -377,8 +377,8 @@ def test_a_step_checkpoint_of_a_bf16_source_exports(tmp_path, capsys):
     load builds it (RoPE's inv_freq kept in fp32, as transformers keeps it), so the export's reload parity compares
     like with like and passes, and the export holds the checkpoint's bf16 weights."""
     from fcsd.cli import main
-    from fcsd.distill.checkpointing import load_step_checkpoint
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
+    from fcsd.export.step_checkpoint import load_step_checkpoint
 
     data = make_dataset(40, seed=3)
     chat = train_tokenizer((m["content"] for r in data for m in r["messages"]), vocab_size=280)
@@ -413,7 +413,7 @@ def test_a_tied_model_writes_one_set_of_files_in_one_process_and_laid_out(tmp_pa
     from tiny_models import CONFIGS
 
     from fcsd.cli import main
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
 
     data = make_dataset(40, seed=3)
     chat = train_tokenizer((m["content"] for r in data for m in r["messages"]), vocab_size=280)
@@ -450,7 +450,7 @@ def test_a_text_model_run_exports_after_its_source_went_away(tmp_path, capsys):
     another folder or a hub id offline would be): only a run trained from a composite reads its source at export
     (to put its vision tower back); fcsd convert records which (none here)."""
     from fcsd.cli import main
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
     from fcsd.export.composite import SOURCE_KEY
 
     data = make_dataset(40, seed=3)

@@ -17,9 +17,9 @@ from test_trainer import FAST, assert_same_training, records_of, torch_threads
 from tiny_models import build
 
 import fcsd
-from fcsd.distill.synthetic import make_dataset, write_jsonl
-from fcsd.distill.tokenizer import train_tokenizer
-from fcsd.fp8 import RECORD_KEY, DequantizedSlice, e4m3_step
+from fcsd.block_fp8 import RECORD_KEY, DequantizedSlice, e4m3_step
+from fcsd.embedded.synthetic import make_dataset, write_jsonl
+from fcsd.embedded.tokenizer import train_tokenizer
 
 STEPS = ["train.max_steps=2", "data.eval_sequences=4"]
 
@@ -71,7 +71,7 @@ def test_fcsd_reads_block_fp8_exactly_and_records_the_source_format(tmp_path, fa
 def test_any_slice_reads_the_matching_scales(tmp_path):
     """A rank's slice (rows and columns off the block boundaries, experts stacked on a leading dim) is the slice of
     the dequantized tensor: the reader takes the scales of exactly the blocks it touches."""
-    from fcsd.fp8 import quantize_blocks
+    from fcsd.block_fp8 import quantize_blocks
 
     generator = torch.Generator().manual_seed(0)
     weight, scale = quantize_blocks(torch.randn(3, 40, 24, generator=generator), BLOCK)
@@ -199,9 +199,9 @@ def test_a_wrong_fp8_export_fails_its_reload_parity_check(tmp_path, monkeypatch)
     """The reload-parity check of an FP8 export compares logits: scales written twice too large are caught and
     nothing is exported."""
     import fcsd.export.fp8 as out
+    from fcsd.block_fp8 import quantize_blocks
     from fcsd.export.save import ExportError
     from fcsd.export.save import export as write_export
-    from fcsd.fp8 import quantize_blocks
 
     write_fp8_checkpoint(tmp_path, "qwen3_moe")
     student = fcsd.from_pretrained(str(tmp_path / "fp8"), layers="all", dtype=torch.bfloat16)
@@ -258,8 +258,8 @@ def test_an_fp8_composite_export_is_refused_up_front_unless_bf16(tmp_path, monke
 def test_an_fp8_export_whose_names_differ_is_refused_before_any_file_is_rewritten(tmp_path):
     """The export's weights to quantize are compared with the source's by name (count and digest), from the files'
     headers, before any file is rewritten: one line naming --format bf16, the staged files untouched."""
+    from fcsd.block_fp8 import scaled_record
     from fcsd.export.fp8 import quantize_folder
-    from fcsd.fp8 import scaled_record
 
     write_fp8_checkpoint(tmp_path, "qwen3_moe")
     student = fcsd.from_pretrained(str(tmp_path / "fp8"), layers="all", dtype=torch.bfloat16)
@@ -329,7 +329,7 @@ def test_fp8_teacher_modules_are_refused_without_fp8_kernels(tmp_path, monkeypat
     """teacher.dtype=fp8 keeps transformers' FP8 modules only where FP8 kernels run (CUDA, compute capability >=
     8.9): without them (no CUDA, as on this CPU) it is refused in one line saying why, as it is for a source that
     is not FP8."""
-    from fcsd.fp8 import check_fp8_modules
+    from fcsd.block_fp8 import check_fp8_modules
 
     write_fp8_checkpoint(tmp_path, "qwen3_moe")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -17,8 +17,8 @@ from tiny_models import build
 
 import fcsd
 from fcsd.cli import main
-from fcsd.distill.synthetic import make_dataset, write_jsonl
-from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.embedded.synthetic import make_dataset, write_jsonl
+from fcsd.embedded.tokenizer import train_tokenizer
 
 
 def _tiny_deepseek(root: Path, gain: float = 1.0) -> list[str]:
@@ -128,7 +128,7 @@ def test_scales_made_for_other_blocks_are_refused_under_expert_parallelism(tiny,
 
 
 def test_scales_that_fit_no_block_are_refused_as_a_damaged_checkpoint():
-    from fcsd.fp8 import check_block_scales, implied_block
+    from fcsd.block_fp8 import check_block_scales, implied_block
 
     assert implied_block([([32, 12], [2, 1]), ([48, 8], [3, 1]), ([8, 64, 32], [8, 4, 2])]) == [16, 16]
     shapes = {"a.weight": ([32, 32], [2, 2]), "b.weight": ([32, 32], [4, 4])}

@@ -11,13 +11,13 @@ import transformers
 from fp8_models import write_fp8_checkpoint
 from tiny_models import build
 
-import fcsd.fp8
+import fcsd.block_fp8
 import fcsd.loading
+from fcsd.block_fp8 import RECORD_KEY
 from fcsd.cli import main
-from fcsd.distill.synthetic import make_dataset, write_jsonl
 from fcsd.distill.teacher_cache import model_fingerprint
-from fcsd.distill.tokenizer import train_tokenizer
-from fcsd.fp8 import RECORD_KEY
+from fcsd.embedded.synthetic import make_dataset, write_jsonl
+from fcsd.embedded.tokenizer import train_tokenizer
 
 
 def _fp8_source(root: Path) -> Path:
@@ -36,7 +36,7 @@ def test_an_offline_fp8_teacher_without_its_kernel_is_refused_in_one_line_before
     source = _fp8_source(tmp_path)
     capsys.readouterr()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(fcsd.fp8, "fp8_kernels_available", lambda capability=None: True)  # as on an H100
+    monkeypatch.setattr(fcsd.block_fp8, "fp8_kernels_available", lambda capability=None: True)  # as on an H100
     loaded = []
     monkeypatch.setattr(fcsd.loading, "from_pretrained", lambda *a, **k: loaded.append(a))
     argv = [str(source), f"data.path={tmp_path / 'train.jsonl'}", "teacher.dtype=fp8", "data.seq_len=32"]

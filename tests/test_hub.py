@@ -69,7 +69,7 @@ def point_at_hub(mp: pytest.MonkeyPatch, url: str, home: Path, offline: bool = F
 def hub(tmp_path_factory):
     """The local hub serving the tiny model (tagged ``v1``, then one more commit on main), its chat dataset, an
     MbppPlus-format file, and a gated and a private copy of the model; the hub libraries pointed at it."""
-    from fcsd.distill.synthetic import make_dataset
+    from fcsd.embedded.synthetic import make_dataset
 
     root = tmp_path_factory.mktemp("hub")
     rows = make_dataset(48, seed=3)

@@ -22,7 +22,7 @@ import fcsd
 from accelerate.commands.config.config_args import load_config_from_file
 from fcsd.distill.config import compose, recipes_dir, to_config
 from fcsd.distill.sweep import final_command
-from fcsd.plan.commands import accelerate_config
+from fcsd.plan.printed_commands import accelerate_config
 from fcsd.recipe_files import DEEPSPEED_ENV, resolve_deepspeed_config
 
 config = to_config(compose(["model=qwen3_30b_a3b", "data=tulu3_sft_mixture"]))

@@ -127,7 +127,7 @@ def test_a_damaged_checkpoint_is_hashed_by_every_process_its_share_and_refused_o
     hashed only up to the first sound one; the refusal is said once, status 2, naming step-1."""
     from launch import worker_results
 
-    from fcsd import checksums
+    from fcsd.files import checksums
 
     out = damaged_copy(stopped_run, tmp_path)
     worker = Path(__file__).parent / "workers" / "resume_hashing.py"
@@ -157,7 +157,7 @@ def test_a_damaged_checkpoint_is_hashed_by_every_process_its_share_and_refused_o
 LAST_WORDS = """
 import os, signal, sys
 import torch.distributed as dist
-from fcsd.launch import say
+from fcsd.cli.launch import say
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as fcsd's main once a command has ended: torchrun's stop is no news
 dist.init_process_group("gloo")
@@ -171,7 +171,7 @@ sys.exit(2)
 
 @pytest.mark.parametrize("mode", ["same", "differ"])
 def test_under_plain_torchrun_a_refusal_every_rank_says_is_printed_by_rank_0_alone(tmp_path, mode):
-    """The rule of fcsd.launch.say over torchrun's store: a line every rank says once, a rank's own line named."""
+    """The rule of fcsd.cli.launch.say over torchrun's store: a line every rank says once, a rank's own line named."""
     from launch import torchrun
 
     script = tmp_path / "last_words.py"

@@ -6,7 +6,7 @@ import torch
 from fcsd.distill import losses
 from fcsd.distill.data import DataError, load_texts, pack_documents, pack_sequences
 from fcsd.distill.losses import forward_kl, next_token_nll
-from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.embedded.tokenizer import train_tokenizer
 
 
 def test_forward_kl_matches_definition_and_is_chunk_invariant():

@@ -6,7 +6,7 @@ import json
 
 from launch import torchrun
 
-from fcsd import demo_assets
+from fcsd.embedded import assets as demo_assets
 
 
 def test_readme_expert_parallel_demo_command_runs_end_to_end(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
-"""The overlap seen and verified without a cluster: the modelled link (fcsd.parallel.link), the hidden / window /
-cause arithmetic (fcsd.parallel.overlap), the compute segments and the timeline picture, `fcsd bench overlap --link
+"""The overlap seen and verified without a cluster: the modelled link (fcsd.bench.modelled_link), the hidden / window /
+cause arithmetic (fcsd.bench.hidden_share), the compute segments and the timeline picture, `fcsd bench overlap --link
 --timeline` end to end, and the guard of the overlapped schedule (2 gloo ranks, `mid`).
 
 Why the guard is not flaky on a loaded machine: the hidden share is computed from the modelled link and from when
@@ -22,10 +22,10 @@ import pytest
 import torch
 from launch import torchrun
 
+from fcsd.bench import picture
+from fcsd.bench.hidden_share import summarise, transfer_figures
+from fcsd.bench.modelled_link import LinkSpec, ModelledLink, Transfer, parse_link, scale_to_device
 from fcsd.cli import main
-from fcsd.parallel import picture
-from fcsd.parallel.link import LinkSpec, ModelledLink, Transfer, parse_link, scale_to_device
-from fcsd.parallel.overlap import summarise, transfer_figures
 from fcsd.parallel.segments import SegmentRecorder
 
 WORKER = Path(__file__).parent / "workers" / "overlap_link.py"

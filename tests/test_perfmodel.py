@@ -5,8 +5,8 @@ import json
 import pytest
 import transformers
 
-from fcsd import perfmodel as pm
 from fcsd.cli import main
+from fcsd.plan import perfmodel as pm
 
 H, E, K, I_MOE, I_DENSE, HEADS, HEAD_DIM, KV_HEADS, V = 64, 8, 2, 32, 96, 4, 16, 2, 100
 

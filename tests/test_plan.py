@@ -332,7 +332,7 @@ def test_plan_commands_name_what_accelerate_and_convert_need(tmp_path, capsys):
     """A DDP launch says --multi_gpu (no default accelerate config may turn it into FSDP); an objective the teacher
     cache cannot serve rules the cache out with that reason, and the command stays one `fcsd convert` accepts."""
     from fcsd.cli import main
-    from fcsd.plan.commands import launch_prefix
+    from fcsd.plan.printed_commands import launch_prefix
 
     assert "--multi_gpu" in launch_prefix(Layout("ddp", 2), make_cluster("h100", 2))
     assert "--multi_gpu" not in launch_prefix(Layout("fsdp2", 2), make_cluster("h100", 2))
@@ -438,9 +438,9 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     same processes laid out the same way (the teacher need not fit one GPU); both accepted by fcsd's parsers."""
     from dataclasses import replace
 
-    from fcsd.plan.commands import plan_commands
     from fcsd.plan.models import load_model_config
     from fcsd.plan.planner import run_config as plan_config
+    from fcsd.plan.printed_commands import plan_commands
 
     chat = [{"messages": [{"role": "user", "content": "add 1 and 1"}, {"role": "assistant", "content": "2"}]}]
     save_chat_model(tmp_path / "model", chat * 8, vocab_size=120)
@@ -581,8 +581,8 @@ def test_routing_reach_equals_a_count_of_every_route(experts, top_k, ep, node, n
 def test_group_limited_routing_bounds_the_nodes_deepseek_v3_reaches():
     """DeepSeek-V3 (256 experts, top-8 of 4 of 8 groups) over EP 64 on nodes of 8: a group per node, so a token
     reaches at most 4 nodes (uniform routing would reach more); a layout that cannot exist is one line naming it."""
-    from fcsd.perfmodel import model_shape
     from fcsd.plan.models import load_model_config
+    from fcsd.plan.perfmodel import model_shape
     from fcsd.plan.routing import model_reach, reach
 
     source = load_model_config("deepseek-v3")
@@ -600,7 +600,7 @@ def test_node_aware_dispatch_priced_against_a_hand_computation():
     one row per (token, GPU) but the landing one inside nodes; FarSkip's window (Eq. 9, twice in backward) hides the
     crossing, never the fan-out; a regular layer and the teacher expose both; the plain dispatcher sends a row per
     (token, remote expert)."""
-    from fcsd import perfmodel as pm
+    from fcsd.plan import perfmodel as pm
     from fcsd.plan.routing import Reach
     from fcsd.plan.timing import ep_breakdown, exchange
 
@@ -634,9 +634,9 @@ def test_deepseek_v3_prices_an_ep_group_across_nodes_fastest():
     from types import SimpleNamespace
 
     from fcsd.connectivity.layer_spec import converted_layers
-    from fcsd.perfmodel import model_shape
     from fcsd.plan.candidates import parameter_counts
     from fcsd.plan.models import load_model_config
+    from fcsd.plan.perfmodel import model_shape
     from fcsd.plan.planner import _teacher_flops
     from fcsd.plan.planner import run_config as plan_config
     from fcsd.plan.pricing import Pricing, step_bound
@@ -671,10 +671,10 @@ def test_ep_groups_beyond_a_node_are_candidates_simulated_and_launched_hierarchi
     group of the 4 ranks (a 4th of the experts per GPU, nothing whole), priced with the node-aware dispatcher (its
     breakdown adding up to its step), and its launch names parallel.dispatcher=hierarchical, which a group inside a
     node does not."""
-    from fcsd.perfmodel import model_shape
     from fcsd.plan.candidates import parameter_counts, strategies
-    from fcsd.plan.commands import plan_commands
+    from fcsd.plan.perfmodel import model_shape
     from fcsd.plan.pricing import Pricing
+    from fcsd.plan.printed_commands import plan_commands
 
     model_config, config = deep_config("qwen3_moe", layers=3), run_config(sequences=8)
     shape, counts = model_shape(model_config), parameter_counts(model_config)

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from test_plan import accepted_by_convert, run_config
 
 from fcsd.plan.cluster import GPU, Cluster, make_cluster
-from fcsd.plan.commands import plan_commands
 from fcsd.plan.models import load_model_config
+from fcsd.plan.printed_commands import plan_commands
 from fcsd.plan.run import LAID_OUT, STRATEGIES, Layout
 from fcsd.plan.simulate import estimate_step
 from fcsd.plan.teacher_dtype import FP8_STRATEGIES, check_fp8_teacher, fp8_note, teacher_weights
@@ -147,13 +147,13 @@ def test_a_misspelt_dtype_is_one_line_naming_the_choices(key, value):
 
 
 def test_plan_and_runtime_decide_fp8_kernels_by_one_compute_capability_rule(fp8_source, monkeypatch):
-    """FP8 kernels from compute capability 8.9 (fcsd.fp8.fp8_kernels_available), asked of the cluster's GPUs by the
-    plan and of this machine's GPU by the runtime: an RTX A6000 or RTX 3090 (8.6), which no GPU-name list caught, is
+    """FP8 kernels from compute capability 8.9 (fcsd.block_fp8.fp8_kernels_available), asked of the cluster's GPUs by
+    the plan and of this machine's GPU by the runtime: an RTX A6000 or RTX 3090 (8.6), which no GPU-name list caught, is
     refused; an L40S (8.9) and the H100/H200 presets (9.0) pass; MI300X (ROCm: e4m3fnuz, no kernels in transformers'
     fine-grained FP8) and a GPU of no known capability are refused; a cluster file carries the measured capability."""
     import torch
 
-    from fcsd.fp8 import fp8_kernels_available
+    from fcsd.block_fp8 import fp8_kernels_available
     from fcsd.plan.cluster import GPUS, cluster_from_data
 
     config = run_config()

@@ -15,8 +15,8 @@ import pytest
 from tiny_models import CONFIGS
 
 from fcsd.plan.cluster import GIB, GPU, Cluster, make_cluster
-from fcsd.plan.commands import accelerate_config, launch_prefix, serve_line
 from fcsd.plan.models import load_model_config
+from fcsd.plan.printed_commands import accelerate_config, launch_prefix, serve_line
 from fcsd.plan.run import Layout
 from fcsd.plan.serving import (
     GPU_MEMORY_UTILIZATION,

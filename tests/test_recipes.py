@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fcsd import demo_assets
 from fcsd.cli import main
 from fcsd.distill.config import compose, preset_for, presets, recipes_dir, to_config
+from fcsd.embedded import assets as demo_assets
 
 RECIPES = recipes_dir()
 
@@ -130,8 +130,8 @@ def test_a_multimodal_llama4_checkpoint_trains_its_text_model(tmp_path):
 
     import fcsd
     from fcsd.distill.convert import convert
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     rows = make_dataset(120, seed=3)
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=200)

@@ -8,7 +8,7 @@ import torch
 from tiny_models import save_chat_model
 
 from fcsd.cli import main
-from fcsd.distill.synthetic import make_dataset, write_jsonl
+from fcsd.embedded.synthetic import make_dataset, write_jsonl
 from fcsd.loading import from_pretrained
 from fcsd.placement import apply_placement, load_placement, load_routes
 from fcsd.placement.stats import distinct_per_row

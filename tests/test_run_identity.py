@@ -12,9 +12,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 from tiny_models import save_chat_model
 
-from fcsd import ownership
 from fcsd.cli import main
 from fcsd.distill import trainer
+from fcsd.files import ownership
 
 FAST = ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=64", "train.micro_batch_size=2"]
 FAST += ["train.warmup_steps=0", "progress=false", "early_stop.enabled=false", "export=false"]

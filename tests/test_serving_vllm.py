@@ -38,7 +38,7 @@ from processes import started, wait_for
 from serving_models import build
 
 import fcsd
-from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export.save import export
 from fcsd.loading import tokenizer_from_pretrained
 from fcsd.serving.vllm.overlap import resolve_overlap
@@ -389,7 +389,7 @@ def test_the_plugin_maps_the_composite_llama4_export_to_vllms_multimodal_class()
     CPU here: vLLM's mllama4 imports transformers' Llama-4 image processor, which needs torchvision, and serve-env
     drops torchvision (PyPI's wheel is built for the CUDA torch; with the CPU torch its operators fail to register);
     behind that, vLLM's CPU fused MoE lacks Llama-4's router weight on the input (docs/serving.md)."""
-    from fcsd.serving.vllm.families import BY_ARCHITECTURE
+    from fcsd.serving.families import BY_ARCHITECTURE
 
     family = BY_ARCHITECTURE["FarSkipLlama4ForConditionalGeneration"]
     script = (

@@ -19,12 +19,12 @@ from tiny_models import build
 
 import fcsd
 from fcsd.cli import main
-from fcsd.demo_assets import pretrain_teacher
 from fcsd.distill.config import compose, to_config
 from fcsd.distill.convert import convert
 from fcsd.distill.optim import SpikeGuard
-from fcsd.distill.synthetic import make_dataset, write_jsonl
-from fcsd.distill.tokenizer import train_tokenizer
+from fcsd.embedded.assets import pretrain_teacher
+from fcsd.embedded.synthetic import make_dataset, write_jsonl
+from fcsd.embedded.tokenizer import train_tokenizer
 
 FAST = [
     "data.seq_len=32",
@@ -318,7 +318,7 @@ def test_a_sharded_checkpoint_with_overwritten_bytes_is_refused_by_resume_and_ex
     trainer state (the processes hashed their shares); --resume and `fcsd export` refuse it in one line naming the
     file and the older sound checkpoint."""
     from fcsd.distill.preflight import check_output_dir
-    from fcsd.ownership import FolderError
+    from fcsd.files.ownership import FolderError
 
     run = tmp_path / "ep"
     shutil.copytree(parallel_runs / "ep", run, ignore=shutil.ignore_patterns("final", "export", "run_summary.json"))
@@ -607,6 +607,6 @@ def test_only_the_command_line_imports_the_demo_job():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom):
                 names = [f"{node.module}.{a.name}" for a in node.names] + [node.module or ""]
-            if any(name == "fcsd.demo" or name.startswith("fcsd.demo.") for name in names):
+            if any(name == "fcsd.cli.demo" or name.startswith("fcsd.cli.demo.") for name in names):
                 importers.append(path.relative_to(package).as_posix())
     assert set(importers) == {"cli.py"}

@@ -145,7 +145,7 @@ def build(name: str, seed: int = 0, dtype=torch.float32):
 def save_chat_model(folder, rows: list[dict], family: str = "qwen3_moe", vocab_size: int = 280):
     """A tiny random ``family`` model with a tokenizer trained locally on the chat ``rows``, both saved in
     ``folder``; returns the tokenizer."""
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     tokenizer = train_tokenizer((m["content"] for r in rows for m in r["messages"]), vocab_size=vocab_size)
     model = build(family)

@@ -15,6 +15,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from fcsd.run_facts import end_step, ramp_stages, schedule_steps, stage_ends, warmup_steps
+
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")  # model.dtype
@@ -132,7 +134,7 @@ class TeacherConfig:
     mode: str = "online"  # online: teacher forward each step | cache: top-k logits from `fcsd cache-teacher`
     dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | fp8: a block-FP8 source
     # (DeepSeek-V3, Qwen3 -FP8) keeps transformers' FP8 modules (a CUDA GPU of compute capability >= 8.9, the teacher
-    # loaded whole, no parallel layout; refused elsewhere); other values dequantize an FP8 source (fcsd.fp8)
+    # loaded whole, no parallel layout; refused elsewhere); other values dequantize an FP8 source (fcsd.block_fp8)
     cache_dir: str | None = None  # where the teacher cache lives; None: <output_dir>/teacher-cache
     top_k: int = 64  # cached logits per token (the rest of the mass is one bucket)
 
@@ -279,19 +281,6 @@ def auto_eval_every(train: TrainConfig) -> int:
         return train.eval_every
     steps = end_step(train)
     return max(1, steps // 10) if 1 < steps <= SHORT_RUN_STEPS else 0
-
-
-def schedule_steps(train: TrainConfig) -> int:
-    """The LR schedule's horizon: the run's length from ``train.max_tokens`` and ``train.max_steps`` (the smaller
-    wins); ``train.stop_after`` ends a run early without changing it."""
-    total = train.max_tokens // train.batch_tokens
-    return min(total, train.max_steps) if train.max_steps is not None else total
-
-
-def end_step(train: TrainConfig) -> int:
-    """The step a run ends at: the schedule's horizon, or ``train.stop_after`` when that comes first."""
-    horizon = schedule_steps(train)
-    return min(horizon, train.stop_after) if train.stop_after is not None else horizon
 
 
 # path settings: ``~`` is expanded in each, once, so that the checks and the writes see the same folder
@@ -554,24 +543,6 @@ def _shares_fit(shares: list[float], count: int) -> bool:
     return len(shares) == count and all(0 < s < 1 for s in shares) and sum(shares) < 1
 
 
-def stage_ends(shares, horizon: int) -> list[int]:
-    """The step each of a run's first stages ends before, for their ``shares`` of its ``horizon`` steps in order."""
-    ends, end = [], 0
-    for share in shares:
-        end += round(share * horizon)
-        ends.append(end)
-    return ends
-
-
-def ramp_stages(config: FCSDConfig) -> list[tuple[int, int, int]]:
-    """``(first step, end step, split)`` of each ``recovery.batch_ramp`` stage that holds a step (the guided
-    recipe: small batches first, as the batch-size ramps of GPT-3 and DeepSeek-V3, because early in recovery more
-    updates buy more than larger batches)."""
-    ends = stage_ends(config.recovery.batch_ramp_shares, schedule_steps(config.train))
-    stages = zip([0, *ends], ends, config.recovery.batch_ramp, strict=False)
-    return [(start, end, split) for start, end, split in stages if end > start]
-
-
 def echo_steps(config: FCSDConfig) -> int:
     """How many of the run's first steps are echoed (``recovery.echo`` > 1 times ``recovery.echo_share``)."""
     if config.recovery.echo <= 1:
@@ -620,13 +591,6 @@ def peak_lr(config: FCSDConfig) -> float:
     ``recovery.lr_scale`` (the guided default: 4; on the fair recovery benchmark's four teachers guided did best at
     4x plain's best LR, or within 1% of its best there)."""
     return config.train.lr * config.recovery.lr_scale
-
-
-def warmup_steps(config: FCSDConfig) -> int:
-    """Linear warm-up steps: ``recovery.warmup_share`` of the schedule's horizon when set, else
-    ``train.warmup_steps``."""
-    share = config.recovery.warmup_share
-    return config.train.warmup_steps if share is None else round(share * schedule_steps(config.train))
 
 
 def _check_progressive(config: FCSDConfig) -> None:

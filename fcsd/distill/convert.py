@@ -24,7 +24,7 @@ def convert(config: FCSDConfig) -> RunResult:
         state.wait_for_everyone()
         result = train(checked)
         if config.export and (config.parallel.ep_size > 1 or config.parallel.fsdp):  # no process loads it whole
-            from fcsd.parallel.export import export_laid_out
+            from fcsd.export.laid_out import export_laid_out
             from fcsd.parallel.training import run_meshes
 
             export_dir = Path(config.export_dir or checked.run.export)

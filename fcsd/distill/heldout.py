@@ -20,8 +20,8 @@ import torch
 from fcsd.distill import losses
 from fcsd.distill.data import Packed
 from fcsd.distill.objectives import head_inputs, release, teacher_targets, teacher_token_loss
+from fcsd.run_facts import KL_KEYS
 
-KL_KEYS = ("eval/kl", "eval/kl_topk")
 AGREEMENT_KEYS = ("eval/acc", "eval/teacher_acc", "eval/top1_agree")
 
 
@@ -42,11 +42,6 @@ def _agreement_sums(x, head, teacher_x, teacher_head, labels, chunk: int) -> tup
 def kl_name(metrics: dict) -> str:
     """How a message names the held-out KL of ``metrics``: the full KL, or the teacher cache's top-k figure."""
     return "held-out KL" if KL_KEYS[0] in metrics else "held-out top-k KL (from the teacher cache)"
-
-
-def kl_of(metrics: dict) -> float:
-    """The held-out KL of a record of :func:`heldout_metrics`, whichever kind it is."""
-    return next(metrics[key] for key in KL_KEYS if key in metrics)
 
 
 @torch.no_grad()

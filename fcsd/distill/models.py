@@ -9,6 +9,7 @@ import torch
 
 from fcsd.distill import losses
 from fcsd.distill.config import FCSDConfig
+from fcsd.parallel.processes import sharded_by_accelerate
 from fcsd.sources import resolve_model
 
 
@@ -69,9 +70,9 @@ def load_models(
         common["experts_implementation"] = config.model.experts_implementation
     teacher = student = None
     if need_teacher:
-        keep_fp8 = config.teacher.dtype == "fp8"  # a block-FP8 source's FP8 modules (fcsd.fp8); else dequantized
+        keep_fp8 = config.teacher.dtype == "fp8"  # a block-FP8 source's FP8 modules (fcsd.block_fp8); else dequantized
         dtype = _dtype("bfloat16" if keep_fp8 else config.teacher.dtype, cuda, "float32", "bfloat16")
-        if keep_fp8 and teacher_load is not from_pretrained:  # its kernels: fcsd.fp8.check_fp8_modules
+        if keep_fp8 and teacher_load is not from_pretrained:  # its kernels: fcsd.block_fp8.check_fp8_modules
             raise ValueError(
                 "teacher.dtype=fp8 loads the teacher whole with transformers' FP8 modules, which fcsd's parallel "
                 "layouts (parallel.ep_size / parallel.fsdp) do not shard: use teacher.dtype=auto"
@@ -96,14 +97,6 @@ def load_models(
         vocab = student.get_output_embeddings().out_features
         losses.check_vocabularies(vocab, teacher.get_output_embeddings().out_features)
     return teacher, student
-
-
-def sharded_by_accelerate(deepspeed_only: bool = False) -> bool:
-    """Whether accelerate shards the student from host memory (its FSDP or DeepSpeed plugins; DeepSpeed alone)."""
-    from accelerate.utils import parse_flag_from_env
-
-    deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
-    return deepspeed or (not deepspeed_only and parse_flag_from_env("ACCELERATE_USE_FSDP"))
 
 
 def straight_to(device: torch.device) -> dict:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fcsd.distill.config import FCSDConfig, peak_lr, schedule_steps, warm_steps, warmup_steps
+from fcsd.distill.config import FCSDConfig, peak_lr, warm_steps
+from fcsd.run_facts import schedule_steps, warmup_steps
 
 
 @dataclass

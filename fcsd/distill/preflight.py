@@ -7,7 +7,7 @@ built, a missing local folder refused) and its ``config.json`` (family, shape, `
 ``parallel.placement``: :func:`check_model_config`), the data sources. Later steps take the resolved sources from
 here: nothing downstream resolves a name again. Only the folder checks are the main process's (it alone writes);
 every process resolves the sources it reads, and in a launch every process hashes its share of the checkpoint a
-``--resume`` continues (:func:`fcsd.checksums.hashed_together`). The lock (:func:`output_dir_claimed`) is taken
+``--resume`` continues (:func:`fcsd.files.checksums.hashed_together`). The lock (:func:`output_dir_claimed`) is taken
 after this pass and checks the folder once more under it: another command may have written there since.
 """
 
@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fcsd import checksums, ownership
 from fcsd.distill.config import FCSDConfig
+from fcsd.distill.resume import OUTPUT_FIX
+from fcsd.files import checksums, ownership
+from fcsd.files.run_folder import RunFolder
 from fcsd.loading import check_tokenizer_files
-from fcsd.run_folder import RunFolder
 from fcsd.sources import resolve_data, resolve_model
 
 
@@ -103,7 +104,7 @@ def check_init_from(config, model: str, is_main: bool = True) -> None:
     source = config.train.init_from
     if not source or (config.train.resume and RunFolder(config.output_dir).checkpoints()):
         return  # a resume continues from the run's own checkpoint (the source may be pruned since)
-    from fcsd.run_folder import is_step_checkpoint
+    from fcsd.files.run_folder import is_step_checkpoint
 
     checkpoint, where = Path(source), f"train.init_from={source}"
     if not checkpoint.exists():
@@ -139,7 +140,7 @@ def check_init_from(config, model: str, is_main: bool = True) -> None:
             f"{where} holds its experts in the order of parallel.placement={placement}, this run "
             f"{config.parallel.placement}: set parallel.placement={placement}"
         )
-    from fcsd.distill.models import sharded_by_accelerate
+    from fcsd.parallel.processes import sharded_by_accelerate
 
     if config.parallel.ep_size > 1 or config.parallel.fsdp or sharded_by_accelerate(deepspeed_only=True):
         raise ValueError(
@@ -180,12 +181,9 @@ def run_inputs(config) -> dict:
     return inputs
 
 
-OUTPUT_FIX = "choose another output_dir"
-
-
 def check_output_dir(output_dir: Path, resume: bool, overwrite: bool, config=None) -> str:
     """What ``fcsd convert`` may do with ``output_dir``, decided before anything is written (see
-    :mod:`fcsd.ownership` for the ownership rules): ``"new"`` (empty or absent), ``"resume"`` (``--resume``, after
+    :mod:`fcsd.files.ownership` for the ownership rules): ``"new"`` (empty or absent), ``"resume"`` (``--resume``, after
     :func:`fcsd.distill.resume.check_resume`), ``"restart"`` (a run folder that holds no checkpoint yet: a run that
     failed after it started) or ``"replace"`` (``overwrite=true`` on a run folder). Anything else is refused in one
     line: an input (or the current / home folder), a folder of another kind (an export, a teacher cache), files fcsd
@@ -337,7 +335,7 @@ def check_model_config(config: FCSDConfig, source: str | None = None, loads_teac
     if config.teacher.mode == "cache":
         check_top_k(config, decoder)
     if config.teacher.dtype == "fp8" and (loads_teacher or config.teacher.mode != "cache"):
-        from fcsd.fp8 import check_fp8_modules, fp8_settings
+        from fcsd.block_fp8 import check_fp8_modules, fp8_settings
 
         check_fp8_modules(fp8_settings(model_config), name)  # its kernels too, before any weights load
     return model_config
@@ -370,8 +368,8 @@ def check_export_format(config: FCSDConfig, model_config, decoder) -> None:
     not ``model_config``) is exported in bf16 or as the text model alone, refused before training, not after it."""
     if not config.export or config.export_text_only or config.export_format != "source" or decoder is model_config:
         return
+    from fcsd.block_fp8 import fp8_settings
     from fcsd.export.composite import check_format
-    from fcsd.fp8 import fp8_settings
 
     check_format((config.model.name, config.model.revision), fp8_settings(model_config))
 
@@ -382,7 +380,7 @@ def check_placement_file(config: FCSDConfig, model_config) -> None:
     compared once the weights are loaded)."""
     if not config.parallel.placement:
         return
-    from fcsd.connectivity.summary import summarize
+    from fcsd.model_summary import summarize
     from fcsd.placement.format import load_placement
 
     placement = load_placement(config.parallel.placement)

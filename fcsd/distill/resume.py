@@ -15,9 +15,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from fcsd import ownership
-from fcsd.distill.preflight import OUTPUT_FIX
-from fcsd.run_folder import FOREIGN_FILE, RunFolder
+from fcsd.files import ownership
+from fcsd.files.run_folder import FOREIGN_FILE, RunFolder
 
 # Keys a resumed run must share with the run it continues (the rest, e.g. progress, may change).
 RESUME_KEYS = (
@@ -85,6 +84,8 @@ SCHEDULE_KEYS = (
 # LR schedule and the optimizer whose state it holds, compared with the run's by :func:`check_belongs`.
 OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_betas", "train.freeze_embeddings", "recovery.optimizer")
 RUN_RECORD = "run"  # the record's key in the trainer state
+
+OUTPUT_FIX = "choose another output_dir"
 
 
 def check_resume(run: RunFolder, config) -> None:
@@ -265,7 +266,7 @@ def _check_length_and_schedule(run: RunFolder, checkpoint: Path, config, saved) 
     """The resumed run must end after the checkpoint's step and keep the LR schedule the run started with."""
     from omegaconf import OmegaConf
 
-    from fcsd.distill.config import end_step, schedule_steps
+    from fcsd.run_facts import end_step, schedule_steps
 
     step = int(checkpoint.name[5:])
     end = end_step(config.train)
@@ -396,7 +397,7 @@ def run_settings(config) -> dict:
     """The settings a step checkpoint's state depends on: LR schedule, its horizon, optimizer (JSON values)."""
     from omegaconf import OmegaConf
 
-    from fcsd.distill.config import schedule_steps
+    from fcsd.run_facts import schedule_steps
 
     def value(key):
         found = _saved_value(config, key)

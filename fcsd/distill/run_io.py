@@ -1,5 +1,5 @@
 """What a run writes while it trains: its config and summary, metrics (JSONL + TensorBoard) and the PNG of the
-training curves (the file names belong to :class:`fcsd.run_folder.RunFolder`; what may be written where is the
+training curves (the file names belong to :class:`fcsd.files.run_folder.RunFolder`; what may be written where is the
 pre-flight's, :mod:`fcsd.distill.preflight`)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
-from fcsd import ownership, staging
-from fcsd.run_folder import RunFolder
+from fcsd.files import ownership, staging
+from fcsd.files.run_folder import RunFolder
 
 
 def write_run_config(run: RunFolder, config) -> None:
@@ -79,7 +79,7 @@ def plot_curves(records: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     train = [r for r in records if "train/loss" in r]
-    from fcsd.distill.heldout import KL_KEYS, kl_of
+    from fcsd.run_facts import KL_KEYS, kl_of
 
     evals = [r for r in records if any(key in r for key in KL_KEYS)]
     mbpp = [r for r in records if "early_stop/mbpp_plus" in r]

@@ -19,11 +19,11 @@ import shlex
 import sys
 from pathlib import Path
 
-from fcsd import ownership
 from fcsd.distill.config import FCSDConfig, hydra_override
 from fcsd.distill.preflight import run_inputs
+from fcsd.files import ownership
+from fcsd.files.run_folder import RunFolder
 from fcsd.recipe_files import recipe_file
-from fcsd.run_folder import RunFolder
 from fcsd.stopping import run_child
 
 
@@ -248,7 +248,7 @@ def final_command(config: FCSDConfig, overrides: list[str], selection: dict) -> 
     launcher = "fcsd"
     if config.model.accelerate_config:
         launch = shlex.quote(recipe_file(config.model.accelerate_config))  # the shipped one outside a checkout
-        launcher = f"fcsd launch accelerate launch --config_file {launch} -m fcsd.cli"  # one voice (fcsd.launch)
+        launcher = f"fcsd launch accelerate launch --config_file {launch} -m fcsd.cli"  # one voice (fcsd.cli.launch)
     return " ".join([launcher, "convert", *(shlex.quote(arg) for arg in [*kept, *chosen])])
 
 

@@ -8,18 +8,21 @@ each token is ``1 - sum(exp(logp))``. A cache is only used when its model, data 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from fcsd.block_fp8 import RECORD_KEY
 from fcsd.distill.data import Packed
 from fcsd.distill.losses import chunked_topk_teacher
 from fcsd.distill.objectives import teacher_targets
-from fcsd.fp8 import RECORD_KEY
 
 SHARD_ROWS = 256
 FORMAT = 1
@@ -67,7 +70,8 @@ def model_fingerprint(model) -> str:
 def source_format(quantization: dict | None, record: dict | None) -> dict | None:
     """The block-FP8 format a model was read from, alike for a teacher that keeps its FP8 modules
     (``teacher.dtype=fp8``: transformers keeps the ``quantization_config``) and a model fcsd dequantized (its
-    :data:`~fcsd.fp8.RECORD_KEY` record), so that a cache made by an FP8 teacher is the dequantized run's model."""
+    :data:`~fcsd.block_fp8.RECORD_KEY` record), so that a cache made by an FP8 teacher is the dequantized run's
+    model."""
     settings = (record or {}).get("quantization_config") or quantization
     if not settings:
         return None
@@ -80,7 +84,7 @@ def source_format(quantization: dict | None, record: dict | None) -> dict | None
 
 def cache_dir(config) -> Path:
     """``teacher.cache_dir``, else ``output_dir/teacher-cache``."""
-    from fcsd.run_folder import RunFolder
+    from fcsd.files.run_folder import RunFolder
 
     return Path(config.teacher.cache_dir or RunFolder(config.output_dir).teacher_cache)
 
@@ -98,12 +102,12 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     """``fcsd cache-teacher``: run the teacher once over the run's packed rows (training, then held-out) and store
     its top-k log-probabilities in ``teacher.cache_dir``. Under ``torchrun`` the teacher is laid out over the
     processes as ``parallel.*`` says (FSDP2 over all of them when it says nothing) and each process caches its share
-    of the shards (:mod:`fcsd.parallel.cache_share`)."""
-    from fcsd import ownership
+    of the shards (:func:`share_cache`)."""
     from fcsd.connectivity.families import text_config
     from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.preflight import check_data_cache_dir, check_model_config, check_top_k, run_inputs
     from fcsd.distill.run_data import all_rows, load_run_data
+    from fcsd.files import ownership
 
     config = dataclasses.replace(config, export=False)  # a cache exports nothing: no export format is checked
     folder = cache_dir(config)  # checked before anything is loaded
@@ -114,7 +118,6 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     model_config = check_model_config(config, loads_teacher=True)
     if config.teacher.mode != "cache":  # check_model_config checks it for a run that reads the cache
         check_top_k(config, text_config(model_config))
-    from fcsd.parallel.cache_share import cache_meshes, share_cache
     from fcsd.parallel.processes import main_process_first
 
     meshes = cache_meshes(config)
@@ -144,7 +147,7 @@ def expected_meta(model, data_fingerprint: str, rows: int, seq_len: int, top_k: 
 
 def check_cache_folder(folder: Path) -> None:
     """A ``teacher.cache_dir`` must be new, empty or a teacher cache; anything else is refused before any work."""
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     if Path(folder).exists() and not Path(folder).is_dir():
         raise TeacherCacheError(
@@ -170,8 +173,8 @@ def build_cache(
 ) -> Path:
     """Run ``teacher`` over every row of ``packed`` and write the cache to ``folder`` atomically (the old cache stays
     until the new one is complete). A matching cache is reused; a mismatched one is replaced only with
-    ``overwrite`` and only if it is a teacher cache fcsd wrote holding nothing else (:mod:`fcsd.ownership`)."""
-    from fcsd.staging import atomic_dir
+    ``overwrite`` and only if it is a teacher cache fcsd wrote holding nothing else (:mod:`fcsd.files.ownership`)."""
+    from fcsd.files.staging import atomic_dir
 
     folder = Path(folder)
     if reusable(folder, meta, overwrite):
@@ -185,10 +188,77 @@ def build_cache(
     return folder
 
 
+def cache_meshes(config):
+    """The teacher's meshes under a multi-process launch (``WORLD_SIZE`` > 1), else None (one process)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    from accelerate import PartialState
+
+    from fcsd.parallel.layout import ParallelDims, build_meshes
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # initialises the process group, as the trainer does
+    parallel = config.parallel
+    fsdp = parallel.fsdp or parallel.ep_size == 1
+    return build_meshes(ParallelDims(state.num_processes, parallel.ep_size, fsdp), state.device.type)
+
+
+def share_cache(teacher, packed, folder, meta: dict, batch_size: int, progress: bool, overwrite: bool) -> Path:
+    """:func:`build_cache` with the shards spread over the processes; every process calls it and gets the folder.
+
+    A teacher larger than one GPU is laid out as a training run would lay out its teacher (``parallel.*``, or FSDP2
+    over every process, :func:`cache_meshes`). Cache shard ``s`` (256 packed rows) is written by process ``s mod W``
+    into the staging folder the main process created; every forward of a laid-out model is a collective, so a
+    process with fewer rows to run repeats a forward on row 0 (discarded) until every process has run the same number.
+    The main process writes ``meta.json`` once all shards are written and publishes the folder in one rename
+    (:func:`fcsd.files.staging.atomic_dir`): the cache is the one a single process would write, shard for shard."""
+    from fcsd.files.staging import atomic_dir
+    from fcsd.parallel.layout import head_unit
+
+    folder = Path(folder)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if reusable(folder, meta, overwrite):  # every process reads the same folder, before anything is written
+        return folder
+    head_in_forward = teacher.fcsd_layout.dims.fsdp  # the LM head is sharded: applied in chunks, gathered once
+    shards = shard_batches(len(packed), batch_size)
+    forwards = max(sum(len(batches) for batches in shards[r::world]) for r in range(world))
+    with contextlib.ExitStack() as stack:
+        staging = (
+            [
+                str(
+                    stack.enter_context(
+                        atomic_dir(folder, kind="teacher-cache", replace=overwrite, what="teacher.cache_dir")
+                    )
+                )
+            ]
+            if rank == 0
+            else [None]
+        )
+        dist.broadcast_object_list(staging, src=0)
+        staging = Path(staging[0])
+        bar = tqdm(total=len(packed), desc="caching teacher logits", unit="seq", disable=not progress or rank)
+        done = 0
+        for shard in range(rank, len(shards), world):
+            batches = shards[shard]
+            write_shard(teacher, packed, batches, meta, staging / shard_name(shard), bar.update, head_in_forward)
+            done += len(batches)
+        for _ in range(forwards - done):  # the other processes' forwards need this one's collectives
+            teacher_topk(teacher, packed, 0, min(batch_size, len(packed)), meta, head_in_forward)
+        unit = head_unit(teacher)  # the LM head stays gathered over the forwards (no logits are computed in them)
+        if unit is not None:
+            unit.reshard()
+        bar.close()
+        dist.barrier()  # every shard is in the staging folder
+        if rank == 0:
+            (staging / "meta.json").write_text(json.dumps(meta, indent=2))
+    dist.barrier()  # published
+    return folder
+
+
 def reusable(folder: Path, meta: dict, overwrite: bool) -> bool:
     """Whether ``folder`` already holds the cache ``meta`` describes; a mismatched one is refused unless
     ``overwrite`` and it is a teacher cache fcsd wrote holding nothing else (then False: it is rebuilt)."""
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     check_cache_folder(folder)
     if ownership.is_empty(folder):

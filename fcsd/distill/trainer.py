@@ -35,7 +35,7 @@ from fcsd.distill.config import (
 )
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.finite import NonFiniteStop, check_weights_finite, diverged
-from fcsd.distill.heldout import heldout_metrics, kl_name, kl_of
+from fcsd.distill.heldout import heldout_metrics, kl_name
 from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
 from fcsd.distill.optim import (
@@ -54,6 +54,7 @@ from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights
 from fcsd.distill.run_data import all_rows, load_run_data
 from fcsd.distill.warm_start import average_gradients, layer_local_loss
 from fcsd.parallel.processes import print_once
+from fcsd.run_facts import kl_of
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fcsd import ownership
 from fcsd.evaluate.harness import task_score
 from fcsd.evaluate.suites import SuiteConfig
+from fcsd.files import ownership
 from fcsd.sources import display_name
 
 TABLE = "eval_table.md"
@@ -76,7 +76,7 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
     in ``out``; returns the score table."""
     from lm_eval.utils import handle_non_serializable
 
-    from fcsd.staging import atomic_file
+    from fcsd.files.staging import atomic_file
 
     ownership.mark(out, "eval")
     ownership.record(out)  # in the run folder that holds it
@@ -103,7 +103,7 @@ def write_report(out: Path, results: dict[str, dict], names: dict[str, str], sui
 
 def default_output(model: str) -> Path:
     """``RUN/eval`` for a run folder (so the export's model card can show the table), else ``outputs/eval/<name>``."""
-    from fcsd.run_folder import RunFolder
+    from fcsd.files.run_folder import RunFolder
 
     run = RunFolder(model)
     return run.eval_dir if run.checkpoint() else Path("outputs") / "eval" / (run.root.name or "model")
@@ -158,7 +158,7 @@ def evaluate_and_report(
     ownership.check_replaceable(out, "eval", "--output", "choose another --output")
     results = evaluate_checkpoints(refs, suite, **options)
     table = write_report(out, results, refs, suite)
-    from fcsd.run_folder import RunFolder
+    from fcsd.files.run_folder import RunFolder
 
     run = RunFolder(model)
     if out.parent.resolve() == run.root.resolve() and (run.export / "config.json").exists():

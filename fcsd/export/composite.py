@@ -17,9 +17,9 @@ import shutil
 import struct
 from pathlib import Path
 
+from fcsd.block_fp8 import RECORD_KEY, SCALE_SUFFIX
 from fcsd.connectivity.families import base_model_type, text_config
 from fcsd.connectivity.patch import CONFIG_KEY
-from fcsd.fp8 import RECORD_KEY, SCALE_SUFFIX
 from fcsd.weight_files import INDEX, WEIGHTS, folder_tensor_names, read_header, tensor_names, write_index
 
 CHUNK_BYTES = 64 * 2**20  # byte ranges are copied in pieces of at most this size
@@ -56,7 +56,7 @@ def run_source(checkpoint: str | Path) -> tuple[str, str | None] | None:
     ``best/`` or a step checkpoint), from the run config saved with it; None for a checkpoint no run wrote."""
     from omegaconf import OmegaConf
 
-    from fcsd.run_folder import CONFIG, RunFolder
+    from fcsd.files.run_folder import CONFIG, RunFolder
 
     paths = (Path(checkpoint) / CONFIG, RunFolder.of_checkpoint(checkpoint).config)
     path = next((p for p in paths if p.is_file()), None)
@@ -267,8 +267,8 @@ def compose(staging: Path, source: str, revision: str | None = None) -> tuple[ob
     a time, atomically), the source's other tensors are copied next to them (one output file per source file that
     holds any), and ``model.safetensors.index.json`` lists them all; the source's processor files
     (:data:`PROCESSOR_FILES`) are copied too."""
+    from fcsd.files.staging import atomic_file
     from fcsd.loading import hub_config_file, load_config, model_class_for
-    from fcsd.staging import atomic_file
 
     staged_config = json.loads((staging / "config.json").read_text())
     staged = tensor_names(sorted(staging.glob("*.safetensors")))

@@ -1,17 +1,18 @@
 """The export of a model trained from a block-FP8 source, in the source's own format (design §8; issue 39).
 
-A model read from a block-FP8 checkpoint carries ``config.fcsd_source_quantization`` (:mod:`fcsd.fp8`): the
+A model read from a block-FP8 checkpoint carries ``config.fcsd_source_quantization`` (:mod:`fcsd.block_fp8`): the
 source's ``quantization_config``, the weights it kept unquantized and how many it quantized. ``final/`` is saved in
 bf16 like any run; its export is rewritten shard by shard (one safetensors file in memory at a time, each replaced
 in one rename inside the staging folder) into e4m3 weights with ``weight_scale_inv`` block scales computed from the
-trained weights (:func:`fcsd.fp8.quantize_blocks`: a block's largest magnitude / 448), exactly the tensors that had
-a scale in the source quantized, the source's ``quantization_config`` in ``config.json``. ``format="bf16"``
+trained weights (:func:`fcsd.block_fp8.quantize_blocks`: a block's largest magnitude / 448), exactly the tensors that
+had a scale in the source quantized, the source's ``quantization_config`` in ``config.json``. ``format="bf16"``
 (``fcsd export --format bf16``, ``export_format=bf16``) keeps the bf16 export instead.
 
 The check of an FP8 export proves what it stores (:func:`quantize_folder`): each quantized weight, read back from the
-written file by fcsd's reader, equals the block quantization of the trained weight (:func:`fcsd.fp8.quantize_blocks`,
-dequantized) bit for bit, every other tensor is stored exactly. The logit drift that FP8 rounding causes is measured
-on the reload and reported beside it (``fcsd_export.json``, the model card), not held to a tolerance.
+written file by fcsd's reader, equals the block quantization of the trained weight
+(:func:`fcsd.block_fp8.quantize_blocks`, dequantized) bit for bit, every other tensor is stored exactly. The logit drift
+that FP8 rounding causes is measured on the reload and reported beside it (``fcsd_export.json``, the model card), not
+held to a tolerance.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from fcsd import fp8 as reader
-from fcsd.fp8 import RECORD_KEY, SCALE_SUFFIX, DequantizedSlice, quantize_blocks, scaled_record
+from fcsd import block_fp8 as reader
+from fcsd.block_fp8 import RECORD_KEY, SCALE_SUFFIX, DequantizedSlice, quantize_blocks, scaled_record
 
 FORMATS = ("source", "bf16")
 #: the staged export's proof of what it stores (:func:`quantize_folder`), read by the parity check of every process
@@ -76,7 +77,7 @@ def to_quantize(key: str, info: dict, kept: set[str]) -> bool:
 def check_names(folder: Path, record: dict) -> None:
     """Refuse, in one line and before any file is rewritten, an FP8 export whose weights to quantize (read from the
     headers of ``folder``'s safetensors files) are not the ones the source quantized (the record's count and
-    SHA-256 of their names, :func:`fcsd.fp8.scaled_record`): nothing would say which to quantize."""
+    SHA-256 of their names, :func:`fcsd.block_fp8.scaled_record`): nothing would say which to quantize."""
     from fcsd.weight_files import read_header
 
     kept = set(record.get("kept", []))
@@ -103,7 +104,7 @@ def quantize_folder(folder: Path, record: dict) -> int:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from fcsd.staging import atomic_file
+    from fcsd.files.staging import atomic_file
     from fcsd.weight_files import INDEX, read_header, write_index
 
     check_names(folder, record)
@@ -139,8 +140,8 @@ def quantize_folder(folder: Path, record: dict) -> int:
 
 def stored_wrongly(path: Path, trained: dict, settings: dict, scale_dtype) -> list[str]:
     """The tensors of the written file ``path`` that are not what they must be: a quantized weight whose values, read
-    back as fcsd reads FP8 (:class:`fcsd.fp8.DequantizedSlice`), differ in any bit from ``trained[key]`` quantized
-    by :func:`fcsd.fp8.quantize_blocks` and dequantized, any other tensor not equal to ``trained[key]``."""
+    back as fcsd reads FP8 (:class:`fcsd.block_fp8.DequantizedSlice`), differ in any bit from ``trained[key]`` quantized
+    by :func:`fcsd.block_fp8.quantize_blocks` and dequantized, any other tensor not equal to ``trained[key]``."""
     from safetensors import safe_open
 
     block, power_of_two = settings["weight_block_size"], settings.get("scale_fmt") == "ue8m0"
@@ -168,7 +169,7 @@ def read_check(folder: Path) -> dict:
     path = Path(folder) / CHECK_FILE
     check = json.loads(path.read_text()) if path.exists() else {"stored_exactly": False, "wrong": ["(unchecked)"]}
     if not check["stored_exactly"]:
-        from fcsd.export.save import ExportError
+        from fcsd.export import ExportError
 
         raise ExportError(
             f"reload parity failed: {check.get('wrong_count', 1)} tensors of the FP8 export are not stored as "
@@ -183,7 +184,7 @@ def record_drift(folder: Path, expected: torch.Tensor) -> None:
     as :func:`read_check`, one that stores a tensor wrongly. Only the main process writes (rank 0)."""
     import torch.distributed as dist
 
-    from fcsd.staging import atomic_file
+    from fcsd.files.staging import atomic_file
 
     check = {**read_check(folder), "max_abs_logit": float(expected.abs().max())}
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:

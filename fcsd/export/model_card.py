@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fcsd.serving.vllm.families import serve_command
+from fcsd.serving.families import serve_command
 from fcsd.sources import display_name, hub_id
 
 CITATION = """@article{farskip2025,
@@ -22,7 +22,7 @@ def run_facts(checkpoint: Path) -> dict:
     config, summary (a step checkpoint's: its step), last training loss and evaluation table."""
     from omegaconf import OmegaConf
 
-    from fcsd.run_folder import CONFIG, RunFolder, is_step_checkpoint
+    from fcsd.files.run_folder import CONFIG, RunFolder, is_step_checkpoint
 
     facts: dict = {}
     run = RunFolder.of_checkpoint(checkpoint)
@@ -43,7 +43,7 @@ def run_facts(checkpoint: Path) -> dict:
 
 
 def refresh_card(run) -> None:
-    """Re-render the model card of ``run.export`` (a :class:`~fcsd.run_folder.RunFolder`) from the run's current
+    """Re-render the model card of ``run.export`` (a :class:`~fcsd.files.run_folder.RunFolder`) from the run's current
     facts (``fcsd eval`` of a run adds its table)."""
 
     config = json.loads((run.export / "config.json").read_text())
@@ -52,7 +52,7 @@ def refresh_card(run) -> None:
     record = run.export / "fcsd_export.json"  # fcsd.export.save.PARITY_RECORD
     fp8 = json.loads(record.read_text()).get("fp8") if record.exists() else None
     card = render_card(config["farskip"], run_facts(run.final), num_layers, config.get("dtype"), fp8)
-    from fcsd.staging import atomic_file
+    from fcsd.files.staging import atomic_file
 
     with atomic_file(run.export / "README.md") as staging:
         staging.write_text(card)
@@ -153,7 +153,7 @@ def render_card(farskip: dict, facts: dict, num_layers: int, dtype: str | None =
         ]
         before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
         if before and after:
-            from fcsd.distill.heldout import kl_of
+            from fcsd.run_facts import kl_of
 
             kind = "" if "eval/kl" in before else " (teacher top-k + rest, from the teacher cache)"
             lines.append(f"| held-out KL(original \\|\\| converted){kind} | {kl_of(before):.4f} before, "
@@ -257,7 +257,7 @@ def schedule_ran(config: dict, steps: int | None) -> dict | None:
         return None
     from omegaconf import OmegaConf
 
-    from fcsd.distill.config import ramp_stages, schedule_steps, warmup_steps
+    from fcsd.run_facts import ramp_stages, schedule_steps, warmup_steps
 
     try:
         run = OmegaConf.create(config)

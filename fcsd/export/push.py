@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fcsd.export.save import PARITY_RECORD, ExportError
+from fcsd.export import ExportError
+from fcsd.export.save import PARITY_RECORD
 
 
 def check_is_export(folder: Path) -> None:
-    """The folder's ``config.json`` must still say what ``fcsd export`` wrote (:func:`fcsd.identity.identify`): an
-    export whose model type, ``farskip`` block or ``architectures`` was edited would reach the hub as a model that
+    """The folder's ``config.json`` must still say what ``fcsd export`` wrote (:func:`fcsd.serving.identity.identify`):
+    an export whose model type, ``farskip`` block or ``architectures`` was edited would reach the hub as a model that
     loads or serves with stock wiring."""
     import json
 
-    from fcsd.identity import REEXPORT, identify_folder
+    from fcsd.serving.identity import REEXPORT, identify_folder
 
     path = folder / "config.json"
     try:

@@ -5,11 +5,11 @@ The connectivity modules of fcsd are copied next to the weights with their impor
 copies a remote-code file together with the files it imports relatively); a generated configuration and modeling
 file subclass the stock transformers classes under the model type ``farskip_<stock type>``, which stock
 transformers does not know: loading without ``trust_remote_code`` fails loudly instead of silently running the
-regular connectivity. The generated model class checks the export's identity as :mod:`fcsd.identity` does, without
-fcsd: ``architectures`` must name the FarSkip class of the export's own family (vLLM builds its model from it) and,
-for a local folder, ``config.json``'s model type must be ``farskip_<stock type>``; a folder declared stock or another
-family, or naming no class (``architectures`` missing, null, empty or not a list; ``model_type`` missing), is refused
-in one line instead of loading as FarSkip.
+regular connectivity. The generated model class checks the export's identity as :mod:`fcsd.serving.identity` does,
+without fcsd: ``architectures`` must name the FarSkip class of the export's own family (vLLM builds its model from it)
+and, for a local folder, ``config.json``'s model type must be ``farskip_<stock type>``; a folder declared stock or
+another family, or naming no class (``architectures`` missing, null, empty or not a list; ``model_type`` missing), is
+refused in one line instead of loading as FarSkip.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import fcsd
 from fcsd.connectivity.families import EXPORTED_PREFIX
-from fcsd.serving.vllm.families import UNSERVED_ARCHITECTURE, farskip_architecture
+from fcsd.serving.families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 CONNECTIVITY_MODULES = ("layer_spec", "adapters", "families", "patch")
 
@@ -88,7 +88,7 @@ def _config_file(config):
 
 
 def _check_identity(config):
-    """Refuse a config that declares itself stock or another family, or names no class (fcsd.identity, without
+    """Refuse a config that declares itself stock or another family, or names no class (fcsd.serving.identity, without
     fcsd): it would be loaded here as FarSkip but served (or loaded by stock transformers) as what it says."""
     values = _config_file(config)
     if values is not None and values.get("model_type") != MODEL_TYPE:  # a local folder: its config.json as written

@@ -9,20 +9,17 @@ from pathlib import Path
 
 import torch
 
-from fcsd import ownership
 from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type, text_config, text_model
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
+from fcsd.export import ExportError
 from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
-from fcsd.run_folder import RunFolder
-from fcsd.serving.vllm.families import UNSERVED_ARCHITECTURE, farskip_architecture
+from fcsd.files import ownership
+from fcsd.files.run_folder import RunFolder
+from fcsd.serving.families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 PARITY_RECORD = "fcsd_export.json"  # written only after the reload-parity check passed; `fcsd push` requires it
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-class ExportError(ValueError):
-    """An export that cannot be written, or whose reloaded copy does not match the model."""
 
 
 def export(
@@ -39,16 +36,17 @@ def export(
     The folder holds safetensors shards in the model's dtype, the config with its ``farskip`` record, model type
     ``farskip_<stock type>`` and an ``auto_map`` to the shipped modeling code, the generation config and the
     tokenizer. A non-empty ``out_dir`` is refused unless ``overwrite``; ``source`` (the checkpoint exported) is never
-    written into. The export is a folder of its own in fcsd's ownership model (:mod:`fcsd.ownership`): one writer
-    holds its lock from before staging to the rename, which checks the target again (:func:`fcsd.staging.atomic_dir`).
-    A model trained from a block-FP8 source is written in that format unless ``export_format="bf16"``
-    (:mod:`fcsd.export.fp8`). ``composite`` (``(source, revision)``, :func:`fcsd.export.composite.composite_source`):
-    ``model`` is the text tower of that multimodal checkpoint, and the export is the whole composite with its vision
-    tower and projector copied from the source's files (:func:`fcsd.export.composite.compose`).
+    written into. The export is a folder of its own in fcsd's ownership model (:mod:`fcsd.files.ownership`): one writer
+    holds its lock from before staging to the rename, which checks the target again
+    (:func:`fcsd.files.staging.atomic_dir`). A model trained from a block-FP8 source is written in that format unless
+    ``export_format="bf16"`` (:mod:`fcsd.export.fp8`). ``composite`` (``(source, revision)``,
+    :func:`fcsd.export.composite.composite_source`): ``model`` is the text tower of that multimodal checkpoint, and the
+    export is the whole composite with its vision tower and projector copied from the source's files
+    (:func:`fcsd.export.composite.compose`).
     """
     from fcsd.export.composite import check_format as check_composite_format
     from fcsd.export.fp8 import check_format, finish_config, format_name, quantize_folder, source_quantization
-    from fcsd.staging import atomic_dir
+    from fcsd.files.staging import atomic_dir
 
     record = source_quantization(model.config) if check_format(export_format) == "source" else None
     check_composite_format(composite, record)
@@ -120,7 +118,7 @@ def check_export_target(
     """Refuse an ``out_dir`` that is, contains or lies inside a source (a checkpoint) or the run folder ``run_root``
     (except the run's own ``export/``), is another run's ``export/``, is the current or the home folder; a non-empty
     one unless ``overwrite``, and even then unless it is an export fcsd wrote that holds nothing else
-    (:mod:`fcsd.ownership`: never a run folder, a teacher cache or a folder of other files, whatever its marker
+    (:mod:`fcsd.files.ownership`: never a run folder, a teacher cache or a folder of other files, whatever its marker
     says)."""
     out_dir = Path(out_dir).expanduser().resolve()
     owner = ownership.read_marker(out_dir.parent)
@@ -264,9 +262,9 @@ def export_checkpoint(
     checkpoint (Llama-4 Scout) is exported as that composite, its vision tower and projector copied from the run's
     source (:mod:`fcsd.export.composite`); ``text_only`` writes the text model alone and says so in one line."""
     from fcsd.export.composite import composite_source
+    from fcsd.files.run_folder import is_step_checkpoint
+    from fcsd.files.staging import restore_stale_siblings
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
-    from fcsd.run_folder import is_step_checkpoint
-    from fcsd.staging import restore_stale_siblings
 
     source = Path(run_or_checkpoint)
     if not source.exists():
@@ -287,7 +285,7 @@ def export_checkpoint(
         if restore_stale_siblings(target):  # what a killed export left is back: check the target as it is now
             check_export_target(out_dir, overwrite, [source], run_root=run_root)
         if is_step_checkpoint(source):
-            from fcsd.distill.checkpointing import load_step_checkpoint
+            from fcsd.export.step_checkpoint import load_step_checkpoint
 
             model, tokenizer = load_step_checkpoint(source)
         else:

@@ -3,8 +3,7 @@
 - :func:`expert_parallel` (``apply.py``): shard routed experts, install the schedules of paper Sec. 4.1 / 4.2;
 - ``layout.py``: the whole layout of a run, EP x FSDP2 on one set of device meshes (:func:`~fcsd.parallel.layout
   .parallelize`), ``recompute.py``: activation checkpointing that replays the exchanges, ``step_state.py``: sharded
-  step checkpoints (DCP) that reshard, ``stream_save.py``: ``final/``, ``best/`` streamed in the stock layout,
-  ``export.py``: the end-of-run export laid out, ``cache_share.py``: ``fcsd cache-teacher`` on several processes;
+  step checkpoints (DCP) that reshard, ``stream_save.py``: ``final/``, ``best/`` streamed in the stock layout;
 - ``load.py``: load a checkpoint with only this rank's experts (:func:`~fcsd.parallel.load.from_pretrained_sharded`),
   or laid out, reading only this rank's slices (:func:`~fcsd.parallel.load.from_pretrained_parallel`);
 - ``shards.py``: expert shards, their stock-layout state dicts, placements applied by exchanging experts;
@@ -16,9 +15,7 @@
 - ``training.py``: what the FCSD trainer needs under ``parallel.ep_size`` / ``parallel.fsdp`` (meshes, loading,
   gradient reduction, the global gradient norm over both meshes, optimizer groups);
 - ``generate.py``: ``generate`` under expert parallelism, correct by construction;
-- ``bench.py``, ``timeline.py``: overlap measurement (``fcsd bench overlap``) on GPUs and CPUs;
-- ``link.py``, ``overlap.py``, ``bench_link.py``, ``segments.py``, ``picture.py``: the schedules over a modelled link
-  (``fcsd bench overlap --link``): hidden share, structural limit, schedule efficiency, the timeline picture;
+- ``segments.py``: the markers the schedule sets for the timeline picture of ``fcsd bench overlap --link``;
 - ``processes.py``: multi-process runs where the main process alone speaks, evaluates and reports;
 - ``inference_shard.py``: the FCSD teacher sharded for inference.
 """

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from fcsd.parallel import recompute
+from fcsd.parallel.events import record
 
 _SEQUENCE_NR_MAX = 2**62  # above any sequence number a process creates, below uint64 overflow
 
@@ -53,7 +53,7 @@ REPRIORITISES = _probe_set_sequence_nr()
 WAIT_SECONDS = {"forward": 0.0, "backward": 0.0}
 PHASES = ("forward", "backward")
 KINDS = ("counts", "dispatch", "combine", "all_reduce", "ids")
-#: a :class:`fcsd.parallel.link.ModelledLink` every collective of this module goes through (``fcsd bench overlap
+#: a :class:`fcsd.bench.modelled_link.ModelledLink` every collective of this module goes through (``fcsd bench overlap
 #: --link``); None: the real transport alone
 LINK = None
 
@@ -77,31 +77,6 @@ def sync_debug() -> bool:
 def order_debug() -> bool:
     """Whether ``FCSD_EP_CHECK_ORDER=1`` asks every rank to check the collective order against the others."""
     return os.environ.get("FCSD_EP_CHECK_ORDER", "0") not in ("", "0")
-
-
-class _Events:
-    log: list | None = None
-
-
-_EVENTS = _Events()
-
-
-@contextmanager
-def record_events():
-    """Collect ``(what, kind, serial)`` events of this process while the block runs (tests, schedule inspection):
-    ``launch`` / ``done`` of every forward exchange (``done``: its result is complete, at launch when it blocks),
-    ``reverse`` / ``reverse_done`` in backward, and the schedule's ``layer``, ``attention`` and ``shared`` markers."""
-    saved, _EVENTS.log = _EVENTS.log, []
-    try:
-        yield _EVENTS.log
-    finally:
-        _EVENTS.log = saved
-
-
-def record(what: str, kind: str, serial: int) -> None:
-    """Append one event when :func:`record_events` is active (no cost otherwise)."""
-    if _EVENTS.log is not None:
-        _EVENTS.log.append((what, kind, serial))
 
 
 def check_order(group, phase: str, kind: str, serial: int, device) -> None:

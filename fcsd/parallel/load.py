@@ -241,8 +241,8 @@ def from_pretrained_parallel(
     keyword options), reading only this rank's slices (design §4: no rank ever holds a whole model, on device or
     host). ``layers``: the FarSkip selection (default: the checkpoint's recorded one). A collective: every process
     calls it. Raises ``ValueError`` when the expert-parallel size does not divide the expert count."""
+    from fcsd.block_fp8 import dequantizing_class, fp8_settings, without_quantization
     from fcsd.connectivity.patch import CONFIG_KEY
-    from fcsd.fp8 import dequantizing_class, fp8_settings, without_quantization
     from fcsd.loading import _stock_config, check_weight_files, load_config
 
     revision = kwargs.get("revision")
@@ -255,7 +255,7 @@ def from_pretrained_parallel(
     device = torch.device(device) if device is not None else None
     read = base
     settings = fp8_settings(config)
-    if settings is not None:  # block FP8: each rank dequantizes the whole blocks around its slices (fcsd.fp8)
+    if settings is not None:  # block FP8: each rank dequantizes the whole blocks around its slices (fcsd.block_fp8)
         config, read = without_quantization(config), dequantizing_class(base, settings)
     loader = layout_class(read, meshes, role, layers, layout or {})
     model = loader.from_pretrained(name_or_path, config=config, **load_kwargs(None, device), **kwargs)

@@ -55,3 +55,11 @@ def quiet_unless_main(is_main: bool):
 
     logging.disable_progress_bar()
     return lambda *args, **kwargs: None
+
+
+def sharded_by_accelerate(deepspeed_only: bool = False) -> bool:
+    """Whether accelerate shards the student from host memory (its FSDP or DeepSpeed plugins; DeepSpeed alone)."""
+    from accelerate.utils import parse_flag_from_env
+
+    deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    return deepspeed or (not deepspeed_only and parse_flag_from_env("ACCELERATE_USE_FSDP"))

@@ -168,7 +168,7 @@ class ReplayLog:
         pending = [i for i, (_, tensors) in enumerate(self.entries) if tensors and isinstance(tensors[0], HostCopy)]
         if not pending or self.position:
             return
-        from fcsd.parallel.collectives import record
+        from fcsd.parallel.events import record
 
         record("prefetch", "layer", self.index)
         for index in pending:
@@ -245,7 +245,7 @@ def _recomputing(log: ReplayLog, layer):
     rank issues at the same point of its backward (the same graph); the layer's own post-backward reshards."""
     from torch.distributed.fsdp import FSDPModule
 
-    from fcsd.parallel.collectives import record
+    from fcsd.parallel.events import record
 
     if isinstance(layer, FSDPModule):
         layer.unshard()

@@ -33,8 +33,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from fcsd.connectivity.patch import HandOver
 from fcsd.parallel import recompute
-from fcsd.parallel.collectives import needs_backward, record
+from fcsd.parallel.collectives import needs_backward
 from fcsd.parallel.dispatchers import Dispatcher
+from fcsd.parallel.events import record
 from fcsd.parallel.segments import attention_core, segment
 
 

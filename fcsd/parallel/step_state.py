@@ -133,7 +133,7 @@ def check_resumable(record: dict | None, checkpoint: Path, layout: str | None) -
     and ``fsdp``)."""
     record = record or {}
     if record.get("format") == FORMAT and layout is None:
-        from fcsd.ownership import torchrun_line
+        from fcsd.files.ownership import torchrun_line
 
         settings = {"parallel.ep_size": str(record["ep"]), "parallel.fsdp": str(bool(record["fsdp"])).lower()}
         raise ValueError(
@@ -184,7 +184,7 @@ def stock_tensors(folder: Path):
 
 
 def recorded_layout(folder: Path) -> dict | None:
-    from fcsd.run_folder import TRAINER_STATE
+    from fcsd.files.run_folder import TRAINER_STATE
 
     path = Path(folder) / TRAINER_STATE
     return json.loads(path.read_text()).get("layout") if path.exists() else None

@@ -82,7 +82,7 @@ class Placement:
         return out
 
     def save(self, path: str | Path) -> Path:
-        from fcsd.staging import atomic_file
+        from fcsd.files.staging import atomic_file
 
         path = Path(path)
         with atomic_file(path) as staging:

@@ -27,7 +27,7 @@ def plot_heatmaps(routes: Routes, out_dir: str | Path, layer: int | None = None)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     out_dir = Path(out_dir)
     ownership.mark(out_dir, "plots")

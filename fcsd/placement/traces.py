@@ -102,7 +102,7 @@ class Routes:
     def save(self, path: str | Path) -> Path:
         from safetensors.numpy import save_file
 
-        from fcsd.staging import atomic_file
+        from fcsd.files.staging import atomic_file
 
         path = Path(path)
         dtype = np.int16 if self.num_experts <= np.iinfo(np.int16).max else np.int32
@@ -115,7 +115,7 @@ class Routes:
         return path
 
 
-# a file fcsd cannot read as its own is never overwritten (fcsd.ownership.check_output_file): record into another
+# a file fcsd cannot read as its own is never overwritten (fcsd.files.ownership.check_output_file): record into another
 _RECORD_AGAIN = "record the routes again into a new file: `fcsd routes record MODEL --out NEW.routes`"
 
 

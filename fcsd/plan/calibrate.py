@@ -662,8 +662,8 @@ def measure_rank(model: str, tokens: int | None, device: torch.device, quick: bo
 def check_model(model: str):
     """The config of ``model`` (a preset, a folder, a ``config.json``, a hub id or ``demo``), refused in one line when
     it is not a supported MoE model (its shapes are what the GEMMs are measured at)."""
-    from fcsd.perfmodel import model_shape
     from fcsd.plan.models import load_model_config
+    from fcsd.plan.perfmodel import model_shape
 
     source = load_model_config(_model_name(model))
     model_shape(source.config)

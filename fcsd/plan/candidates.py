@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.run import LAID_OUT
-from fcsd.plan.simulate import Layout, StepEstimate, estimate_step
+from fcsd.plan.simulate import Layout, StepEstimate, estimate_step, prefetch
 from fcsd.units import duration
 
 MAX_MICRO_BATCH = 8
@@ -163,9 +163,9 @@ def search(
 ) -> Search:
     """Decide the candidates on ``cluster`` (see the module docstring). ``cache_ok``: whether the teacher cache may
     serve the run's objective (True), or why not (a string: the reason). With ``shape`` (the model's
-    :class:`fcsd.perfmodel.ModelShape`) and ``converted`` (its FarSkip layers) the search times what it finds and
+    :class:`fcsd.plan.perfmodel.ModelShape`) and ``converted`` (its FarSkip layers) the search times what it finds and
     fills ``timed`` and ``chosen``."""
-    from fcsd.perfmodel import model_shape
+    from fcsd.plan.perfmodel import model_shape
 
     result = Search(cluster, counts=counts)
     processes = cluster.gpus
@@ -251,8 +251,6 @@ def _walk(model_config, fcsd_config, found: list[Candidate], cluster: Cluster, a
     failed one needs is ``dominated``; the ones after the first that fits are ``skipped``. While one simulates, the
     workers (:mod:`fcsd.plan.workers`) start the one needed if it misses (or ``after``, the next strategy's).
     ``host_scale(layout)``: :func:`_simulated`'s."""
-    from fcsd.plan.workers import prefetch
-
     out = {c.layout: c for c in found}
     opened = [c.layout for c in found if c.status == "open"]
     first = None

@@ -2,7 +2,7 @@
 
 Memory is what the driver reports for the whole GPU (H100 SXM 80 GB: 79.6 GiB; H200: 139.8 GiB; MI300X: 192 GiB).
 Peak FLOP/s are the vendors' dense bf16 figures (no sparsity). Bandwidths are *bus* bandwidths in NCCL's convention
-(as :mod:`fcsd.perfmodel` uses them), i.e. what ``nccl-tests`` report, not the links' nominal sum: inside a node
+(as :mod:`fcsd.plan.perfmodel` uses them), i.e. what ``nccl-tests`` report, not the links' nominal sum: inside a node
 NVLink 4 (900 GB/s bidirectional per GPU) gives about 360 GB/s for an all-reduce and 300 GB/s for an all-to-all
 (MI300X's Infinity Fabric a little less), between nodes one 400 Gb/s NIC per GPU gives about 45 GB/s. These are the
 planner's stated assumptions, not measurements: override them with ``--intra-gbps`` / ``--inter-gbps`` (and
@@ -39,7 +39,8 @@ class GPU:
     inter_gbps: float  # bus bandwidth between nodes, per GPU
     host_gbps: float = 25.0  # GPU <-> host copies, per GPU and direction, every GPU of the node copying
     host_gib: float = 2048.0  # host memory of a node
-    # CUDA (major, minor); None: not known, a CPU or a ROCm GPU. Decides FP8 kernels (fcsd.fp8.fp8_kernels_available)
+    # CUDA (major, minor); None: not known, a CPU or a ROCm GPU. Decides FP8 kernels
+    # (fcsd.block_fp8.fp8_kernels_available)
     compute_capability: tuple | None = None
 
 
@@ -251,8 +252,8 @@ FIGURES = (*NUMBERS, *OPTIONAL, "op_us", "memory_gbps")  # what "assumed" may na
 
 def write_cluster_file(path, data: dict) -> Path:
     """Write the cluster file ``data`` (checked first: :func:`check_cluster_data`) to ``path`` atomically
-    (:func:`fcsd.staging.atomic_file`: a reader never sees half a file)."""
-    from fcsd.staging import atomic_file
+    (:func:`fcsd.files.staging.atomic_file`: a reader never sees half a file)."""
+    from fcsd.files.staging import atomic_file
 
     check_cluster_data(data, str(path))
     path = Path(path).expanduser()

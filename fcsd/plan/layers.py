@@ -70,7 +70,7 @@ def probe(name: str, data: str, options: list[LayerOption], seq_len: int = 256, 
     import torch
 
     from fcsd.distill.data import load_texts, pack_sequences
-    from fcsd.evaluate.probe import probe_specs
+    from fcsd.distill.probe import probe_specs
     from fcsd.loading import from_pretrained, tokenizer_from_pretrained
     from fcsd.sources import resolve_data, resolve_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fcsd.perfmodel import PRESETS as PERFMODEL_PRESETS
+from fcsd.plan.perfmodel import PRESETS as PERFMODEL_PRESETS
 
 # the architecture fields of each public config.json (routing details that do not change shapes are left out)
 EMBEDDED = {
@@ -108,7 +108,7 @@ def load_model_config(name: str) -> ModelSource:
 
         return ModelSource(name, load_config(str(Path(name).expanduser())), f"{name}/config.json")
     if name == "demo":
-        from fcsd.demo_assets import demo_config, demo_dir
+        from fcsd.embedded.assets import demo_config, demo_dir
 
         built = demo_dir() / "model"
         if (built / "config.json").exists():

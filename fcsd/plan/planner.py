@@ -5,7 +5,7 @@ The run is the one ``fcsd convert MODEL [overrides]`` would make (the same Hydra
 table chooses the layers, the candidate search (:mod:`fcsd.plan.candidates`, EP groups up to all the GPUs, its
 simulations in worker processes: :mod:`fcsd.plan.workers`) the way to run them on the cluster, the timing model
 (:mod:`fcsd.plan.timing`, Sec. 4.1 / Eq. 9, the node-aware dispatch across nodes) the hours and where a step's time
-goes, and :mod:`fcsd.plan.commands` the commands. When nothing fits, the same search runs on
+goes, and :mod:`fcsd.plan.printed_commands` the commands. When nothing fits, the same search runs on
 twice as many nodes, then four times, ... and the plan says which size fits.
 """
 
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fcsd.distill.config import echo_steps, schedule_steps
+from fcsd.distill.config import echo_steps
 from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, search
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
 from fcsd.plan.models import ModelSource, load_model_config
 from fcsd.plan.serving import plan_serving, serving_on
 from fcsd.plan.workers import simulation_workers
+from fcsd.run_facts import schedule_steps
 from fcsd.units import duration, time_unit
 
 MAX_NODES = 128
@@ -33,7 +34,7 @@ class Plan:
     cluster: Cluster
     tokens: float
     config: object  # the resolved FCSDConfig the plan trains with
-    summary: object  # fcsd.connectivity.summary.ModelSummary
+    summary: object  # fcsd.model_summary.ModelSummary
     options: list[LayerOption]
     choice: LayerOption
     reason: str
@@ -90,8 +91,8 @@ def make_plan(
     model of :data:`PARALLEL_FROM` parameters or more, else this process; :mod:`fcsd.plan.workers`);
     ``serve_context`` / ``serve_sequences``: what the serving check holds a KV cache for
     (:func:`fcsd.plan.serving.check_serving`)."""
-    from fcsd import perfmodel as pm
-    from fcsd.connectivity.summary import summarize
+    from fcsd.model_summary import summarize
+    from fcsd.plan import perfmodel as pm
 
     source = load_model_config(model)
     summary = summarize(source.name, config=source.config)
@@ -139,7 +140,7 @@ def make_plan(
             plan.cache_gpus = chosen.layout.processes if chosen.layout.strategy in LAID_OUT else 1
             rate = _rate(cluster) * plan.cache_gpus
             plan.cache_pass_hours = tokens * _teacher_flops(shape, config.data.seq_len) / rate / 3600
-        from fcsd.plan.commands import plan_commands
+        from fcsd.plan.printed_commands import plan_commands
 
         user = list(overrides or [])
         has_data = any(_names_data(o) for o in user) or defaults.data.path != "plan"

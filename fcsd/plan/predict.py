@@ -103,9 +103,9 @@ def predict_step(model_config, fcsd_config, layout, cluster: Cluster, estimate=N
     microbenchmarks and the step's own counts (:func:`step_counts`): each dispatched op's time, the elementwise
     bytes at the measured memory bandwidth, each collective's latency. ``estimate``: the step's
     :class:`~fcsd.plan.simulate.StepEstimate` when already made."""
-    from fcsd import perfmodel as pm
     from fcsd.connectivity.families import text_config
     from fcsd.connectivity.layer_spec import parse_layer_spec
+    from fcsd.plan import perfmodel as pm
     from fcsd.plan.candidates import parameter_counts
     from fcsd.plan.run import step_config
     from fcsd.plan.simulate import estimate_step

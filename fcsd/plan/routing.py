@@ -145,7 +145,7 @@ def _distinct(values: np.ndarray) -> float:
 
 
 def model_reach(shape, model_config, ep: int, node_size: int) -> Reach:
-    """:func:`reach` for a model: its experts and top-k (``shape``, :func:`fcsd.perfmodel.model_shape`) and its
+    """:func:`reach` for a model: its experts and top-k (``shape``, :func:`fcsd.plan.perfmodel.model_shape`) and its
     group-limited routing, if its config has one (``n_group`` / ``topk_group``)."""
     from fcsd.connectivity.families import text_config
 

@@ -136,7 +136,7 @@ def serving_model(model_config, bf16: bool = False, model=None) -> ServingModel:
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_bytes = 2 * kv_heads * head_dim * activation_bytes
         kind = f"K and V of {kv_heads} heads x {head_dim} per token and layer"
-    from fcsd.perfmodel import model_shape
+    from fcsd.plan.perfmodel import model_shape
 
     return ServingModel(
         name,

@@ -335,7 +335,7 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     from fcsd.plan.workers import results
 
     plan = reduction_for(model_config, fcsd_config, layout)
-    measured = results(model_config, fcsd_config, layout, target, plan.subsets)
+    measured = results(simulate, model_config, fcsd_config, layout, target, plan.subsets)
     keys = ("static", "largest", "flops", "buckets", "expert_flops")
     combined = {key: plan.combine([m.get(key, 0.0) for m in measured]) for key in keys}
     phases = {name for m in measured for name in m["phases"]}
@@ -346,6 +346,16 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     return with_echo_outputs(
         estimate, model_config, config, target
     )  # data echoing's kept teacher outputs (fcsd.plan.echo)
+
+
+def prefetch(model_config, fcsd_config, layout: Layout, target: str = "cuda") -> None:
+    """Start simulating ``layout`` in the workers of :func:`fcsd.plan.workers.simulation_workers` (nothing without
+    them); :func:`estimate_step` collects it."""
+    from fcsd.plan.workers import submit_ahead
+
+    submit_ahead(
+        simulate, model_config, fcsd_config, layout, target, reduction_for(model_config, fcsd_config, layout).subsets
+    )
 
 
 _REDUCTIONS: dict[tuple, tuple] = {}  # (id of the model config, layer spec) -> (the config, its Reduction)

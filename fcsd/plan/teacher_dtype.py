@@ -1,6 +1,6 @@
 """The teacher's dtype in a plan: ``teacher.dtype=fp8`` (issue 39) keeps a block-FP8 source's FP8 modules.
 
-What the run accepts (:func:`fcsd.distill.models.load_models`, :func:`fcsd.fp8.check_fp8_modules`): a block-FP8
+What the run accepts (:func:`fcsd.distill.models.load_models`, :func:`fcsd.block_fp8.check_fp8_modules`): a block-FP8
 source, GPUs with FP8 kernels (compute capability >= 8.9: Ada, Hopper and later), and the teacher loaded whole, so
 one process or DDP; fcsd's parallel layouts (``parallel.ep_size`` / ``parallel.fsdp``) do not shard FP8 modules and
 refuse it. The plan keeps to that: it refuses ``teacher.dtype=fp8`` in one line where the source or the cluster's
@@ -27,7 +27,7 @@ def check_fp8_teacher(config, model_config, cluster) -> None:
     or a cluster whose GPUs lack FP8 kernels."""
     if config.teacher.dtype != "fp8":
         return
-    from fcsd.fp8 import fp8_kernels_available, fp8_settings
+    from fcsd.block_fp8 import fp8_kernels_available, fp8_settings
 
     if fp8_settings(model_config) is None:
         raise ValueError(

@@ -39,7 +39,7 @@ Each "hidden behind the compute" above hides :attr:`~fcsd.plan.cluster.Cluster.o
 presets' GPUs, the measured share with a cluster file (on a CPU whose every core computes, about none: a collective's
 copies there take the cores the compute runs on).
 
-Per-layer compute times come from :func:`fcsd.perfmodel.prefill_layer_times` at ``peak x mfu``, bandwidths from the
+Per-layer compute times come from :func:`fcsd.plan.perfmodel.prefill_layer_times` at ``peak x mfu``, bandwidths from the
 cluster: bus bandwidths, an all-to-all at 5/6 of them (perfmodel's 300 vs 400 GB/s). Model FLOPs utilisation
 (:func:`model_flops_per_token`) counts ``6 x active parameters`` per token for the student and ``2 x active`` for
 an online teacher's forward (active: what a token passes through, its ``top_k`` routed experts, the output head;
@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from fcsd import perfmodel as pm
+from fcsd.plan import perfmodel as pm
 from fcsd.plan.cluster import Cluster
 
 ROW_BYTES = 2  # bf16 hidden values on the wire

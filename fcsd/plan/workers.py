@@ -2,7 +2,7 @@
 
 A candidate's estimate is a few independent simulations of a few layers each (:mod:`fcsd.plan.depth`). Inside
 :func:`simulation_workers` they run in worker processes (spawned: each builds its own fake process group), and the
-search may start the simulations of a candidate it will probably need next (:func:`prefetch`: the next one in a
+search may start the simulations of a candidate it will probably need next (:func:`submit_ahead`: the next one in a
 strategy's order while the current one runs); a result is computed once and kept for the plan, so a candidate
 simulated ahead, or again by another part of the plan, costs nothing more. Outside the context everything runs in
 this process, as before. The results are the same either way: each simulation is a pure function of its inputs.
@@ -28,13 +28,11 @@ class Pool:
         self.executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
         self.futures: dict[tuple, tuple[object, object, Future]] = {}
 
-    def submit(self, model_config, fcsd_config, layout, target: str, subset: tuple[int, ...]) -> Future:
-        key = (id(model_config), id(fcsd_config), layout, target, subset)
+    def submit(self, function, model_config, fcsd_config, layout, target: str, subset: tuple[int, ...]) -> Future:
+        key = (function.__name__, id(model_config), id(fcsd_config), layout, target, subset)
         found = self.futures.get(key)
         if found is None or found[0] is not model_config or found[1] is not fcsd_config:
-            from fcsd.plan.simulate import simulate
-
-            future = self.executor.submit(simulate, model_config, fcsd_config, layout, target, subset)
+            future = self.executor.submit(function, model_config, fcsd_config, layout, target, subset)
             self.futures[key] = (model_config, fcsd_config, future)  # the configs kept: their ids stay theirs
         return self.futures[key][2]
 
@@ -68,22 +66,17 @@ def simulation_workers(workers: int | None = None):
         pool.close(abort=not finished)  # Ctrl-C or an error: nothing left running, no minute-long wait
 
 
-def results(model_config, fcsd_config, layout, target: str, subsets) -> list[dict]:
-    """The simulations of ``layout`` through each of ``subsets`` (:func:`fcsd.plan.simulate.simulate`), from the
-    workers when there are some."""
-    from fcsd.plan.simulate import simulate
-
+def results(function, model_config, fcsd_config, layout, target: str, subsets) -> list[dict]:
+    """``function`` (a simulation: :func:`fcsd.plan.simulate.simulate`) of ``layout`` through each of ``subsets``,
+    from the workers when there are some."""
     if not _ACTIVE:
-        return [simulate(model_config, fcsd_config, layout, target, subset) for subset in subsets]
-    futures = [_ACTIVE[0].submit(model_config, fcsd_config, layout, target, subset) for subset in subsets]
+        return [function(model_config, fcsd_config, layout, target, subset) for subset in subsets]
+    futures = [_ACTIVE[0].submit(function, model_config, fcsd_config, layout, target, subset) for subset in subsets]
     return [future.result() for future in futures]
 
 
-def prefetch(model_config, fcsd_config, layout, target: str = "cuda") -> None:
-    """Start simulating ``layout`` in the workers (nothing without them); :func:`results` collects it."""
-    if not _ACTIVE:
-        return
-    from fcsd.plan.simulate import reduction_for
-
-    for subset in reduction_for(model_config, fcsd_config, layout).subsets:
-        _ACTIVE[0].submit(model_config, fcsd_config, layout, target, subset)
+def submit_ahead(function, model_config, fcsd_config, layout, target: str, subsets) -> None:
+    """Start ``function`` through each of ``subsets`` in the workers (nothing without them); :func:`results`
+    collects it."""
+    for subset in subsets if _ACTIVE else ():
+        _ACTIVE[0].submit(function, model_config, fcsd_config, layout, target, subset)

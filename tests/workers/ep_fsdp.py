@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 import fcsd
 from fcsd.connectivity.families import expert_count, family_for_config, moe_blocks
 from fcsd.parallel import layout, recompute
-from fcsd.parallel.collectives import record_events
+from fcsd.parallel.events import record_events
 from fcsd.parallel.layout import ParallelDims, build_meshes, parallelize
 from fcsd.parallel.load import from_pretrained_parallel
 from fcsd.parallel.step_state import expert_names, model_state
@@ -257,7 +257,7 @@ def chat_assets(root):
 
     from tiny_models import save_chat_model
 
-    from fcsd.distill.synthetic import make_dataset, write_jsonl
+    from fcsd.embedded.synthetic import make_dataset, write_jsonl
 
     root = Path(root)
     if RANK == 0:

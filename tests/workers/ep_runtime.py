@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 import fcsd
 from fcsd.connectivity.families import family_for_config, moe_blocks
 from fcsd.parallel import expert_parallel, full_state_dict, grads, reduce_gradients
-from fcsd.parallel.collectives import record_events
+from fcsd.parallel.events import record_events
 from fcsd.parallel.load import from_pretrained_sharded
 from fcsd.placement import apply_placement
 

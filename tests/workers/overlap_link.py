@@ -11,10 +11,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from fcsd.parallel import bench, collectives
-from fcsd.parallel.bench_link import LinkStep, bench_inputs
-from fcsd.parallel.link import ModelledLink, parse_link
-from fcsd.parallel.overlap import summarise, transfer_figures
+from fcsd.bench import overlap as bench
+from fcsd.bench.hidden_share import summarise, transfer_figures
+from fcsd.bench.modelled_link import ModelledLink, parse_link
+from fcsd.bench.modelled_run import LinkStep, bench_inputs
+from fcsd.parallel import collectives
 
 out, link_text, iters = sys.argv[1], sys.argv[2], int(sys.argv[3])
 env = bench.setup("gloo", "cpu", "float32")

@@ -1,6 +1,6 @@
 """Worker for test_launcher_voice's shared-hashing test: ``fcsd convert --resume``'s pre-flight of the run folder
 beside ``<out>`` on 2 gloo processes, recording which files each process hashed (every read of a file's SHA-256
-goes through :func:`fcsd.checksums.file_digest`) and the refusal the main process raised. Writes
+goes through :func:`fcsd.files.checksums.file_digest`) and the refusal the main process raised. Writes
 ``<out>.<rank>.json``."""
 
 import json
@@ -11,9 +11,9 @@ import torch.distributed
 from accelerate import PartialState
 from omegaconf import OmegaConf
 
-from fcsd import checksums
 from fcsd.distill.config import FCSDConfig
 from fcsd.distill.preflight import preflight
+from fcsd.files import checksums
 
 state = PartialState(cpu=True)
 out = Path(sys.argv[1])

@@ -5,7 +5,7 @@ import json
 import random
 from pathlib import Path
 
-from fcsd.distill.synthetic import make_dataset
+from fcsd.embedded.synthetic import make_dataset
 
 
 def distractors(row: dict, rng: random.Random) -> list[str]:

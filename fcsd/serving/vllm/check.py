@@ -15,7 +15,7 @@ def main() -> int:
     from vllm import ModelRegistry
     from vllm.plugins import load_general_plugins
 
-    from fcsd.serving.vllm.families import SERVED_FAMILIES
+    from fcsd.serving.families import SERVED_FAMILIES
 
     load_general_plugins()
     missing = [f.farskip_architecture for f in SERVED_FAMILIES if f.farskip_architecture not in ModelRegistry.models]

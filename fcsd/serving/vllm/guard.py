@@ -3,9 +3,9 @@ stock one (paper Sec. 4.2; design §7).
 
 :func:`install` wraps the function vLLM's ``ModelConfig`` reads a checkpoint's config with, in every process the
 plugin is loaded in (the ``vllm serve`` front end first, before any engine process starts). A config whose FarSkip
-fields disagree (:func:`fcsd.identity.identify`: an export whose ``architectures`` was set back to the stock class,
-or whose ``farskip`` block is gone) and an fcsd checkpoint that is not an export (a run's ``final/``: a ``farskip``
-block under the stock model type and class, which vLLM would build as the stock model) are refused with
+fields disagree (:func:`fcsd.serving.identity.identify`: an export whose ``architectures`` was set back to the stock
+class, or whose ``farskip`` block is gone) and an fcsd checkpoint that is not an export (a run's ``final/``: a
+``farskip`` block under the stock model type and class, which vLLM would build as the stock model) are refused with
 :class:`FarSkipServingError`, whose message is one line; ``vllm serve`` through fcsd's launcher prints it alone and
 exits 2 (:mod:`fcsd.serving.vllm.launcher`).
 """
@@ -23,7 +23,7 @@ def check_served_config(config, model: str) -> None:
     wrong wiring; a stock config or a consistent export passes."""
     from pathlib import Path
 
-    from fcsd.identity import IdentityError, identify_folder
+    from fcsd.serving.identity import IdentityError, identify_folder
 
     values = config.to_dict()
     try:  # a local folder fcsd exported is also checked against its parity record

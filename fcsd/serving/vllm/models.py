@@ -13,8 +13,8 @@ import importlib
 import torch
 from torch import nn
 
+from fcsd.serving.families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
 from fcsd.serving.vllm import ABOVE_TOKENS_KEY, OVERLAP_KEY
-from fcsd.serving.vllm.families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
 from fcsd.serving.vllm.moe import check_runner
 from fcsd.serving.vllm.overlap import RoutedAllReduce, resolve_above_tokens, resolve_overlap, split_at_routed_ops
 from fcsd.serving.vllm.wiring import (

@@ -14,7 +14,7 @@
       eval/, eval_table.md  ``fcsd eval`` of the run
       teacher-cache/        ``fcsd cache-teacher``'s default folder (kept when the run is replaced)
       .fcsd-output          the marker written first: kind "run" and the manifest of what fcsd wrote here
-      .fcsd-lock            held by the one command that writes the folder (see :mod:`fcsd.ownership`)
+      .fcsd-lock            held by the one command that writes the folder (see :mod:`fcsd.files.ownership`)
 """
 
 from __future__ import annotations
@@ -105,10 +105,10 @@ class RunFolder:
         """What ``checkpoint`` lacks to resume exactly, one entry per file (``optimizer.bin missing``,
         ``model.safetensors truncated (1,000 of 4,096 bytes)``, ``__1_0.distcp changed since it was written``): the
         files its trainer state lists with their sizes and, unless ``contents`` is false (sizes only), SHA-256
-        (every byte is read: see :mod:`fcsd.checksums`), else accelerate's standard set for one process. A checkpoint
-        written with digests (:data:`CHECKPOINT_FORMAT`, or any digest record) whose record is malformed or lacks a
-        listed file's digest is damaged: an edited record proves nothing (see :meth:`checked_by_size_only`)."""
-        from fcsd import checksums
+        (every byte is read: see :mod:`fcsd.files.checksums`), else accelerate's standard set for one process. A
+        checkpoint written with digests (:data:`CHECKPOINT_FORMAT`, or any digest record) whose record is malformed or
+        lacks a listed file's digest is damaged: an edited record proves nothing (see :meth:`checked_by_size_only`)."""
+        from fcsd.files import checksums
 
         state = self.trainer_state(checkpoint)
         if not state:
@@ -155,7 +155,7 @@ class RunFolder:
         """Whether ``checkpoint`` was written before checkpoints recorded SHA-256 digests (no
         ``checkpoint_format`` and no digest record in its trainer state), so that only its files' sizes can be
         checked: what a resume or an export of it says in a note."""
-        from fcsd import checksums
+        from fcsd.files import checksums
 
         state = self.trainer_state(checkpoint)
         return bool(state) and "checkpoint_format" not in state and checksums.ALGORITHM not in state
@@ -173,7 +173,7 @@ class RunFolder:
         and a restart clear those folders whole): in ``final/`` and ``best/`` any file their record does not list (a
         record from before it listed them: none), in ``tensorboard/`` any but event files, in a step checkpoint any
         its trainer state does not list, in ``checkpoints/`` any but the step checkpoints."""
-        from fcsd.ownership import is_lock_file, is_staging_leftover
+        from fcsd.files.names import is_lock_file, is_staging_leftover
 
         found = []
         for folder in (self.final, self.best):

@@ -369,7 +369,7 @@ PLOT_WRITER = "fcsd perfmodel"  # the PNG's Software text chunk: a later --plot 
 
 def is_own_plot(path) -> bool:
     """A PNG ``fcsd perfmodel --plot`` wrote."""
-    from fcsd.ownership import is_png_by
+    from fcsd.files.ownership import is_png_by
 
     return is_png_by(path, PLOT_WRITER)
 
@@ -395,7 +395,7 @@ def plot_sweep(rows: list[PrefillResult], path, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    from fcsd.staging import atomic_file
+    from fcsd.files.staging import atomic_file
 
     with atomic_file(Path(path)) as staging:  # a stop mid-write leaves the previous plot, not half of one
         fig.savefig(staging, format="png", dpi=120, metadata={"Software": PLOT_WRITER})

@@ -1,6 +1,6 @@
 """How much of the modelled link the schedule hides, and why the rest is exposed (paper Sec. 4.1, 4.2, Table 4).
 
-From the :class:`fcsd.parallel.link.Transfer` records of one rank's step (forward and backward, or a prefill):
+From the :class:`fcsd.bench.modelled_link.Transfer` records of one rank's step (forward and backward, or a prefill):
 
 - **link time** ``L``: what the modelled link takes for a transfer (latency + bytes / bandwidth);
 - **hidden**: the part of ``L`` during which this rank computed instead of waiting: ``L`` minus the time the transfer
@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from fcsd.parallel.link import Transfer
-from fcsd.parallel.timeline import _union
+from fcsd.bench.modelled_link import Transfer
+from fcsd.bench.timeline import _union
 
 CAUSES = ("last_combine", "counts", "no_window", "queued")
 LAST_KINDS = ("combine", "all_reduce")  # what the last MoE layer of a forward waits itself

@@ -170,7 +170,7 @@ def probe_checkpoint(
     path = resolve_model(name)
     config = load_config(path)  # an unreadable config.json is a one-line error before anything loads
     family_for_config(config)  # a supported family of a possible shape
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     out = ownership.check_output_folder(output_dir, "probe", "--output-dir", {"model": path, "data": data})
     num_layers = text_config(config).num_hidden_layers

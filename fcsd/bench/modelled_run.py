@@ -4,13 +4,13 @@ Table 4, Appendix D).
 For every layout: all-to-all (training; forward and backward reported separately) and all-reduce (inference
 prefill, every rank holding the same tokens), each in mode ``regular`` (stock connectivity, blocking) and
 ``farskip_overlap``, the real schedule runs ``iters`` steps with every collective going through a
-:class:`fcsd.parallel.link.ModelledLink`. Reported per phase and collective kind (:mod:`fcsd.parallel.overlap`):
+:class:`fcsd.bench.modelled_link.ModelledLink`. Reported per phase and collective kind (:mod:`fcsd.bench.hidden_share`):
 link time, time hidden, window, hidden share, structural limit, schedule efficiency and the exposed remainder by
 cause; the step wall times under the link (slowest rank's median; they include the real collectives' waits, so on
 a shared CPU they are noisy) and their ratio, regular over overlapped; the worst rank's hidden share; how much of
 each rank's non-waiting wall time it spent on its own CPU (below 1: other processes took the core, which lengthens
 the windows). ``timeline=True`` adds one recorded step per mode and rank
-(:mod:`fcsd.parallel.segments`) for :mod:`fcsd.parallel.picture`.
+(:mod:`fcsd.parallel.segments`) for :mod:`fcsd.bench.picture`.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from fcsd.bench.hidden_share import Figures, summarise
+from fcsd.bench.modelled_link import ModelledLink, gemm_flops, parse_link, scale_to_device
 from fcsd.parallel import collectives
-from fcsd.parallel.link import ModelledLink, gemm_flops, parse_link, scale_to_device
-from fcsd.parallel.overlap import Figures, summarise
 from fcsd.parallel.segments import SegmentRecorder
 
 MODES = ("regular", "farskip_overlap")
@@ -81,7 +81,7 @@ def _rate_text(bandwidth: float) -> str:
 
 
 def agreed_link(text: str, device: torch.device):
-    """The link every rank uses: presets scaled to rank 0's measured GEMM rate (see :mod:`fcsd.parallel.link`)."""
+    """The link every rank uses: presets scaled to rank 0's measured GEMM rate (see :mod:`fcsd.bench.modelled_link`)."""
     spec = parse_link(text)
     if spec.preset is not None and device.type != "cuda":
         flops = torch.tensor([gemm_flops() if dist.get_rank() == 0 else 0.0], dtype=torch.float64)

@@ -1,16 +1,16 @@
-"""The demo's assets, built beside the demo job (:mod:`fcsd.demo`): a tiny Qwen3-MoE-style checkpoint, a locally
+"""The demo's assets, built beside the demo job (:mod:`fcsd.cli.demo`): a tiny Qwen3-MoE-style checkpoint, a locally
 trained tokenizer and synthetic chat data, built offline in the user cache folder (``$FCSD_CACHE`` or
 ``~/.cache/fcsd``) and reused by later runs.
 
-The teacher is instruction-tuned on both families of :mod:`fcsd.distill.synthetic` with the gold answers;
+The teacher is instruction-tuned on both families of :mod:`fcsd.embedded.synthetic` with the gold answers;
 ``data/train.jsonl`` (the conversion data) mixes both families on other prompts, answered by another "writer"
-(:func:`fcsd.distill.synthetic.writer_answer`), and ``data/heldout.jsonl`` holds the scored tasks' held-out prompts
+(:func:`fcsd.embedded.synthetic.writer_answer`), and ``data/heldout.jsonl`` holds the scored tasks' held-out prompts
 with the teacher's gold answers: the paper's setting, where general instruction data written by other models covers
 the skills the benchmarks score.
 
 :mod:`fcsd.sources` resolves the model name ``demo`` (and the data names ``demo`` / ``demo-heldout``) to these
 files in every ``fcsd`` command (it imports this module, never the other way round); the demo *job* (``fcsd convert
-demo``) is :mod:`fcsd.demo`.
+demo``) is :mod:`fcsd.cli.demo`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ PRETRAIN_STEPS = 900
 def builder_sources() -> tuple[str, ...]:
     """The files whose code builds the demo: this module (its :data:`PRETRAIN_STEPS` included), the synthetic tasks
     and the tokenizer trainer."""
-    from fcsd.distill import synthetic, tokenizer
+    from fcsd.embedded import synthetic, tokenizer
 
     return (__file__, synthetic.__file__, tokenizer.__file__)
 
@@ -74,8 +74,8 @@ def prepare_demo(seed: int = 0) -> Path:
     import torch
     from transformers import Qwen3MoeForCausalLM
 
-    from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, conversion_data, make_dataset, write_jsonl
-    from fcsd.distill.tokenizer import train_tokenizer
+    from fcsd.embedded.synthetic import GENERAL_TASKS, TASKS, conversion_data, make_dataset, write_jsonl
+    from fcsd.embedded.tokenizer import train_tokenizer
 
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=root.parent))

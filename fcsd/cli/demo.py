@@ -9,7 +9,7 @@ from pathlib import Path
 
 def demo_runs(output_dir) -> dict:
     """The demo's two run folders under ``output_dir``, by objective: FCSD's KL run, then the SFT baseline's."""
-    from fcsd.run_folder import RunFolder
+    from fcsd.files.run_folder import RunFolder
 
     return {objective: RunFolder(Path(output_dir) / f"fcsd-{objective}") for objective in ("kl", "sft")}
 
@@ -23,7 +23,7 @@ def run_demo(config) -> dict:
     Under ``torchrun`` / ``accelerate launch`` every process trains (the runs are multi-process), and the main
     process alone builds the demo assets first, prints, scores and reports; the others return ``{}`` when training
     is done (the launcher waits for the main process)."""
-    from fcsd.demo_assets import prepare_demo
+    from fcsd.embedded.assets import prepare_demo
     from fcsd.parallel.processes import is_main_process, main_process_first
 
     with demo_folder(config, is_main_process()):  # one demo per folder, for the whole demo
@@ -37,12 +37,12 @@ REPORTS = ("demo_report.md", "demo_report.json")
 
 @contextmanager
 def demo_folder(config, is_main: bool):
-    """Hold the demo's ``output_dir`` (:mod:`fcsd.ownership`): not an input, the current or the home folder, not in
-    use by another demo, not a folder of another kind, and no report file of the demo's name that fcsd did not write
+    """Hold the demo's ``output_dir`` (:mod:`fcsd.files.ownership`): not an input, the current or the home folder, not
+    in use by another demo, not a folder of another kind, and no report file of the demo's name that fcsd did not write
     (a user's ``demo_report.md``); the demo replaces its own runs and reports, and a user's other files stay
     beside them. Refused in one line before anything is built or trains. Only the main process checks and locks."""
-    from fcsd import ownership
     from fcsd.distill.preflight import run_inputs
+    from fcsd.files import ownership
 
     out = Path(config.output_dir).expanduser()
     if not is_main:
@@ -69,7 +69,7 @@ def demo_folder(config, is_main: bool):
 
 def _holds_demo_runs(out: Path) -> bool:
     """Whether ``out`` holds a run folder of the demo's (an fcsd run under its name)."""
-    from fcsd import ownership
+    from fcsd.files import ownership
 
     for run in demo_runs(out).values():
         marker = ownership.read_marker(run.root) if run.root.is_dir() else None
@@ -126,7 +126,8 @@ def _run_demo(config, root: Path, is_main: bool) -> dict:
     teacher = from_pretrained(str(root / "model"))
     report = {"teacher": scores(teacher, 0.0), WRITER: table_row(None, *writer_answers(scored, general))}
     converted = apply_farskip(teacher, config.farskip.layers)
-    from fcsd.distill.heldout import kl_name, kl_of
+    from fcsd.distill.heldout import kl_name
+    from fcsd.run_facts import kl_of
 
     report["converted, before training"] = scores(converted, kl_of(runs["kl"].eval_before))
     for objective, label in (("kl", "after FCSD (KL)"), ("sft", "after SFT, same budget")):
@@ -139,7 +140,7 @@ def _run_demo(config, root: Path, is_main: bool) -> dict:
 
     from fcsd.evaluate.report import TABLE, evaluate_and_report
     from fcsd.evaluate.suites import load_suite
-    from fcsd.run_folder import RunFolder
+    from fcsd.files.run_folder import RunFolder
 
     datasets.disable_progress_bars()  # "Generating test split" of the demo's local task files says nothing here
     print("demo: lm-eval, teacher (original) vs FCSD (converted), suite `demo`")
@@ -162,11 +163,11 @@ WRITER = "the conversion data's writer"  # the report's row for the writer's ans
 
 
 def writer_answers(scored: list[dict], general: list[dict]) -> tuple[list[str], list[str]]:
-    """What the conversion data's writer (:func:`fcsd.distill.synthetic.writer_answer`) answers to the held-out
+    """What the conversion data's writer (:func:`fcsd.embedded.synthetic.writer_answer`) answers to the held-out
     prompts: the score the SFT baseline would reach by imitating it perfectly."""
     import random
 
-    from fcsd.distill.synthetic import writer_answer
+    from fcsd.embedded.synthetic import writer_answer
 
     rng = random.Random(0)
     return tuple([writer_answer(row["messages"][-1]["content"], rng) for row in rows] for rows in (scored, general))
@@ -176,8 +177,8 @@ def format_report(report: dict, config, n_scored: int, n_general: int, kl_label:
     """The demo's markdown table: one row per model, held-out KL (``kl_label``: with the teacher cache, its top-k
     figure) then exact match per scored task, over the scored tasks, and over held-out prompts of the other tasks;
     what the data models, below it."""
-    from fcsd.distill.config import end_step
-    from fcsd.distill.synthetic import GENERAL_TASKS, TASKS, WRITER_ERRORS, WRITER_PHRASE, WRITER_PHRASING
+    from fcsd.embedded.synthetic import GENERAL_TASKS, TASKS, WRITER_ERRORS, WRITER_PHRASE, WRITER_PHRASING
+    from fcsd.run_facts import end_step
 
     tasks = [key for key in next(iter(report.values())) if key not in ("kl", "all", OTHER_TASKS)]
     header = ["model", kl_label, *tasks, "all scored", OTHER_TASKS]

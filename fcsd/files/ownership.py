@@ -13,7 +13,7 @@ probe, route-plot and profiler-trace outputs):
   replaced or cleared. Fcsd folders of another kind nested inside (a run's ``teacher-cache/``) are kept.
 - One process at a time writes a folder: :func:`folder_lock` holds an exclusive lock for the whole command; a
   second command is refused naming the holder. An export or a teacher cache is a folder of its own in this model:
-  its writer holds the lock on the target from before staging to the final rename (:mod:`fcsd.staging`). Stale
+  its writer holds the lock on the target from before staging to the final rename (:mod:`fcsd.files.staging`). Stale
   staging folders of a dead process are removed by the next holder of the lock. A folder locked either way (a
   run's lock inside it, an export's beside it) is refused to a writer of the other way: an export never lands in a
   folder a run has claimed but not yet marked.
@@ -25,6 +25,7 @@ import fnmatch
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -33,8 +34,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-MARKER = ".fcsd-output"
-LOCK = ".fcsd-lock"
+from fcsd.files.names import LOCK, MARKER, is_lock_file, is_staging_leftover
+
+LINE_ENV = "FCSD_LAUNCH_LINE"  # under `fcsd launch`: its line's first words, what a message says to run again
 KINDS = {
     "run": "run folder",
     "export": "export",
@@ -91,10 +93,6 @@ NESTED = {("run", "export"): ("export",), ("run", "teacher-cache"): ("teacher-ca
 NESTED_ANYWHERE = {"sweep": ("run", "teacher-cache", "export", "eval"), "demo": ("run", "eval")}
 # The entries a folder of a kind will write even when it does not hold them yet: nothing else may claim them.
 RESERVED = {"run": ["checkpoints", "final", "best", "export", "eval", "tensorboard", "teacher-cache"]}
-# The staging names fcsd itself uses, and only those (a user's `.notes.old` is not one): fcsd.staging.atomic_dir's
-# `.<name>.partial-XXXXXXXX` / `.<name>.old-XXXXXXXX` (mkdtemp's suffix), `atomic_file`'s `.<name>.partial-<pid>`,
-# a checkpoint's `.step-N.partial`, the marker's `.fcsd-output.tmp<pid>`.
-STAGING = re.compile(r"\.step-\d+\.partial|\..+\.(partial|old)-[A-Za-z0-9_]{8}|\..+\.partial-\d+|\.fcsd-output\.tmp\d+")
 
 
 _COMMAND: list[str] | None = None  # the fcsd command line being run (set by the CLI), for messages and the lock
@@ -136,12 +134,19 @@ def torchrun_words(nproc: int | str, nodes: list[str] | None = None) -> list[str
     return ["fcsd", "launch", "torchrun", *(nodes or []), "--nproc_per_node", str(nproc), "-m", "fcsd.cli"]
 
 
+def launch_prefix() -> list[str] | None:
+    """In a process of ``fcsd launch``: the first words of the launch line that runs the same command again (through
+    ``-m fcsd.cli``); None elsewhere."""
+    line = os.environ.get(LINE_ENV)
+    if line is None or os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        return None
+    return shlex.split(line)
+
+
 def launcher() -> list[str]:
     """How this command was started, as the first words of a command line that runs it again: ``fcsd``, or for a
     rank of ``torchrun`` / ``accelerate launch`` with several processes the launcher with the same process counts
     (a resume of a parallel run must run with as many processes), behind ``fcsd launch`` when it ran under it."""
-    from fcsd.launch import launch_prefix
-
     launched = launch_prefix()
     if launched is not None:  # the launch line as the user wrote it (fcsd launch torchrun ... -m fcsd.cli)
         return launched
@@ -286,10 +291,6 @@ def is_empty(folder: Path) -> bool:
     return not folder.exists() or (folder.is_dir() and not any(not is_lock_file(p.name) for p in folder.iterdir()))
 
 
-def is_staging_leftover(name: str) -> bool:
-    return STAGING.fullmatch(name) is not None
-
-
 def foreign_entries(folder: Path, marker: Marker) -> list[str]:
     """Entries of ``folder`` that fcsd did not write: not in the manifest, not its own files or staging leftovers,
     not a nested fcsd folder of a kept kind; a manifest entry that is an fcsd folder itself is checked inside. A
@@ -307,7 +308,7 @@ def foreign_entries(folder: Path, marker: Marker) -> list[str]:
         elif nested is not None:
             found += [f"{name}/{inner}" for inner in foreign_entries(entry, nested)]
     if marker.kind == "run":  # inside the folders a run writes and clears whole
-        from fcsd.run_folder import RunFolder
+        from fcsd.files.run_folder import RunFolder
 
         found += RunFolder(folder).foreign_files()
     return found
@@ -380,7 +381,7 @@ def remove(entry: Path) -> None:
 
 def restore_or_remove_leftover(parent: Path, entry: Path) -> str | None:
     """Remove the staging leftover ``entry`` of ``parent`` (call while holding the lock of what it stages). A process
-    killed between the two renames of :func:`fcsd.staging.atomic_dir` leaves the only copy of ``X`` in
+    killed between the two renames of :func:`fcsd.files.staging.atomic_dir` leaves the only copy of ``X`` in
     ``.X.old-*/X``: that one is moved back first. Returns what was moved back, if anything."""
     old = re.fullmatch(r"\.(.+)\.old-[A-Za-z0-9_]{8}", entry.name)
     moved = None
@@ -416,10 +417,6 @@ def lock_path(folder: Path, beside: bool = False) -> Path:
     a lock inside would be renamed away with it)."""
     folder = Path(folder)
     return folder.parent / f".{folder.name}{LOCK}" if beside else folder / LOCK
-
-
-def is_lock_file(name: str) -> bool:
-    return name == LOCK or (name.startswith(".") and name.endswith(LOCK))
 
 
 @contextmanager

@@ -54,10 +54,10 @@ def export_laid_out(
         parity_tolerance,
         write_parity_record,
     )
+    from fcsd.files.run_folder import RunFolder
+    from fcsd.files.staging import atomic_dir
     from fcsd.loading import load_config, tokenizer_from_pretrained
     from fcsd.parallel.load import concrete_class
-    from fcsd.run_folder import RunFolder
-    from fcsd.staging import atomic_dir
 
     gc.collect()  # the training run's models (their hooks hold cycles)
     source, out_dir = Path(source), Path(out_dir).resolve()

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from fcsd import ownership
+from fcsd.files import ownership
 from fcsd.placement.format import PlacementError, load_placement
 from fcsd.placement.traces import RoutesError, check_same_model, load_routes
 

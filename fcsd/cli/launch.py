@@ -31,10 +31,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from fcsd.files.ownership import LINE_ENV
 from fcsd.stopping import LAUNCHER_ENV, launcher_alive
 
 MESSAGES_ENV = "FCSD_LAUNCH_MESSAGES"  # the folder each process of a launch leaves its last word in
-LINE_ENV = "FCSD_LAUNCH_LINE"  # the launch line's first words: what a message tells the user to run again
 STOPS = {130: signal.SIGINT, 143: signal.SIGTERM}
 WAIT_FOR_MAIN = 10.0  # seconds another rank waits for rank 0's last word before it says its own
 USAGE = (
@@ -154,16 +154,7 @@ def _said_key() -> str:
     return f"fcsd-last-word/{os.environ.get('TORCHELASTIC_RUN_ID')}/{restart}"
 
 
-def launch_prefix() -> list[str] | None:
-    """In a process of ``fcsd launch``: the first words of the launch line that runs the same command again (through
-    ``-m fcsd.cli``); None elsewhere."""
-    line = os.environ.get(LINE_ENV)
-    if line is None or os.environ.get("TORCHELASTIC_RUN_ID") is None:
-        return None
-    return shlex.split(line)
-
-
-def launch(words: list[str]) -> int:
+def launch(words: list[str], check_command) -> int:
     """Run the launch line ``words`` (``torchrun ... -m fcsd.cli COMMAND ...`` or ``accelerate launch ...``) and
     return its exit status, having printed at most one line of its own (see the module docstring)."""
     parser, run = _launcher(words)
@@ -172,9 +163,7 @@ def launch(words: list[str]) -> int:
     if not (args.module and args.training_script == "fcsd.cli"):
         raise ValueError(f"`{shlex.join(words)}` does not run fcsd: {USAGE}")
     command = list(args.training_script_args)
-    from fcsd.cli import parse_command
-
-    parse_command(command)  # a usage error is said once, here, before any process starts
+    check_command(command)  # a usage error is said once, here, before any process starts
     prefix = ["fcsd", "launch", *words[: len(words) - len(command)]]
     name = next((word for word in command if not word.startswith("-")), "launch")
     with tempfile.TemporaryDirectory(prefix="fcsd-launch-") as folder:

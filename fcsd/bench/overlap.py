@@ -13,16 +13,16 @@ Step speedup = T_regular / T_ovl, forward + backward. ``--dispatcher dedup`` run
 deduplicating dispatcher (one row per (token, destination rank)); the result also holds the rows and bytes sent.
 
 Where it runs: one device per rank. On GPUs (NCCL when every local rank has its own GPU, else gloo with CUDA tensors,
-e.g. several ranks on one GPU) the times are CUDA-event times (:class:`fcsd.parallel.timeline.StepTimer`) and the
+e.g. several ranks on one GPU) the times are CUDA-event times (:class:`fcsd.bench.timeline.StepTimer`) and the
 model is in bf16 (``--dtype``); under NCCL a profiled run with device activity gives, per step, the communication
 kernels' time and the part of it no compute kernel overlaps (``trace``: ``comm_ms``, ``exposed_comm_ms``; ``--trace
 DIR`` keeps the traces). On CPU the times are ``perf_counter`` readings. Under gloo (whose waits block the host) the
 wait-only overlap, 1 - (time blocked in waits) / T_comm, is reported too (it overstates: collectives also slow the
 compute they overlap; an NCCL wait returns at once, so it is not reported there). Run as
-``python -m torch.distributed.run --nproc_per_node N -m fcsd.parallel.bench ...`` (``fcsd bench overlap`` does that).
+``python -m torch.distributed.run --nproc_per_node N -m fcsd.bench.overlap ...`` (``fcsd bench overlap`` does that).
 
 With ``--link BANDWIDTH[,LATENCY]`` every collective goes through a modelled link instead and the figures are those of
-:mod:`fcsd.parallel.bench_link` (hidden share, structural limit, schedule efficiency per collective and phase, every
+:mod:`fcsd.bench.modelled_run` (hidden share, structural limit, schedule efficiency per collective and phase, every
 layout): overlap seen without a cluster, CPU contention left out.
 """
 
@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 
 import fcsd
+from fcsd.bench.timeline import StepTimer, Timeline
 from fcsd.connectivity.families import family_for_config, moe_blocks
 from fcsd.parallel import collectives
 from fcsd.parallel.apply import DISPATCHERS, expert_parallel
-from fcsd.parallel.timeline import StepTimer, Timeline
 
 CONFIGS = {  # "tiny", "mid": Qwen3-MoE shapes; "mid" is sized so that a layer's compute is not negligible next to
     # its all-to-all. "dsv3": DeepSeek-V3's layer (MLA with low-rank q and kv, 1 shared expert, 256 routed experts
@@ -366,7 +366,7 @@ def main(argv=None) -> None:
     if env.device.type == "cpu":
         torch.set_num_threads(1)
     if args.link:
-        from fcsd.parallel.bench_link import measure_link
+        from fcsd.bench.modelled_run import measure_link
 
         result = _header(args, env)
         result.update(measure_link(args, env, lambda mode, layout: _model_for(mode, args, env, layout=layout)))
@@ -384,7 +384,7 @@ def main(argv=None) -> None:
 def format_result(result: dict) -> str:
     """The text tables of a result: the modelled-link figures when it was measured with ``--link``."""
     if "link" in result:
-        from fcsd.parallel.bench_link import format_link_table
+        from fcsd.bench.modelled_run import format_link_table
 
         where = f"ranks={result['ranks']} model={result['config']} tokens/rank={result['tokens_per_rank']} on "
         return f"{where}{result['device']} ({result['backend']}, {result['dtype']})\n" + format_link_table(result)
@@ -407,7 +407,7 @@ def run_overlap_benchmark(
 ):
     """Launch the benchmark on ``ranks`` local processes (torchrun): one GPU each when there are enough (NCCL), else
     gloo (CPU, or several ranks sharing a GPU); returns the result dict. With ``link`` (``--link`` text) the schedules
-    run over that modelled link instead (:mod:`fcsd.parallel.bench_link`; ``timeline``: one recorded step per mode
+    run over that modelled link instead (:mod:`fcsd.bench.modelled_run`; ``timeline``: one recorded step per mode
     and rank; ``node_size``: ranks per stand-in node, for the node-aware dispatcher and the count of rows crossing
     nodes). Bad input (rank count, model, link, node size) is refused here, in one line, before any process starts."""
     import socket
@@ -420,8 +420,8 @@ def run_overlap_benchmark(
     moe_layers, hidden, top_k, tokens = shape["layers"], shape["hidden"], shape["top_k"], shape["batch"] * shape["seq"]
     num_experts = shape["experts"]
     if model:  # a local folder, a hub id or demo; its config alone says how many experts it has
-        from fcsd.connectivity.summary import summarize
         from fcsd.loading import load_config
+        from fcsd.model_summary import summarize
         from fcsd.sources import resolve_model
 
         model = resolve_model(model)
@@ -433,8 +433,8 @@ def run_overlap_benchmark(
     if node_size is not None and (node_size < 1 or ranks % min(node_size, ranks)):
         raise ValueError(f"--node-size {node_size}: it must be at least 1 and divide --ranks {ranks} (whole nodes)")
     if link:
-        from fcsd.parallel.bench_link import check_link_time, link_time
-        from fcsd.parallel.link import parse_link
+        from fcsd.bench.modelled_link import parse_link
+        from fcsd.bench.modelled_run import check_link_time, link_time
 
         spec = parse_link(link)
         if spec.preset is None:  # a preset is scaled to this device's speed: its transfers keep pace with compute
@@ -451,7 +451,7 @@ def run_overlap_benchmark(
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "result.json")
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={port}"]
-        command += ["-m", "fcsd.parallel.bench", "--config", config, "--iters", str(iters), "--json-out", out]
+        command += ["-m", "fcsd.bench.overlap", "--config", config, "--iters", str(iters), "--json-out", out]
         command += ["--model", model] if model else []
         command += ["--trace", trace] if trace else []
         command += ["--dispatcher", dispatcher, "--device", device, "--backend", backend, "--dtype", dtype]

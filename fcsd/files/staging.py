@@ -2,7 +2,7 @@
 renamed into place, and a full disk is one line naming the folder.
 
 A folder target (an export, a teacher cache, a run's ``final/``) has one writer: :func:`atomic_dir` holds the
-target's lock (:func:`fcsd.ownership.folder_lock`) from before staging to the final rename, and that rename checks
+target's lock (:func:`fcsd.files.ownership.folder_lock`) from before staging to the final rename, and that rename checks
 the target again: what is there then must be empty, or a folder it may replace (of its kind, holding nothing but what
 fcsd wrote, and only when the command was asked to replace it). Anything else that appeared while the new folder was
 staged (another command's export, a user's file) stays where it is and the command is refused in one line.
@@ -18,8 +18,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from fcsd import ownership
-from fcsd.ownership import FolderError
+from fcsd.files import ownership
+from fcsd.files.ownership import FolderError
 
 
 @contextmanager

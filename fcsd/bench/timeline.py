@@ -9,8 +9,8 @@
   the critical path. On NCCL a ``work.wait()`` returns at once (it only orders streams), so this trace-based figure
   replaces the wait-time figure there.
 
-The modelled link of ``fcsd bench overlap --link`` (:mod:`fcsd.parallel.link`, figures per transfer in
-:mod:`fcsd.parallel.overlap`, pictures in :mod:`fcsd.parallel.picture`) computes its intervals instead of measuring
+The modelled link of ``fcsd bench overlap --link`` (:mod:`fcsd.bench.modelled_link`, figures per transfer in
+:mod:`fcsd.bench.hidden_share`, pictures in :mod:`fcsd.bench.picture`) computes its intervals instead of measuring
 them, on any machine.
 """
 

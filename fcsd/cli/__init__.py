@@ -18,7 +18,7 @@ DESCRIPTION = (
 
 
 def _inspect(args) -> int:
-    from fcsd.connectivity.summary import summarize
+    from fcsd.model_summary import summarize
     from fcsd.sources import resolve_checkpoint
 
     source = resolve_checkpoint(args.model)  # a run folder is read at its export/, best/ or final/, as fcsd eval does
@@ -33,7 +33,7 @@ def _inspect(args) -> int:
 
 
 def _probe(args) -> int:
-    from fcsd.evaluate.probe import probe_checkpoint
+    from fcsd.distill.probe import probe_checkpoint
 
     options = {k: getattr(args, k) for k in ("data", "split", "grid", "seq_len", "num_sequences", "batch_size")}
     device = args.device or ("cuda" if _cuda() else "cpu")
@@ -42,7 +42,7 @@ def _probe(args) -> int:
 
 
 def _perfmodel(args) -> int:
-    from fcsd import perfmodel as pm
+    from fcsd.plan import perfmodel as pm
 
     if (args.model is None) == (args.preset is None):
         raise ValueError("pass exactly one of --model HUB_ID_OR_PATH and --preset (e.g. --preset deepseek-v3)")
@@ -51,7 +51,7 @@ def _perfmodel(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: it must be at least 1")
     hw = pm.Hardware(args.attn_tflops, args.gemm_tflops, args.allreduce_gbps, args.alltoall_gbps)  # checks them
     if args.plot:
-        from fcsd import ownership
+        from fcsd.files import ownership
 
         inputs = {"model": args.model}
         args.plot = ownership.check_output_file(Path(args.plot), "--plot", "perfmodel plot", pm.is_own_plot, inputs)
@@ -141,7 +141,7 @@ def _convert(args) -> int:
 
     quiet_unless_main(is_main_process())  # under torchrun / accelerate launch, one process shows progress bars
     if config.model.name == "demo":
-        from fcsd.demo import run_demo
+        from fcsd.cli.demo import run_demo
 
         run_demo(config)
         return 0
@@ -156,9 +156,9 @@ def _convert(args) -> int:
 def _export(args) -> int:
     import json
 
-    from fcsd import ownership
     from fcsd.export.save import check_one_process, export_checkpoint
-    from fcsd.serving.vllm.families import serve_command
+    from fcsd.files import ownership
+    from fcsd.serving.families import serve_command
 
     check_one_process()  # before any folder check: the launch's own processes would find each other's lock
     ownership.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's
@@ -260,9 +260,9 @@ def _sweep(args) -> int:
 
 
 def _cache_teacher(args) -> int:
-    from fcsd import ownership
     from fcsd.distill.config import to_config
     from fcsd.distill.teacher_cache import cache_dir, cache_teacher
+    from fcsd.files import ownership
 
     config = to_config(_run_config(args))
     ownership.check_not_in_use(cache_dir(config).parent, "the folder that holds teacher.cache_dir,")  # a run's
@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, metavar="FILE.png", help=timeline_help)
     p.set_defaults(func=_bench)
 
-    from fcsd.placement.commands import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
+    from fcsd.cli.routes import add_parser as add_routes_parser  # `fcsd routes record|stats|place`
 
     add_routes_parser(sub)
     p = sub.add_parser(
@@ -461,17 +461,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _launch(args) -> int:
-    from fcsd.launch import launch
+    from fcsd.cli.launch import launch
 
-    return launch(args.line)
+    return launch(args.line, check_command=parse_command)
 
 
 def _bench(args) -> int:
     if args.what == "cluster":
         return _bench_cluster(args)
-    from fcsd import ownership
-    from fcsd.parallel import picture
-    from fcsd.parallel.bench import format_result, run_overlap_benchmark
+    from fcsd.bench import picture
+    from fcsd.bench.overlap import format_result, run_overlap_benchmark
+    from fcsd.files import ownership
 
     if args.iters < 1:
         raise ValueError(f"--iters {args.iters}: it must be at least 1 timed iteration")
@@ -503,7 +503,7 @@ def _bench_cluster(args) -> int:
 
     if not args.out:
         raise ValueError("fcsd bench cluster writes a cluster file: give --out FILE, e.g. --out cluster.json")
-    from fcsd import ownership
+    from fcsd.files import ownership
     from fcsd.plan.cluster import is_cluster_file
 
     # only a cluster file fcsd wrote is replaced (a folder, a config.json or any other file is refused first)
@@ -684,14 +684,15 @@ def main(argv: list[str] | None = None) -> int:
     """The ``fcsd`` command (``argv``: its arguments; None: this process's own, and then a stop ends the process
     with its status at once, see :func:`_exit_stopped`). Bad input: one line, status 2; Ctrl-C: 130; SIGTERM: 143."""
     from fcsd import stopping
-    from fcsd.launch import say
+    from fcsd.cli.launch import say
 
     previous = stopping.install()  # first of all: a stop while fcsd imports or loads is one line too
     whole_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     args, said = None, None
     try:
-        from fcsd import ownership, quiet
+        from fcsd import quiet
+        from fcsd.files import ownership
 
         quiet.install()
         _quiet_hub_retries()
@@ -729,7 +730,7 @@ def _command_name(args, argv: list[str]) -> str:
 
 def _say_stopped(args, argv: list[str], code: int) -> None:
     """The one line of a stopped command (status ``code``: 130 or 143), with the way on (:func:`_resume_hint`)."""
-    from fcsd.launch import say
+    from fcsd.cli.launch import say
 
     how = "terminated (SIGTERM)" if code == 143 else "interrupted"
     say(f"fcsd {_command_name(args, argv)}: {how}{_resume_hint(args)}", code)
@@ -795,14 +796,14 @@ def _resume_hint(args) -> str:
         return ""
     try:
         from fcsd.distill.config import to_config
-        from fcsd.run_folder import RunFolder
+        from fcsd.files.run_folder import RunFolder
 
         config = to_config(_run_config(args), resolve=False)  # no second note about the guide
     except BaseException:  # the interrupt came before the config was valid (or came again): nothing to resume
         return ""
     run = RunFolder(config.output_dir)
     if config.model.name == "demo":  # its runs live in two folders below output_dir: the stopped one resumes
-        from fcsd.demo import demo_runs
+        from fcsd.cli.demo import demo_runs
 
         stopped = [folder for folder in demo_runs(config.output_dir).values() if not folder.final.exists()]
         if not stopped:
@@ -815,7 +816,7 @@ def _resume_hint(args) -> str:
         return f"; no checkpoint was saved yet in {run.root}: run the same command again to restart"
     import shlex
 
-    from fcsd.ownership import launcher
+    from fcsd.files.ownership import launcher
 
     words = [*launcher(), *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"]
     command = shlex.join(words)
@@ -833,7 +834,3 @@ def _finished_hint(run, config) -> str:
         return f"; the run in {run.root} finished (final/ is written) but not its export: write it with `{command}`"
     written = f"final/ and {export_dir}" if config.export else "final/"
     return f"; the run in {run.root} had finished ({written} written)"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

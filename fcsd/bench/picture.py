@@ -43,7 +43,7 @@ def output_paths(png: str | Path) -> tuple[Path, Path]:
 
 def is_own_png(path: Path) -> bool:
     """A PNG this command wrote (its ``Software`` text chunk names it)."""
-    from fcsd.ownership import is_png_by
+    from fcsd.files.ownership import is_png_by
 
     return is_png_by(path, WRITER)
 
@@ -177,7 +177,7 @@ def _draw_link(axis, y: float, timeline: dict, used: set) -> None:
 
 def write_timeline(result: dict, png: Path, trace: Path) -> None:
     """Draw ``result``'s recorded steps to ``png`` and ``trace``, each staged and renamed into place."""
-    from fcsd.staging import atomic_file
+    from fcsd.files.staging import atomic_file
 
     with atomic_file(png) as staging:
         draw(result, staging)

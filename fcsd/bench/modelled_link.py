@@ -15,7 +15,7 @@ tensor. ``bandwidth`` is therefore a *bus bandwidth* in the sense of nccl-tests 
 late shows up as real waiting (:attr:`Transfer.done` after :attr:`Transfer.delivered`), not as link time.
 
 It wraps the real schedule's collectives (the seam is :data:`fcsd.parallel.collectives.LINK`); nothing of the
-schedule is re-implemented. Every transfer is recorded (:class:`Transfer`) for :mod:`fcsd.parallel.overlap`. On CUDA
+schedule is re-implemented. Every transfer is recorded (:class:`Transfer`) for :mod:`fcsd.bench.hidden_share`. On CUDA
 the link synchronises the device at each launch and each wait, so that host clocks read device time (not verified on
 a GPU: no GPU machine was available when this was written).
 
