@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fcsd.cli import _resume_hint, main, parse_command
+from fcsd.cli import main, parse_command
+from fcsd.cli.stops import resume_hint
 from fcsd.embedded import assets as demo_assets
 from fcsd.embedded.synthetic import GENERAL_TASKS, TASKS, WRITER_PHRASE
 
@@ -146,10 +147,10 @@ def test_a_demo_stopped_in_its_fcsd_run_resumes_it_and_then_trains_the_sft_run(d
     assert (out / "fcsd-kl" / "checkpoints").exists() and not (out / "fcsd-sft").exists()
     # the line a stop prints names the stopped run's checkpoint and --resume (it said "no checkpoint was saved yet:
     # run the same command again", and the same command deletes the demo's runs)
-    hint = _resume_hint(parse_command(argv))
+    hint = resume_hint(parse_command(argv))
     assert f"the last checkpoint is step-2 in {out / 'fcsd-kl'}" in hint and "--resume`" in hint, hint
     assert main([*argv, "--resume"]) == 0
-    assert "the demo's runs in" in _resume_hint(parse_command(argv))  # a stop in its report: both runs had finished
+    assert "the demo's runs in" in resume_hint(parse_command(argv))  # a stop in its report: both runs had finished
     for run in ("fcsd-kl", "fcsd-sft"):
         assert json.loads((out / run / "final" / "fcsd_checkpoint.json").read_text())["step"] == 4
     report = json.loads((out / "demo_report.json").read_text())
