@@ -1,4 +1,4 @@
-"""The export of a model trained from a block-FP8 source, in the source's own format (design §8; issue 39).
+"""The export of a model trained from a block-FP8 source, in the source's own format (design §8).
 
 A model read from a block-FP8 checkpoint carries ``config.fcsd_source_quantization`` (:mod:`fcsd.block_fp8`): the
 source's ``quantization_config``, the weights it kept unquantized and how many it quantized. ``final/`` is saved in

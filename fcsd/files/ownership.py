@@ -1,27 +1,24 @@
-"""Who owns a folder fcsd writes: markers, manifests, kinds and the one-writer lock.
+"""Who owns a folder fcsd writes (design §1; docs/files-and-safety.md). Six rules, for every folder fcsd writes (run
+folders, exports, teacher caches, sweeps, the demo, evaluation reports, probe, plot and trace outputs):
 
-One ownership model for every folder fcsd writes (run folders, exports, teacher caches, sweeps, evaluation reports,
-probe, route-plot and profiler-trace outputs):
-
-- The first thing fcsd writes in such a folder is the marker ``.fcsd-output``: JSON naming the folder's **kind** and
-  the **manifest** of the entries fcsd wrote there (each writer records its entry).
-- A command replaces or clears only a folder of **its own kind** (a run never replaces an export, an export never a
-  run) and removes only **manifest entries** (plus its own staging leftovers). The kind is read from the marker
-  *and* checked against the folder's contents: a folder holding a run's ``checkpoints/`` is a run whatever its
-  marker says (an edited or damaged marker is refused, never trusted). A folder that holds anything else is
-  refused, in one line that names the foreign entries; nothing is removed. A folder without the marker is never
-  replaced or cleared. Fcsd folders of another kind nested inside (a run's ``teacher-cache/``) are kept.
-- One process at a time writes a folder: :func:`folder_lock` holds an exclusive lock for the whole command; a
-  second command is refused naming the holder. An export or a teacher cache is a folder of its own in this model:
-  its writer holds the lock on the target from before staging to the final rename (:mod:`fcsd.files.staging`). Stale
-  staging folders of a dead process are removed by the next holder of the lock. A folder locked either way (a
-  run's lock inside it, an export's beside it) is refused to a writer of the other way: an export never lands in a
-  folder a run has claimed but not yet marked.
+1. **Whole or nothing.** Folders and files are staged beside their target and renamed into place
+   (:mod:`fcsd.files.staging`); a killed writer leaves staging leftovers, which the next holder of the lock removes.
+2. **Marked.** The first thing fcsd writes in a folder is its marker ``.fcsd-output``: the folder's **kind** and the
+   **manifest** of the entries fcsd wrote there (:func:`mark`, :func:`record`). A marker fcsd cannot read is damaged,
+   never a kind.
+3. **Own kind only.** A command replaces or clears only a folder of its own kind, by its marker *and* its contents
+   (:data:`SIGNATURES`: a folder holding a run's ``checkpoints/`` is a run whatever its marker says).
+4. **Only what it wrote.** It removes manifest entries and its own staging leftovers, nothing else: a folder that
+   also holds anything else is refused in one line naming those entries (:func:`check_replaceable`); fcsd folders of
+   a kept kind nested inside (a run's ``teacher-cache/``) stay.
+5. **Never into an input.** No output is, contains or lies inside an input, the current or the home folder, or what
+   another fcsd folder replaces or deletes with itself (:func:`check_not_an_input`).
+6. **One writer.** :func:`folder_lock` holds an OS lock for the whole command (inside a folder written in place,
+   beside one replaced by a rename; each way checks the other); a second writer is refused naming the holder.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import re
@@ -56,36 +53,6 @@ SIGNATURES = {
     "export": (("fcsd_export.json",), ("config.json",)),
     "teacher-cache": (("shard-00000.safetensors",), ("meta.json",)),
     "sweep": (("selection.json", "sweep_table.md"), ("stage1", "stage2")),
-}
-# Markers written before the manifest existed hold only the kind: these names are what fcsd wrote in such folders.
-LEGACY_NAMES = {
-    "run": [
-        "fcsd_config.yaml",
-        "metrics.jsonl",
-        "tensorboard",
-        "curves.png",
-        "run_summary.json",
-        "checkpoints",
-        "final",
-        "best",
-        "export",
-        "eval",
-        "eval_table.md",
-        "sweep_status.json",
-    ],  # fmt: skip
-    "export": [
-        "config.json",
-        "generation_config.json",
-        "*.safetensors",
-        "*.safetensors.index.json",
-        "tokenizer*",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-        "README.md",
-        "*.py",
-        "fcsd_export.json",
-    ],  # fmt: skip
-    "teacher-cache": ["meta.json", "shard-*.safetensors"],
 }
 # Where an fcsd folder holds other fcsd folders by design: (its kind, the entry) -> the kinds that may live there,
 # and the kinds that may live anywhere inside it (a sweep's stage runs and their teacher caches).
@@ -181,15 +148,14 @@ class FolderError(ValueError):
 @dataclass
 class Marker:
     kind: str
-    written: list[str] | None  # None: a marker from before manifests (see LEGACY_NAMES)
+    written: list[str]  # the manifest: the entries fcsd wrote in the folder
     damage: str | None = None  # what is wrong with a marker fcsd cannot read (then ``kind`` means nothing)
     run_id: str | None = None  # a run's identity, made when the folder is claimed (or cleared) for a new run
 
     def owns(self, name: str) -> bool:
         if self.damage is not None:
             return False
-        names = self.written if self.written is not None else LEGACY_NAMES.get(self.kind, [])
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in names)
+        return name in self.written
 
     def is_kind(self, kind: str) -> bool:
         return self.damage is None and self.kind == kind
@@ -210,20 +176,18 @@ def read_marker(folder: Path) -> Marker | None:
     try:
         text = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as error:
-        return Marker("", None, f"unreadable: {type(error).__name__}")
+        return Marker("", [], f"unreadable: {type(error).__name__}")
     try:
         data = json.loads(text)
     except ValueError:
-        if text in KINDS or not text:  # a marker from before manifests: the kind alone ("" was a run)
-            return Marker(text or "run", None)
-        return Marker("", None, "not JSON")
+        return Marker("", [], "not JSON")
     if not isinstance(data, dict):
-        return Marker("", None, f"a JSON {type(data).__name__}, not an object")
+        return Marker("", [], f"a JSON {type(data).__name__}, not an object")
     kind, written = data.get("kind", "run"), data.get("written", [])
     if kind not in KINDS:
-        return Marker("", None, f"unknown kind {str(kind)[:40]!r}")
+        return Marker("", [], f"unknown kind {str(kind)[:40]!r}")
     if not isinstance(written, list) or not all(isinstance(name, str) for name in written):
-        return Marker("", None, "its manifest is not a list of names")
+        return Marker("", [], "its manifest is not a list of names")
     run_id = data.get("run_id")
     return Marker(kind, list(written), run_id=run_id if isinstance(run_id, str) and run_id else None)
 
@@ -242,7 +206,7 @@ def kind_from_contents(folder: Path) -> tuple[str, list[str]] | None:
 
 def _write_marker(folder: Path, marker: Marker) -> None:
     staging = folder / f"{MARKER}.tmp{os.getpid()}"
-    data = {"kind": marker.kind, "written": marker.written or []}
+    data = {"kind": marker.kind, "written": marker.written}
     if marker.run_id:
         data["run_id"] = marker.run_id
     staging.write_text(json.dumps(data) + "\n")
@@ -267,7 +231,7 @@ def mark(folder: Path, kind: str, written: list[str] | None = None) -> None:
     run_id = (marker.run_id if marker is not None else None) or (new_run_id() if kind == "run" else None)
     if marker is None or written is not None:
         _write_marker(folder, Marker(kind, sorted(set(written or [])), run_id=run_id))
-    elif run_id != marker.run_id and marker.written is not None:  # (a marker from before manifests stays)
+    elif run_id != marker.run_id:
         _write_marker(folder, Marker(kind, marker.written, run_id=run_id))
 
 
@@ -277,7 +241,7 @@ def record(path: Path) -> None:
     marker = read_marker(path.parent)
     if marker is None or marker.damage is not None or marker.owns(path.name):
         return
-    written = sorted({*(marker.written or []), path.name})
+    written = sorted({*marker.written, path.name})
     _write_marker(path.parent, Marker(marker.kind, written, run_id=marker.run_id))
 
 
