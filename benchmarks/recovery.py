@@ -7,7 +7,7 @@ recovery recipe of ``fcsd convert``, on two tiny teachers this script pretrains 
 * Teachers: a tiny Qwen3-MoE and a tiny DeepSeek-V2 (MLA, a shared expert, a dense first layer), pretrained here as
   plain language models on that text; every layer is converted to FarSkip.
 * Runs: each recipe through :func:`fcsd.distill.convert.convert` (the product's own trainer), the same data order,
-  2,048 tokens per step; the budget (``train.max_steps``) counts every stage. Held-out KL and NLL every
+  2,048 tokens per step, ``train.max_steps`` steps. Held-out KL and NLL every
   ``--eval-every`` steps; each run's tokens, teacher forwards and wall time are recorded.
 * Output: the tokens each recipe needs to reach the plain recipe's held-out KL at the "short" (600 / 200 with
   ``--quick``) and "long" (1,800 / 600 with ``--quick``) step marks, as ratios to plain's; ``recovery.json`` and
@@ -39,10 +39,6 @@ STEP_TOKENS = 2048
 SEQ_LEN = 256
 RECIPES = {  # name -> overrides of `fcsd convert`
     "plain": ["recovery=plain"],
-    "warm_start": ["recovery=warm_start"],  # 10% of the steps at 10x the LR
-    "warm_start_lr3": ["recovery=warm_start", "recovery.warm_lr_mult=3"],
-    "non_expert": ["recovery=non_expert"],
-    "progressive": ["recovery=plain", "recovery.progressive=[last:50%]", "recovery.progressive_shares=[0.3]"],
     "guided": ["recovery=guided"],  # the default: schedule-free at 4x, the hidden-state guide, the batch ramp
     "guided_t2": ["recovery=guided", "train.temperature=2"],
     "guided_ramp_long": ["recovery=guided", "recovery.batch_ramp_shares=[0.1,0.4]"],  # 4 updates to 10%, 2 to 50%
@@ -50,16 +46,7 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "guided_seed1": ["recovery=guided", "train.seed=1"],  # another data order: the noise between reruns
     "plain_seed1": ["recovery=plain", "train.seed=1"],
     "guided_frozen_embeddings": ["recovery=guided", "train.freeze_embeddings=true"],  # fewer noisy parameters
-    # issue 37 item 3, more levers: per-group LRs, Adam's betas, the guide's weight and fade
-    "guided_norms10": ["recovery=guided", "+recovery.lr_mult.norms=10"],  # norms rescale what FarSkip left out
-    "guided_router_norms4": ["recovery=guided", "+recovery.lr_mult.norms=4", "+recovery.lr_mult.router=4"],
-    "guided_attention2": ["recovery=guided", "+recovery.lr_mult.attention=2"],  # what reads the partial residual
-    "guided_norms_quarter": ["recovery=guided", "+recovery.lr_mult.norms=0.25", "+recovery.lr_mult.router=0.25"],
-    "guided_echo2": ["recovery=guided", "recovery.echo=2", "recovery.echo_share=0.5"],
-    "guided_echo4": ["recovery=guided", "recovery.echo=4", "recovery.echo_share=0.25"],
-    "guided_experts2": ["recovery=guided", "+recovery.lr_mult.experts=2"],
-    "guided_experts4": ["recovery=guided", "+recovery.lr_mult.experts=4"],
-    "guided_experts2_seed1": ["recovery=guided", "+recovery.lr_mult.experts=2", "train.seed=1"],
+    # issue 37 item 3, more levers: Adam's betas, the guide's weight and fade
     "guided_beta2_99": ["recovery=guided", "train.adam_betas=[0.9,0.99]"],
     "guided_beta1_95": ["recovery=guided", "train.adam_betas=[0.95,0.95]"],
     "guided_beta1_80": ["recovery=guided", "train.adam_betas=[0.8,0.95]"],
@@ -205,7 +192,7 @@ def run(
     """One recipe through ``fcsd convert``; its held-out curve (KL, NLL, and accuracy and agreement with the
     teacher), tokens, teacher forwards and wall time. ``lr`` (``train.lr``; default ``--lr``) and ``teacher_name``
     (a declared teacher of ``--fair``) give the run its own folder."""
-    from fcsd.distill.config import compose, echo_steps, layer_stages, to_config
+    from fcsd.distill.config import compose, to_config
     from fcsd.distill.convert import convert
 
     lr = args.lr if lr is None else lr
@@ -231,9 +218,8 @@ def run(
         *RECIPES[recipe],
     ]
     config = to_config(compose(overrides))
-    final_stage = layer_stages(config)[-1][0]  # progressive: the step the whole conversion starts training
     if result_file.exists():
-        return {**json.loads(result_file.read_text()), "final_stage_start": final_stage}
+        return json.loads(result_file.read_text())
     started = time.perf_counter()
     convert(config)
     wall = time.perf_counter() - started
@@ -253,26 +239,16 @@ def run(
         "curve": curve,
         "agreement": agreement,  # (step, student accuracy, teacher accuracy, top-1 agreement) on the held-out rows
         "tokens_per_step": STEP_TOKENS,
-        "teacher_forwards_per_step": STEP_TOKENS // SEQ_LEN,  # one per sequence, in either stage
-        "warm_steps": round(config.recovery.warm_share * steps),
-        "echo_steps": echo_steps(config),  # steps trained recovery.echo times on their rows (data echoing)
-        "final_stage_start": final_stage,
+        "teacher_forwards_per_step": STEP_TOKENS // SEQ_LEN,  # one per sequence
         "wall_s": wall,
     }
     result_file.write_text(json.dumps(result))
     return result
 
 
-def converted_curve(result: dict) -> list:
-    """The held-out evaluations of the whole conversion: a progressive run's earlier stages score a partly
-    converted model, which is not the model being recovered."""
-    return [point for point in result["curve"] if point[0] > result.get("final_stage_start", 0)]
-
-
 def tokens_to_reach(result: dict, target: float) -> int | None:
-    """Tokens at the first held-out evaluation (of the whole conversion) whose KL is at or below ``target``
-    (None: never)."""
-    return next((step * STEP_TOKENS for step, kl, _ in converted_curve(result) if kl <= target), None)
+    """Tokens at the first held-out evaluation whose KL is at or below ``target`` (None: never)."""
+    return next((step * STEP_TOKENS for step, kl, _ in result["curve"] if kl <= target), None)
 
 
 def kl_at(curve, step: int) -> float:
@@ -300,8 +276,7 @@ def report(results: list[dict], marks: tuple[int, int]) -> list[str]:
             final = result["curve"][-1]
             lines.append(
                 f"  {recipe:18s} tokens to plain's KL@{marks[0]}: {ratios[0]:>11s}  @{marks[1]}: {ratios[1]:>11s}  "
-                f"final KL {final[1]:.4f} NLL {final[2]:.4f}  warm steps {result['warm_steps']}  "
-                f"wall {result['wall_s']:.0f}s"
+                f"final KL {final[1]:.4f} NLL {final[2]:.4f}  wall {result['wall_s']:.0f}s"
             )
     return lines
 
@@ -316,9 +291,9 @@ def plot(results: list[dict], path: Path) -> None:
     figure, axes = plt.subplots(1, len(families), figsize=(6 * len(families), 4), squeeze=False)
     for axis, family in zip(axes[0], families, strict=True):
         for result in (r for r in results if r["family"] == family):
-            steps, kls = zip(*[(s, kl) for s, kl, _ in converted_curve(result) if s > 0], strict=True)
+            steps, kls = zip(*[(s, kl) for s, kl, _ in result["curve"] if s > 0], strict=True)
             axis.plot([s * STEP_TOKENS for s in steps], kls, label=result["recipe"])
-        axis.set(xscale="log", yscale="log", xlabel="tokens seen (every stage)", ylabel="held-out KL", title=family)
+        axis.set(xscale="log", yscale="log", xlabel="tokens seen", ylabel="held-out KL", title=family)
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)

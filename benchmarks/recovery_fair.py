@@ -214,32 +214,6 @@ def tokens_ratio(result: dict, target: float, budget_steps: int) -> float | None
     return None if step is None else step / budget_steps
 
 
-def student_passes(result: dict, steps: int) -> int:
-    """The student's forward/backward passes over a step's tokens in ``result``'s first ``steps`` steps: one a step,
-    ``recovery.echo`` in the ``echo_steps`` data echoing repeats (the teacher still runs once a step)."""
-    echo = result.get("recipe_settings", {}).get("recovery", {}).get("echo", 1)
-    if echo > 1 and "echo_steps" not in result:
-        raise ValueError(
-            f"the record of {result['recipe']} on {result['teacher']} echoes but has no echo_steps: run it again"
-        )
-    return steps + (echo - 1) * min(steps, result.get("echo_steps", 0))
-
-
-def compute_ratio(result: dict, target: float, budget_steps: int) -> float | None:
-    """Compute to ``result``'s first held-out KL at or below ``target``, as a share of ``budget_steps`` plain steps:
-    a step costs a teacher forward (1) and a student forward and backward (3) per pass, in forward-equivalents
-    (None: never reached). Equal to :func:`tokens_ratio` for every recipe but data echoing."""
-    step = first_step_at(result, target)
-    return None if step is None else (step + 3 * student_passes(result, step)) / (4 * budget_steps)
-
-
-def _tokens_and_compute(result: dict, target: float, budget_steps: int) -> str:
-    """The tokens ratio, and the compute ratio after it where they differ (data echoing)."""
-    tokens, compute = tokens_ratio(result, target, budget_steps), compute_ratio(result, target, budget_steps)
-    same = tokens is None or math.isclose(tokens, compute)
-    return _ratio(tokens) + ("" if same else f" (compute {compute:.2f}x)")
-
-
 def recipe_sweep(results: list[dict], teacher: str, recipe: str, steps: int, scale: float) -> dict | None:
     """One recipe's sweep on ``teacher`` at ``steps`` steps, as both reports print it: ``table`` (runs by LR),
     ``swept`` (effective LR: final KL, ascending), ``lr`` (the best, or the only one), ``edge`` and ``flat`` (the
@@ -435,10 +409,10 @@ def fair_table(
                 f"{near[1]:.4f} (step {near[0]})",
                 f"{final_kl(run):.4f}",
                 "-" if long_run is None else f"{final_kl(long_run):.4f}" + _other_lr(long_run, lr, scale),
-                _tokens_and_compute(run, target, short),
+                _ratio(tokens_ratio(run, target, short)),
                 "-"
                 if long_run is None or base_long is None
-                else _tokens_and_compute(long_run, final_kl(base_long), long),
+                else _ratio(tokens_ratio(long_run, final_kl(base_long), long)),
                 "/".join(f"{v:.3f}" for v in run["agreement"][-1][1:]) if run.get("agreement") else "-",
             ]
             lines.append("| " + " | ".join(cells) + " |")

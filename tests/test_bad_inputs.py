@@ -275,19 +275,6 @@ CASES = [
         "was written by a run without parallel.ep_size / parallel.fsdp",
         None,
     ),
-    # a progressive schedule whose stage converts fewer layers than an earlier one (issue 38)
-    (
-        "progressive_stage_drops_layers",
-        lambda w: run_convert(
-            w,
-            f"output_dir={w / 'runs/progressive'}",
-            "recovery=schedule_free",
-            "recovery.progressive=[all,last:50%]",
-            "recovery.progressive_shares=[0.3,0.3]",
-        ),
-        "stage 2 (last:50%) converts fewer layers than stage 1 (all) (it drops layer(s) 0-1 of the model's 4)",
-        None,
-    ),
     # a parallel layout in one plain process: the torchrun line, not torch's "Default process group ..." (issue 38)
     (
         "expert_parallel_without_a_launcher",
@@ -1055,12 +1042,6 @@ CASES += [
         "runs/y/final/e lies inside final/ of an fcsd run folder",
         None,
     ),
-    (  # from the newcomer's run of the docs: a warm start rounded to no step trained plain KL under its name
-        "warm_start_share_rounding_to_no_step",
-        lambda w: run_convert(w, f"output_dir={w / 'runs/new'}", "recovery=warm_start", "train.max_steps=4"),
-        "recovery.warm_share=0.1 of the run's 4 steps rounds to no warm-start step; raise it (recovery.warm_share=0.12",
-        None,
-    ),
     (
         "push_an_export_without_its_farskip_block",
         lambda w: ["push", str(w / "export_no_block"), "me/x", "--dry-run"],
@@ -1102,7 +1083,7 @@ def test_failed_start_restarts_and_resume_keeps_the_config(env, capsys):
     overwrite; a refused --resume leaves the run's config as it was."""
     failed = env / "failed"
     failed.mkdir()
-    (failed / MARKER).write_text("run\n")
+    (failed / MARKER).write_text(json.dumps({"kind": "run", "written": [CONFIG]}))
     (failed / CONFIG).write_text("model:\n  name: x\n")
     argv = [*run_convert(env, f"output_dir={failed}"), f"data.path={env / 'data' / 'empty.jsonl'}"]
     assert main(argv) == 2
@@ -1712,11 +1693,12 @@ def test_a_literal_tilde_path_is_the_home_folder(env, capsys):
     """`output_dir=~/x` as the shell passes it when quoted: a path in the home folder, not a parse error."""
     assert main(["convert", str(env / "model"), f"data.path={env / 'data/train.jsonl'}", "output_dir=~/x", "--cfg",
                  "job"]) == 0  # fmt: skip
-    from fcsd.cli import _run_config, build_parser
+    from fcsd.cli import build_parser
+    from fcsd.cli.runs import run_config
 
     args = build_parser().parse_args(["convert", str(env / "model"), "data.path=d", "output_dir=~/x"])
     args.resume = False
-    assert to_config(_run_config(args)).output_dir == str(env / "home" / "x")
+    assert to_config(run_config(args)).output_dir == str(env / "home" / "x")
 
 
 def test_a_corrupt_routes_file_gets_advice_that_works(env, tmp_path, capsys):
@@ -2356,25 +2338,23 @@ def test_a_stop_while_the_run_exports_gives_the_export_command_not_a_refused_res
 
 
 def test_a_resume_records_the_recipe_it_trains_with(env, tmp_path, monkeypatch, capsys):
-    """A warm-start run resumed with `recovery=plain` on its command line (its recovery.warm_share kept, so the resume
-    check lets it through) trains the warm start, as it should; its fcsd_config.yaml said `recovery.name: plain`.
+    """A run resumed under another recipe name (`recovery.name=mine`: its settings are the run's, so the resume
+    check lets it through) trains the run's recipe, as it should; its fcsd_config.yaml said `recovery.name: mine`.
     Now the run keeps recording the recipe it trains with, with a note."""
     from omegaconf import OmegaConf
 
     out = tmp_path / "run"
     argv = run_convert(env, f"output_dir={out}", "train.max_steps=4", "train.save_every=1", "export=false")
-    argv += ["recovery=warm_start", "recovery.warm_share=0.5"]
+    argv += ["recovery=plain"]
     with monkeypatch.context() as patch:
         _stop_after_checkpoint(patch, 1)
         assert main(argv) == 130
     capsys.readouterr()
-    assert main([*argv, "--resume", "recovery=plain"]) == 0
-    assert "note: --resume continues the run's recovery recipe 'warm_start'" in capsys.readouterr().out
-    stages = {r["step"]: r["train/stage"] for r in RunFolder(out).records() if "train/stage" in r}
-    assert stages == {1: "warm_start", 2: "warm_start", 3: "kl", 4: "kl"}
+    assert main([*argv, "--resume", "recovery.name=mine"]) == 0
+    assert "note: --resume continues the run's recovery recipe 'plain'" in capsys.readouterr().out
     for config in (out / CONFIG, out / "final" / CONFIG):
         recorded = OmegaConf.load(config).recovery
-        assert (recorded.name, recorded.warm_share) == ("warm_start", 0.5), config
+        assert (recorded.name, recorded.optimizer) == ("plain", "adamw"), config
 
 
 def test_the_resume_of_a_sharded_checkpoint_in_one_process_names_the_torchrun_line_that_resumes_it(

@@ -42,10 +42,6 @@ def test_the_ramp_splits_its_share_of_the_steps_and_refuses_a_malformed_one(asse
     ):
         with pytest.raises(ValueError, match="recovery.batch_ramp="):
             config_for(assets, tmp_path / "c", *overrides)
-    with pytest.raises(ValueError, match="cannot be combined with recovery.warm_share"):
-        config_for(
-            assets, tmp_path / "d", "recovery=warm_start", "recovery.batch_ramp=[2]", "recovery.batch_ramp_shares=[0.1]"
-        )
 
 
 def test_a_split_steps_rows_are_shared_by_its_updates_as_a_whole_step_by_the_processes():

@@ -67,38 +67,6 @@ def test_estimate_matches_a_measured_step_on_one_process(family, layout):
     check(estimate, measure_processes(model_config, config, layout))
 
 
-def test_an_echoed_step_keeps_every_micro_batchs_teacher_outputs_and_the_estimate_says_so():
-    """Data echoing (``recovery.echo``) keeps the teacher's outputs of a step's micro-batches for its passes, with
-    the guide every layer's hidden states: the estimate adds those of the micro-batches it does not simulate, and
-    matches a measured step that keeps them (which the estimate without them would miss)."""
-    from fcsd.plan.echo import echo_output_bytes
-    from fcsd.plan.measure import measure_processes
-
-    model_config = deep_config("qwen3_moe")
-    config = run_config(seq_len=64, sequences=8)
-    config.recovery.hidden_l2, config.recovery.echo, config.recovery.echo_share = 4.0, 2, 0.5
-    layout = Layout("single", 1, micro_batch=1)
-    echoed = estimate_step(model_config, config, layout, "cpu")
-    kept = echo_output_bytes(model_config, config, layout, 8, 64, "cpu")
-    assert kept == 7 * 64 * (model_config.hidden_size * (model_config.num_hidden_layers + 2)) * 4  # fp32 on CPU
-    assert echoed.extra["echo_outputs"] == kept and echoed.at_peak["echo"] == kept
-    cache = Layout("single", 1, micro_batch=1, teacher="cache")  # the cached rows are read again: nothing kept
-    assert echo_output_bytes(model_config, config, cache, 8, 64, "cpu") == 0
-    states = (model_config.num_hidden_layers + 1) * model_config.hidden_size
-    fsdp = Layout("fsdp2", 2, micro_batch=1)  # the LM head inside the forward: the logits are kept
-    assert echo_output_bytes(model_config, config, fsdp, 8, 64) == 7 * 64 * (model_config.vocab_size + states) * 2
-    config.recovery.hidden_l2, config.train.objective = 0.0, "kl_l2"  # the L2 term keeps every layer's states too
-    assert echo_output_bytes(model_config, config, layout, 8, 64, "cpu") == kept
-    config.train.objective = "kl"
-    assert echo_output_bytes(model_config, config, layout, 8, 64, "cpu") == 7 * 64 * model_config.hidden_size * 4
-    config.recovery.hidden_l2 = 4.0
-    config.recovery.echo = 1
-    assert estimate_step(model_config, config, layout, "cpu").peak == echoed.peak - kept
-    config.recovery.echo = 2
-    (measured,) = measure_processes(model_config, config, layout)
-    assert abs(echoed.peak / measured.peak - 1) <= TOLERANCE < abs((echoed.peak - kept) / measured.peak - 1)
-
-
 def test_estimate_matches_measured_steps_of_two_expert_parallel_processes():
     from fcsd.plan.measure import measure_jobs
 

@@ -157,25 +157,6 @@ def test_the_report_compares_best_lrs_and_sums_up_only_the_reported_teachers(fai
     assert held_rows[0].split(" | ")[6] == "0.0680 (at 0.0025)"
 
 
-def test_an_echoed_run_is_charged_its_student_passes_beside_its_tokens(fair):
-    """Data echoing reaches a KL in fewer tokens for more student passes: the table gives both, and the compute
-    (teacher forward 1, student forward and backward 3 per pass) of a run without echo equals its tokens."""
-    plain = _result("t", "plain", 1e-3, 12, [(0, 0.5), (6, 0.2), (12, 0.10)])
-    echoed = _result("t", "echo", 1e-3, 12, [(0, 0.5), (3, 0.10), (12, 0.05)])
-    echoed["recipe_settings"], echoed["echo_steps"] = {"recovery": {"echo": 4}}, 3  # steps 1-3 make 4 passes
-    assert fair.student_passes(echoed, 2) == 8 and fair.student_passes(echoed, 6) == 15
-    assert fair.tokens_ratio(echoed, 0.10, 12) == 0.25
-    assert fair.compute_ratio(echoed, 0.10, 12) == pytest.approx((3 + 3 * 12) / 48)
-    assert fair.compute_ratio(plain, 0.10, 12) == fair.tokens_ratio(plain, 0.10, 12) == 1.0
-    del echoed["echo_steps"]
-    with pytest.raises(ValueError, match="echoes but has no echo_steps"):
-        fair.compute_ratio(echoed, 0.10, 12)
-    echoed["echo_steps"] = 3
-    teachers = {"t": fair.Teacher("t", "qwen3_moe", "code", 10, "reported")}
-    rows = fair.fair_table([plain, echoed], teachers, 12, 36)
-    assert rows[2].split(" | ")[7] == "1.00x" and rows[3].split(" | ")[7] == "0.25x (compute 0.81x)"
-
-
 def _words(seed: int, count: int) -> str:
     """``count`` random five-letter words: text no window of which repeats elsewhere."""
     import random
@@ -267,8 +248,8 @@ def test_a_kept_run_record_is_reused_only_for_the_same_teacher_and_text(bench, f
     # a key added since: the record's run had its default, so a preset that sets another value runs again
     older = {**kept, "recovery": {k: v for k, v in kept["recovery"].items() if k != "hidden_l2"}}
     assert not bench.same_settings(older, kept)  # guided sets hidden_l2 = 4, the default is 0
-    older = {**kept, "recovery": {k: v for k, v in kept["recovery"].items() if k != "warm_share"}}
-    assert bench.same_settings(older, kept)  # guided leaves warm_share at its default
+    older = {**kept, "train": {k: v for k, v in kept["train"].items() if k != "temperature"}}
+    assert bench.same_settings(older, kept)  # guided leaves train.temperature at its default
 
 
 def test_the_report_leaves_out_records_of_another_text_than_the_baselines(fair):

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from fcsd.run_facts import end_step, ramp_stages, schedule_steps, stage_ends, warmup_steps
+from fcsd.run_facts import end_step, ramp_stages, schedule_steps, warmup_steps
 
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
@@ -26,8 +26,6 @@ EP_MODES = ("farskip_overlap", "farskip_reference")
 EP_DISPATCHERS = ("plain", "dedup", "hierarchical")
 EARLY_STOP_METRICS = ("plus", "base")
 OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
-# parameter groups recovery.trainable / recovery.lr_mult name (fcsd.distill.param_groups)
-PARAM_GROUPS = ("embeddings", "attention", "norms", "router", "experts", "shared_experts", "dense_mlp")
 DEFAULT_TIMEOUT_MINUTES = 60  # parallel.timeout_minutes: process groups of training and of fcsd's own tools
 
 
@@ -121,7 +119,7 @@ class TrainConfig:
     log_every: int = 1  # metrics every N steps
     spike_factor: float = 4.0  # skip an update whose loss exceeds this multiple of the recent median
     spike_window: int = 20  # updates in that median (spike detection starts once it is full); a step is one
-    # update, or several in a batch ramp (recovery.batch_ramp) or an echoed step (recovery.echo)
+    # update, or several in a batch ramp (recovery.batch_ramp)
     max_bad_steps: int = 5  # consecutive skipped updates before the run stops with an error
     # steps in a row whose loss is not finite (all skipped) that stop the run in one line, before it writes final/,
     # an export or a summary: weights that give a NaN loss on that many batches are broken themselves (a damaged
@@ -169,19 +167,9 @@ class SweepConfig:
 
 @dataclass
 class RecoveryConfig:
-    """Recovery recipes beyond the paper (design §3, issue 27): a layer-local warm start, which parameters train."""
+    """Recovery recipes beyond the paper (design §3): the optimizer, its LR, the hidden-state guide, the batch ramp."""
 
     name: str = "plain"  # the recipe's name, recorded in the run (recipes/recovery/ presets set it)
-    warm_share: float = 0.0  # share of the run's steps (train.max_steps / max_tokens count every stage) spent in
-    # the layer-local warm start: each converted layer fed FarSkip inputs built from the teacher's own streams and
-    # fitted to the teacher layer's update, all layers at once; then end-to-end KL (0: no warm start)
-    warm_lr_mult: float = 10.0  # the warm start's peak LR as a multiple of the run's peak LR (Zebra-Llama: 10x)
-    trainable: Any = "all"  # all | non_expert (everything but the routed experts) | a list of groups of
-    # PARAM_GROUPS, e.g. [attention,norms,router]; the rest is frozen (no gradient, no optimizer state)
-    lr_mult: dict[str, float] = field(default_factory=dict)  # per-group multiplier of the peak LR, e.g. {attention: 2}
-    progressive: list[str] = field(default_factory=list)  # progressive conversion: layer specs trained first, in
-    # order, each within farskip.layers (e.g. [last:50%,last:75%]), then farskip.layers; weights carried over
-    progressive_shares: list[float] = field(default_factory=list)  # share of the run's steps for each of them
     optimizer: str = "adamw"  # adamw: AdamW, warm-up, cosine to train.min_lr_ratio (the paper) | schedule_free:
     # schedule-free AdamW (Defazio et al. 2024, the `schedulefree` package), constant LR after the warm-up; the
     # weights scored, saved (final/, best/) and exported are the average its iterates follow, good at every step
@@ -198,11 +186,6 @@ class RecoveryConfig:
     # at the step's LR x 1/sqrt(split) (Adam's square-root rule); a split is lowered to one the step's rows per
     # process divide, with a note
     batch_ramp_shares: list[float] = field(default_factory=list)  # share of the run's steps for each ramp stage
-    echo: int = 1  # data echoing (Choi et al. 2019): in the run's first recovery.echo_share of steps, each step's
-    # updates (a batch ramp's too) run this many times over the same rows, each at its usual LR; the teacher
-    # runs once on them and its outputs (with the guide, every layer's hidden states) are kept for the step. Fewer
-    # tokens and teacher forwards for the same KL, for more student passes: BENCHMARKS.md measures both (1: off)
-    echo_share: float = 0.0  # share of the run's steps that are echoed (with recovery.echo > 1)
 
 
 @dataclass
@@ -399,71 +382,16 @@ def cache_refusal(train: TrainConfig) -> str | None:
     return None
 
 
-def trainable_groups(recovery: RecoveryConfig) -> tuple[str, ...]:
-    """The parameter groups ``recovery.trainable`` trains (a one-line error names a wrong value)."""
-    value = recovery.trainable
-    if value == "all":
-        return PARAM_GROUPS
-    if value == "non_expert":
-        return tuple(g for g in PARAM_GROUPS if g != "experts")
-    names = [str(v) for v in value] if isinstance(value, list | tuple) else [str(v) for v in str(value).split(",")]
-    unknown = [n for n in names if n not in PARAM_GROUPS]
-    if unknown or not names:
-        raise ValueError(
-            f"recovery.trainable={value!r}: choose all, non_expert or a list of groups of {', '.join(PARAM_GROUPS)} "
-            "(e.g. recovery.trainable=[attention,norms,router])"
-        )
-    return tuple(g for g in PARAM_GROUPS if g in names)
-
-
 def check_recovery(config: FCSDConfig) -> None:
     """Refuse, in one line naming the fix, a recovery recipe the run cannot follow (design §3)."""
-    recovery, parallel = config.recovery, config.parallel
-    trainable_groups(recovery)
-    if not 0 <= recovery.warm_share < 1:
-        raise ValueError(f"recovery.warm_share={recovery.warm_share}: it must lie in [0, 1) (0: no warm start)")
-    if not (math.isfinite(recovery.warm_lr_mult) and recovery.warm_lr_mult > 0):
-        raise ValueError(f"recovery.warm_lr_mult={recovery.warm_lr_mult}: it must be a finite number > 0")
-    for group, mult in recovery.lr_mult.items():
-        if group not in PARAM_GROUPS or not (math.isfinite(mult) and mult > 0):
-            raise ValueError(
-                f"recovery.lr_mult.{group}={mult}: name a group of {', '.join(PARAM_GROUPS)} with a multiplier > 0"
-            )
-    warm = recovery.warm_share > 0
-    if warm and config.teacher.mode != "online":
-        raise ValueError(
-            "recovery.warm_share needs the online teacher's hidden states (the teacher cache holds logits only): use "
-            "teacher.mode=online, or recovery.warm_share=0"
-        )
-    if warm and config.train.objective == "sft":
-        raise ValueError("recovery.warm_share fits the teacher's layers: it needs a teacher, not train.objective=sft")
-    if warm and warm_steps(config) < 1:  # rounded to no step: the recipe would be plain KL under another name
-        smallest = 0.5 / schedule_steps(config.train)
-        raise ValueError(
-            f"recovery.warm_share={recovery.warm_share} of the run's {schedule_steps(config.train)} steps rounds to no "
-            f"warm-start step; raise it (recovery.warm_share={min(smallest + 1e-3, 0.999):.3f} gives one) or train "
-            "longer, or use recovery=plain"
-        )
-    if warm and schedule_steps(config.train) - warm_steps(config) < 1:
-        raise ValueError(
-            f"recovery.warm_share={recovery.warm_share} leaves no step of the run for end-to-end KL: lower it"
-        )
-    _check_progressive(config)
     _check_optimizer(config)
     _check_guide(config)
     _check_batch_ramp(config)
-    _check_echo(config)
     horizon = schedule_steps(config.train)
     if warmup_steps(config) > horizon:  # only train.warmup_steps can be: a valid share of the run always fits it
         raise ValueError(
             f"train.warmup_steps={config.train.warmup_steps} is longer than the run ({horizon} steps): the LR would "
             f"never reach train.lr; set train.warmup_steps below {horizon}"
-        )
-    custom = recovery.trainable != "all" or bool(recovery.lr_mult) or bool(recovery.progressive)
-    if (warm or custom) and (parallel.ep_size > 1 or parallel.fsdp):
-        raise ValueError(
-            "recovery.warm_share / trainable / lr_mult / progressive are not supported with parallel.ep_size > 1 or "
-            "parallel.fsdp yet: use recovery=plain there"
         )
 
 
@@ -476,11 +404,6 @@ def _check_optimizer(config: FCSDConfig) -> None:
     share = recovery.warmup_share
     if share is not None and not 0 <= share < 1:
         raise ValueError(f"recovery.warmup_share={share}: it must lie in [0, 1) (null: train.warmup_steps)")
-    if recovery.optimizer == "schedule_free" and recovery.warm_share > 0:
-        raise ValueError(
-            "recovery.optimizer=schedule_free cannot be combined with recovery.warm_share (the warm start's own "
-            "schedule and optimizer reset): use recovery=warm_start or recovery=schedule_free"
-        )
 
 
 def _check_guide(config: FCSDConfig) -> None:
@@ -490,11 +413,6 @@ def _check_guide(config: FCSDConfig) -> None:
     share = config.recovery.hidden_l2_share
     if not 0 < share <= 1:
         raise ValueError(f"recovery.hidden_l2_share={share}: it must lie in (0, 1] (1: the guide fades over the run)")
-    if weight > 0 and config.recovery.warm_share > 0:
-        raise ValueError(
-            "recovery.hidden_l2 cannot be combined with recovery.warm_share yet (the guide would fade during the warm "
-            "start, which has its own loss): use recovery=warm_start with recovery.hidden_l2=0, or recovery=guided"
-        )
 
 
 def _check_batch_ramp(config: FCSDConfig) -> None:
@@ -502,58 +420,13 @@ def _check_batch_ramp(config: FCSDConfig) -> None:
     splits, shares = list(recovery.batch_ramp), list(recovery.batch_ramp_shares)
     if not splits and not shares:
         return
-    if not _shares_fit(shares, len(splits)) or not all(isinstance(k, int) and k >= 2 for k in splits):
+    fit = len(shares) == len(splits) and all(0 < x < 1 for x in shares) and sum(shares) < 1
+    if not fit or not all(isinstance(k, int) and k >= 2 for k in splits):
         raise ValueError(
             f"recovery.batch_ramp={splits} needs whole splits >= 2, each with a share in (0, 1) in "
             f"recovery.batch_ramp_shares (now {shares}) summing below 1; to turn the ramp off set both: "
             "recovery.batch_ramp=[] recovery.batch_ramp_shares=[]"
         )
-    if recovery.warm_share > 0:
-        raise ValueError("recovery.batch_ramp cannot be combined with recovery.warm_share yet: choose one")
-
-
-def _check_echo(config: FCSDConfig) -> None:
-    recovery = config.recovery
-    echo, share = recovery.echo, recovery.echo_share
-    if isinstance(echo, bool) or not isinstance(echo, int) or echo < 1 or not 0 <= share <= 1:
-        raise ValueError(
-            f"recovery.echo={echo} recovery.echo_share={share}: echo is a whole number of passes >= 1 (1: off) and "
-            "echo_share a share of the run's steps in [0, 1]"
-        )
-    if (echo > 1) != (share > 0):
-        raise ValueError(
-            f"recovery.echo={echo} with recovery.echo_share={share} echoes nothing: set both (e.g. recovery.echo=2 "
-            "recovery.echo_share=0.5), or neither"
-        )
-    if echo > 1 and echo_steps(config) == 0:
-        horizon = schedule_steps(config.train)
-        raise ValueError(
-            f"recovery.echo_share={share} of the run's {horizon} steps rounds to no echoed step: raise it "
-            f"(recovery.echo_share={min(0.5 / horizon + 1e-3, 1.0):.3f} echoes one) or train longer"
-        )
-    if echo > 1 and recovery.warm_share > 0:
-        raise ValueError(
-            f"recovery.echo cannot be combined with the layer-local warm start (recovery.warm_share="
-            f"{recovery.warm_share}, set by recovery={recovery.name}) yet: use recovery.echo=1, or another recipe"
-        )
-
-
-def _shares_fit(shares: list[float], count: int) -> bool:
-    """One share of the run per stage, each in (0, 1), leaving steps for the rest of the run."""
-    return len(shares) == count and all(0 < s < 1 for s in shares) and sum(shares) < 1
-
-
-def echo_steps(config: FCSDConfig) -> int:
-    """How many of the run's first steps are echoed (``recovery.echo`` > 1 times ``recovery.echo_share``)."""
-    if config.recovery.echo <= 1:
-        return 0
-    return round(config.recovery.echo_share * schedule_steps(config.train))
-
-
-def echo_passes(config: FCSDConfig, step: int) -> int:
-    """How many times step ``step`` (0-based) trains on its rows (data echoing, Choi et al. 2019): each of its
-    updates, in order, ``recovery.echo`` times over in the run's first :func:`echo_steps` steps, else once."""
-    return config.recovery.echo if step < echo_steps(config) else 1
 
 
 def update_split(config: FCSDConfig, step: int) -> int:
@@ -585,71 +458,11 @@ def guide_weight(config: FCSDConfig, step: int) -> float:
 
 
 def peak_lr(config: FCSDConfig) -> float:
-    """The run's peak LR, of its base parameter group (``recovery.lr_mult`` scales groups, a warm start multiplies it;
-    issue 37's LR rule, docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
+    """The run's peak LR (issue 37's LR rule, docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
     model (the paper's 2e-5 for its models, a model preset's, or the user's), times the recipe's
     ``recovery.lr_scale`` (the guided default: 4; on the fair recovery benchmark's four teachers guided did best at
     4x plain's best LR, or within 1% of its best there)."""
     return config.train.lr * config.recovery.lr_scale
-
-
-def _check_progressive(config: FCSDConfig) -> None:
-    recovery = config.recovery
-    specs, shares = list(recovery.progressive), list(recovery.progressive_shares)
-    if not specs and not shares:
-        return
-    if not _shares_fit(shares, len(specs)):
-        raise ValueError(
-            f"recovery.progressive={specs} needs one share in (0, 1) per spec in recovery.progressive_shares "
-            f"(now {shares}), summing below 1 (the rest trains farskip.layers)"
-        )
-    for spec in specs:
-        _layer_spec(spec)
-    if recovery.warm_share > 0:
-        raise ValueError("recovery.progressive cannot be combined with recovery.warm_share yet: choose one")
-
-
-def check_progressive_layers(config: FCSDConfig, num_layers: int) -> None:
-    """Each stage of ``recovery.progressive`` (then ``farskip.layers``, the last) converts every layer the stages
-    before it converted: a stage that converted fewer would turn layers back to stock wiring mid-run, which no
-    progressive schedule means. Refused in one line with the model's layer count (``num_layers``) known."""
-    from fcsd.connectivity.layer_spec import converted_layers
-
-    specs = [*map(str, config.recovery.progressive), str(config.farskip.layers)]
-    names = [f"stage {i + 1} ({spec})" for i, spec in enumerate(specs[:-1])] + [f"farskip.layers ({specs[-1]})"]
-    layers = [set(converted_layers(spec, num_layers, "recovery.progressive")) for spec in specs]
-    for later in range(1, len(specs)):
-        for earlier in range(later):
-            dropped = sorted(layers[earlier] - layers[later])
-            if dropped:
-                raise ValueError(
-                    f"recovery.progressive={list(map(str, config.recovery.progressive))}: {names[later]} converts "
-                    f"fewer layers than {names[earlier]} (it drops layer(s) {_ranges(dropped)} of the model's "
-                    f"{num_layers}); each stage must keep the layers of the stages before it, e.g. "
-                    "recovery.progressive=[last:50%,last:75%] before farskip.layers=all"
-                )
-
-
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2,5``."""
-    parts, start = [], indices[0]
-    for previous, current in zip(indices, [*indices[1:], None]):
-        if current != previous + 1:
-            parts.append(str(start) if start == previous else f"{start}-{previous}")
-            start = current
-    return ",".join(parts)
-
-
-def layer_stages(config: FCSDConfig) -> list[tuple[int, str]]:
-    """``(first step, layer spec)`` of each progressive-conversion stage, the last being ``farskip.layers``."""
-    starts = [0, *stage_ends(config.recovery.progressive_shares, schedule_steps(config.train))]
-    specs = [*map(str, config.recovery.progressive), str(config.farskip.layers)]
-    return list(zip(starts, specs, strict=True))
-
-
-def warm_steps(config: FCSDConfig) -> int:
-    """Steps of the layer-local warm start: ``recovery.warm_share`` of the schedule's horizon (rounded)."""
-    return round(config.recovery.warm_share * schedule_steps(config.train))
 
 
 def process_group_timeout(minutes: int = DEFAULT_TIMEOUT_MINUTES):

@@ -138,7 +138,6 @@ def micro_batch_loss(
     cached: tuple[torch.Tensor, torch.Tensor] | None = None,
     head_in_forward: bool = False,
     hidden_weight: float | None = None,
-    teacher_memo: dict | None = None,
 ) -> LossParts:
     """The loss sum of ``config.train.objective`` on one micro-batch.
 
@@ -147,8 +146,6 @@ def micro_batch_loss(
     next token inside each packed document. ``hidden_weight`` (default ``config.recovery.hidden_l2``; the trainer
     passes :func:`fcsd.distill.config.guide_weight` of the step) > 0 adds that multiple of
     :func:`fcsd.distill.losses.relative_hidden_l2` (the guided recipe). ``head_in_forward``: see :func:`head_inputs`.
-    ``teacher_memo``, a dict kept for this micro-batch's rows, holds the online teacher's outputs after the first
-    call, so that a data-echoing step (``recovery.echo``) runs the teacher once on its rows.
     """
     train = config.train
     want_l2 = train.objective == "kl_l2"
@@ -168,16 +165,11 @@ def micro_batch_loss(
         total = losses.chunked_head_loss(hidden, head, token_loss, (logp, ids), train.loss_chunk_size)
         parts = LossParts(total, tokens, {"kl": total.detach()})
     else:
-        targets = None if teacher_memo is None else teacher_memo.get("targets")
-        if targets is None:
-            targets = teacher_targets(teacher, batch, want_states, head_in_forward)
-            if teacher_memo is not None:
-                teacher_memo["targets"] = targets
-        teacher_x, teacher_head, teacher_states = targets
+        teacher_x, teacher_head, teacher_states = teacher_targets(teacher, batch, want_states, head_in_forward)
         divergence = losses.divergence(train.divergence, train.temperature, train.jsd_beta)
         token_loss = teacher_token_loss(divergence, teacher_head)
         total = losses.chunked_head_loss(hidden, head, token_loss, (teacher_x,), train.loss_chunk_size)
-        release(teacher_head)  # gathered again if an echo reuses it
+        release(teacher_head)
         parts = LossParts(total, tokens, {"kl": total.detach()})
         if want_l2:
             everywhere = torch.ones_like(batch.input_ids, dtype=torch.bool)

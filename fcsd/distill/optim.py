@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fcsd.distill.config import FCSDConfig, peak_lr, warm_steps
+from fcsd.distill.config import FCSDConfig, peak_lr
 from fcsd.run_facts import schedule_steps, warmup_steps
 
 
@@ -96,40 +96,27 @@ def plan_steps(config: FCSDConfig, world_size: int) -> StepPlan:
 
 def build_optimizer(student, config: FCSDConfig, plan: StepPlan):
     """AdamW and cosine annealing with linear warm-up to ``train.min_lr_ratio * lr`` over the schedule's horizon
-    (paper Sec. 5.1). ``recovery.trainable`` / ``train.freeze_embeddings`` freeze parameter groups and
-    ``recovery.lr_mult`` scales their LR (:mod:`fcsd.distill.param_groups`); with a layer-local warm start each
-    stage follows its own warm-up and cosine (:class:`StagedSchedule`). ``recovery.optimizer=schedule_free``:
-    schedule-free AdamW at a constant LR after the linear warm-up (:func:`schedule_free`); ``recovery.lr_scale``
-    multiplies the peak LR either way."""
+    (paper Sec. 5.1); ``train.freeze_embeddings`` freezes the input embeddings and LM head.
+    ``recovery.optimizer=schedule_free``: schedule-free AdamW at a constant LR after the linear warm-up
+    (:func:`schedule_free`); ``recovery.lr_scale`` multiplies the peak LR either way."""
     from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-    train, recovery = config.train, config.recovery
+    train = config.train
     peak, warmup = peak_lr(config), warmup_steps(config)
-    if recovery.trainable != "all" or recovery.lr_mult:
-        from fcsd.distill.param_groups import optimizer_groups
+    if train.freeze_embeddings:  # paper Tab. 2 "KL embed."
+        student.get_input_embeddings().requires_grad_(False)
+        student.get_output_embeddings().requires_grad_(False)
+    params = [p for p in student.parameters() if p.requires_grad]
+    if hasattr(student, "fcsd_layout"):  # one group per device mesh (fused AdamW cannot mix them)
+        from fcsd.parallel.training import parameter_groups
 
-        params = optimizer_groups(student, config)
-    else:
-        if train.freeze_embeddings:  # paper Tab. 2 "KL embed."
-            student.get_input_embeddings().requires_grad_(False)
-            student.get_output_embeddings().requires_grad_(False)
-        params = [p for p in student.parameters() if p.requires_grad]
-        if hasattr(student, "fcsd_layout"):  # one group per device mesh (fused AdamW cannot mix them)
-            from fcsd.parallel.training import parameter_groups
-
-            params = parameter_groups(student, params)
-    if recovery.optimizer == "schedule_free":
+        params = parameter_groups(student, params)
+    if config.recovery.optimizer == "schedule_free":
         return schedule_free(params, peak, warmup, train)
     optimizer = torch.optim.AdamW(params, lr=peak, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
-    warm = warm_steps(config)
-    if warm == 0:
-        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, warmup, max(plan.schedule_steps, 1), min_lr_rate=train.min_lr_ratio
-        )
-    else:
-        schedule = StagedSchedule(warm, plan.schedule_steps, warmup, train.min_lr_ratio)
-        schedule.warm_mult = config.recovery.warm_lr_mult
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, warmup, max(plan.schedule_steps, 1), min_lr_rate=train.min_lr_ratio
+    )
     return optimizer, scheduler
 
 
@@ -174,35 +161,6 @@ def evaluation_weights(optimizer):
         yield
     finally:
         inner.train()
-
-
-class StagedSchedule:
-    """LR factor of a run with a layer-local warm start of ``warm`` steps, then end-to-end KL up to ``horizon``:
-    each stage has its own linear warm-up (``warmup`` steps shared in proportion to the stages' lengths) and cosine
-    to ``min_ratio``; the warm stage's factor is multiplied by ``warm_mult`` (a plain object, so that the
-    scheduler's state dict saves it)."""
-
-    def __init__(self, warm: int, horizon: int, warmup: int, min_ratio: float):
-        self.warm, self.horizon, self.min_ratio, self.warm_mult = warm, horizon, min_ratio, 1.0
-        self.warm_warmup = round(warmup * warm / horizon)
-        self.rest_warmup = warmup - self.warm_warmup
-
-    def __call__(self, step: int) -> float:
-        if step < self.warm:
-            return self.warm_mult * _cosine(step, self.warm_warmup, self.warm, self.min_ratio)
-        return _cosine(step - self.warm, self.rest_warmup, self.horizon - self.warm, self.min_ratio)
-
-
-def _cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    progress = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def reset_optimizer_state(optimizer) -> None:
-    """Forget AdamW's moments (at a stage boundary: the warm start's moments belong to another objective)."""
-    getattr(optimizer, "optimizer", optimizer).state.clear()
 
 
 def fuse_on_gpu(optimizer) -> None:

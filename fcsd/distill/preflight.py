@@ -325,10 +325,6 @@ def check_model_config(config: FCSDConfig, source: str | None = None, loads_teac
     family_for_config(model_config)
     decoder = text_config(model_config)
     converted_layers(config.farskip.layers, decoder.num_hidden_layers, "farskip.layers")
-    if config.recovery.progressive:
-        from fcsd.distill.config import check_progressive_layers
-
-        check_progressive_layers(config, decoder.num_hidden_layers)
     check_seq_len(config, decoder)
     check_placement_file(config, model_config)
     check_export_format(config, model_config, decoder)

@@ -49,17 +49,11 @@ RESUME_KEYS = (
     "train.adam_betas",
     "teacher.mode",
     "parallel.placement",  # the weights are permuted by it
-    "recovery.warm_share",  # where the stages change
-    "recovery.trainable",
-    "recovery.progressive",
-    "recovery.progressive_shares",
     "recovery.optimizer",  # its state (schedule-free's average) means nothing to the other
     "recovery.hidden_l2",  # part of the loss, with the share of the run it fades over
     "recovery.hidden_l2_share",
     "recovery.batch_ramp",  # how many updates the ramp's steps make
     "recovery.batch_ramp_shares",
-    "recovery.echo",  # how many updates the echoed steps make
-    "recovery.echo_share",
 )
 PATH_KEYS = (
     "model.name",
@@ -75,8 +69,6 @@ SCHEDULE_KEYS = (
     "train.lr",
     "train.min_lr_ratio",
     "train.warmup_steps",
-    "recovery.warm_lr_mult",
-    "recovery.lr_mult",
     "recovery.lr_scale",
     "recovery.warmup_share",
 )
@@ -185,8 +177,8 @@ def checkpoint_state(problems: list[str]) -> str:
 def continued_config(run: RunFolder, config, is_main: bool = True):
     """The config a resumed run trains with, as its ``fcsd_config.yaml`` will record it. :func:`check_resume` holds
     every setting of the recovery recipe to the run's (:data:`RESUME_KEYS`, :data:`SCHEDULE_KEYS`), so a resume
-    continues the run's recipe whatever recipe name it is given: ``recovery=plain`` on the resume of a warm-start run
-    (with its ``recovery.warm_share``) trains the warm start, and records its name, ``warm_start``, with a note."""
+    continues the run's recipe whatever recipe name it is given (``recovery.name``): it records the run's own name,
+    with a note."""
     from omegaconf import OmegaConf
 
     if not config.train.resume or not run.config.exists():

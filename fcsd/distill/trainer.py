@@ -22,17 +22,7 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import load_init_weights, restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import (
-    FCSDConfig,
-    echo_passes,
-    echo_steps,
-    guide_weight,
-    layer_stages,
-    process_group_timeout,
-    ramp_stages,
-    update_split,
-    warm_steps,
-)
+from fcsd.distill.config import FCSDConfig, guide_weight, process_group_timeout, ramp_stages, update_split
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.finite import NonFiniteStop, check_weights_finite, diverged
 from fcsd.distill.heldout import heldout_metrics, kl_name
@@ -46,13 +36,11 @@ from fcsd.distill.optim import (
     evaluation_weights,
     fuse_on_gpu,
     plan_steps,
-    reset_optimizer_state,
     scaled_lr,
 )
 from fcsd.distill.preflight import Checked
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
-from fcsd.distill.warm_start import average_gradients, layer_local_loss
 from fcsd.parallel.processes import print_once
 from fcsd.run_facts import kl_of
 
@@ -79,18 +67,11 @@ def train(checked: Checked) -> RunResult:
     done = s.start_step
     bar = tqdm(total=plan.total_steps, initial=done, desc="FCSD", unit="step", disable=not s.show_progress)
     for step in range(s.start_step, plan.total_steps):
-        if step == s.warm_steps and step > 0:  # the warm start is over: end-to-end KL from fresh AdamW moments
-            reset_optimizer_state(s.optimizer)
-            s.guard.history = []  # the warm start's losses are on another scale than the KL's
-        if s.convert_for(step):
-            s.guard.history = []  # more converted layers: a higher loss is expected, not a spike
-        if step == echo_steps(s.config) and step > 0:
-            s.guard.history = []  # the echoed passes' losses are on rows already trained on: lower than fresh rows
         try:
             loss, grad_norm, terms, applied = s.optimizer_steps(step)
         except Diverged as error:
             raise diverged(error, step + 1, s.run) from None
-        lr = s.scheduler.get_last_lr()[0] / s.optimizer.param_groups[0].get("lr_mult", 1.0)  # the base group's
+        lr = s.scheduler.get_last_lr()[0]
         s.scheduler.step()
         done = step + 1
         s.tokens_seen += train_cfg.batch_tokens
@@ -147,7 +128,6 @@ class TrainingSession:
         if mixed == "auto":
             mixed = "no" if cpu_only else "bf16"
         self.plan = plan_steps(config, process_state(config).num_processes)
-        self.warm_steps = warm_steps(config)  # steps 0 .. warm_steps - 1: the layer-local warm start
         # under FSDP, skipping the reduce-scatter before a step's last micro-batch would keep unsharded gradients of
         # the whole model on every GPU (what `fcsd plan` found): reduce-scatter every micro-batch instead
         accumulation = GradientAccumulationPlugin(
@@ -161,11 +141,6 @@ class TrainingSession:
             kwargs_handlers=[InitProcessGroupKwargs(timeout=process_group_timeout(config.parallel.timeout_minutes))],
         )
         deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-        if self.warm_steps and accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-            raise ValueError(
-                f"recovery.warm_share runs in one process or under DDP, not under {accelerator.distributed_type.value}"
-                " (its sharded parameters are gathered only by the model's forward): use recovery=plain"
-            )
         if deepspeed and config.recovery.optimizer == "schedule_free":
             raise ValueError(
                 "recovery.optimizer=schedule_free does not run under DeepSpeed (its engine owns the optimizer and "
@@ -182,8 +157,6 @@ class TrainingSession:
                 "recovery.batch_ramp does not run under DeepSpeed (its engine fixes the micro-batches of an update): "
                 "set recovery.batch_ramp=[] recovery.batch_ramp_shares=[], or use FSDP2"
             )
-        if deepspeed and config.recovery.echo > 1:
-            raise ValueError("recovery.echo is not tested under DeepSpeed: set recovery.echo=1, or use FSDP2")
         self.announce_ramp()
         if self.plan.micro_batch_size != train_cfg.micro_batch_size:
             print_once(
@@ -257,9 +230,6 @@ class TrainingSession:
         self.nonfinite = NonFiniteStop(train_cfg.max_nonfinite_steps, saved.get("nonfinite_streak", 0))
         if self.early is not None and saved.get("early_stop"):
             self.early.load(saved["early_stop"])
-        self.layer_stages = layer_stages(config) if config.recovery.progressive else []
-        self.layers = None
-        self.convert_for(self.start_step, check=True)
         self.metrics = run_io.MetricsLog(self.run.root, self.start_step, accelerator.is_main_process)
         self.started = time.perf_counter()
         self.show_progress = config.progress and accelerator.is_main_process
@@ -272,30 +242,6 @@ class TrainingSession:
             self.early_stop_check(self.start_step)
         self.model.train()
 
-    def convert_for(self, step: int, check: bool = False) -> bool:
-        """Progressive conversion (``recovery.progressive``): give the student the layer spec of ``step``'s stage,
-        its weights kept (:func:`fcsd.connectivity.apply_farskip` replaces the previous selection); True when the
-        spec changed."""
-        if not self.layer_stages:
-            return False
-        from fcsd.connectivity import apply_farskip
-        from fcsd.connectivity.families import family_for_config, find_decoder_layers
-        from fcsd.connectivity.layer_spec import converted_layers
-
-        if check:
-            count = len(find_decoder_layers(self.unwrapped, family_for_config(self.unwrapped.config)))
-            final = set(converted_layers(self.config.farskip.layers, count, "farskip.layers"))
-            for _, spec in self.layer_stages:
-                if not set(converted_layers(spec, count, "recovery.progressive")) <= final:
-                    raise ValueError(f"recovery.progressive stage {spec!r} converts layers outside farskip.layers")
-        spec = [spec for start, spec in self.layer_stages if start <= step][-1]
-        if spec != self.layers:
-            apply_farskip(self.unwrapped, spec)
-            self.layers = spec
-            print_once(f"step {step}: FarSkip on layers {spec}")
-            return True
-        return False
-
     def announce_ramp(self) -> None:
         """One line saying which steps the batch ramp splits, and any split lowered to fit this process's rows."""
         parts = []
@@ -305,39 +251,21 @@ class TrainingSession:
             parts.append(f"steps {start + 1}-{end} in {fitted} updates{lowered}")
         if parts:
             print_once(f"batch ramp: {', '.join(parts)}, each at the step's LR / sqrt(updates)")
-        echoed, config = echo_steps(self.config), self.config
-        if echoed:
-            which, rows = ("step 1 trains", "its") if echoed == 1 else (f"steps 1-{echoed} train", "their")
-            teacher = {"online": " (the teacher run once on them)", "cache": " (the teacher cache's rows read again)"}
-            said = "" if config.train.objective == "sft" else teacher.get(config.teacher.mode, "")
-            print_once(f"data echoing: {which} {config.recovery.echo} times on {rows} rows{said}")
 
     def optimizer_steps(self, step: int) -> tuple[float, float, dict, bool]:
         """Train on step ``step``'s rows: one optimizer update, or several sharing the rows in a batch ramp
-        (``recovery.batch_ramp``, each at the step's LR / sqrt(split)), all of them repeated in an echoed step
-        (``recovery.echo``), each kept or skipped by the spike guard.
+        (``recovery.batch_ramp``, each at the step's LR / sqrt(split)), each kept or skipped by the spike guard.
         Returns the step's loss per token, mean gradient norm, loss terms, and whether every update was applied."""
         plan, accelerator = self.plan, self.accelerator
         split = plan.fit_split(update_split(self.config, step))
         step_rows = plan.rows(step, len(self.train_rows), self.config.train.seed)
         totals, tokens, norms, applied_all, refused = {}, 0, [], True, {}
-        updates, passes = plan.update_rows(step_rows, split, accelerator.process_index), echo_passes(self.config, step)
-        # data echoing: the teacher's outputs for each update's micro-batches, by position (the same on every
-        # process, whichever rows they hold), computed on the first pass
-        memos = [{} for _ in updates] if passes > 1 else None
-        dropped = set()  # positions whose update the guard refused: their later passes are not run (every process
-        # decides alike, on the reduced loss and norm), so one refused update is not refused once per pass
-        for update, micro_batches in enumerate(updates * passes):
-            position = update % len(updates)
-            if position in dropped:
-                continue
-            memo = None if memos is None else memos[position]
-            loss, grad_norm, terms, count = self.forward_backward(step, micro_batches, memo)
+        for update, micro_batches in enumerate(plan.update_rows(step_rows, split, accelerator.process_index)):
+            loss, grad_norm, terms, count = self.forward_backward(step, micro_batches)
             with scaled_lr(self.optimizer, split**-0.5):
                 applied, reason = apply_update(self.optimizer, accelerator.scaler, self.guard, loss, grad_norm)
             if reason:
                 refused[update + 1] = reason
-                dropped.add(position)
             self.optimizer.zero_grad(set_to_none=True)
             for name, value in {"loss": loss, **terms}.items():
                 totals[name] = totals.get(name, 0.0) + value * count
@@ -346,18 +274,15 @@ class TrainingSession:
         if refused:  # one line a step, on the main process: not one per update of a batch ramp, nor per process
             numbers = ", ".join(map(str, refused))
             where = f"step {step + 1}" + (
-                f" (update{'s' * (len(refused) > 1)} {numbers} of {split * passes})" if split * passes > 1 else ""
+                f" (update{'s' * (len(refused) > 1)} {numbers} of {split})" if split > 1 else ""
             )
             print_once(f"{where} not applied: {'; '.join(dict.fromkeys(refused.values()))}")
         means = {name: value / tokens for name, value in totals.items()}
         return means.pop("loss"), sum(norms) / len(norms), means, applied_all
 
-    def forward_backward(
-        self, step: int, micro_batches: list[list[int]], memos: dict | None = None
-    ) -> tuple[float, float, dict, int]:
+    def forward_backward(self, step: int, micro_batches: list[list[int]]) -> tuple[float, float, dict, int]:
         """Forward/backward of one optimizer update's micro-batches (row indices) on this process, the loss
-        normalised by the update's token count over all processes, then gradient clipping. ``memos`` (data echoing)
-        keeps the teacher's outputs by micro-batch position across the step's passes. Returns (loss per token,
+        normalised by the update's token count over all processes, then gradient clipping. Returns (loss per token,
         gradient norm, loss terms, that token count)."""
         accelerator, config, rows = self.accelerator, self.config, self.train_rows
         # accelerate syncs gradients (DDP) on the update's last micro-batch and divides the loss by their count
@@ -369,33 +294,19 @@ class TrainingSession:
         # gradient is exactly that of (sum of token losses) / global_tokens
         scale = accelerator.num_processes * len(micro_batches) / global_tokens
         sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), device=device)}
-        for position, micro in enumerate(micro_batches):
+        for micro in micro_batches:
             packed = rows.rows(micro)
             batch = Packed(packed.input_ids.to(device), packed.position_ids.to(device))
             cached = None if self.cache is None else tuple(t.to(device) for t in self.cache.rows(micro))
             with accelerator.accumulate(self.model), accelerator.autocast():
-                if step < self.warm_steps:
-                    parts = layer_local_loss(self.unwrapped, self.teacher, batch)[0]
-                else:
-                    guide = guide_weight(config, step)
-                    memo = None if memos is None else memos.setdefault(position, {})
-                    parts = micro_batch_loss(
-                        self.model,
-                        self.unwrapped,
-                        batch,
-                        config,
-                        self.teacher,
-                        cached,
-                        self.head_in_forward,
-                        guide,
-                        teacher_memo=memo,
-                    )
+                guide = guide_weight(config, step)
+                parts = micro_batch_loss(
+                    self.model, self.unwrapped, batch, config, self.teacher, cached, self.head_in_forward, guide
+                )
                 accelerator.backward(parts.total * scale)
             sums["loss"] += parts.total.detach()
             for name, value in parts.terms.items():
                 sums[name] = sums.get(name, 0) + value
-        if step < self.warm_steps and accelerator.num_processes > 1:  # DDP's forward, which reduces, never ran
-            average_gradients(self.unwrapped)
         reduced = {name: float(accelerator.reduce(value, "sum")) / global_tokens for name, value in sums.items()}
         grad_norm = self.clip_gradients(config.train.grad_clip or math.inf)
         loss = reduced.pop("loss")
@@ -419,10 +330,6 @@ class TrainingSession:
         record = {"step": done, "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm}
         record.update({"train/tokens": self.tokens_seen, "train/tokens_per_s": self.throughput(done)})
         record["train/skipped"] = skipped
-        if self.warm_steps:
-            record["train/stage"] = "warm_start" if done <= self.warm_steps else "kl"
-        if self.layer_stages:
-            record["train/stage"] = f"layers {self.layers}"
         record.update({f"train/{name}": value for name, value in terms.items()})
         if self.parallel:
             from fcsd.parallel.training import take_traffic

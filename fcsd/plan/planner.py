@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fcsd.distill.config import echo_steps
 from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, search
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
@@ -155,14 +154,6 @@ def make_plan(
             source.name, chosen.layout, choice.spec, config, defaults, target, extra, (model_type, serving)
         )
         plan.notes += replaced
-        echo, echoed = config.recovery.echo, echo_steps(config)
-        if echoed:
-            plan.notes.append(
-                f"recovery.echo={echo} recovery.echo_share={config.recovery.echo_share}: the first {echoed} of the "
-                f"run's {steps:,} steps train {echo} times on their rows; the peak above holds "
-                f"the teacher outputs they keep, the step time and the run's time are unechoed steps' (the echo adds "
-                f"{(echo - 1) * echoed:,} student forward and backward passes, each about 3/4 of a step)"
-            )
         if chosen.layout.teacher == "cache" and config.recovery.hidden_l2 > 0:
             plan.notes.append(
                 "the chosen layout caches the teacher, which holds no hidden states: the guided recipe runs there "

@@ -192,29 +192,18 @@ class Run:
 
     def step(self, phase=None) -> None:
         """One optimizer step of :func:`fcsd.distill.trainer.train` on this process (its micro-batches, the gradient
-        reduction and clipping, AdamW; an echoed step's first pass, with the teacher's outputs kept).
-        ``phase(name)`` (a tracker's) names what each part allocates."""
-        from fcsd.distill.config import echo_steps
+        reduction and clipping, AdamW). ``phase(name)`` (a tracker's) names what each part allocates."""
         from fcsd.distill.objectives import micro_batch_loss
 
         phase = phase or _no_phase
-        memos = {} if echo_steps(self.config) else None  # an echoed step keeps every micro-batch's teacher outputs
         for index in range(self.micro_batches):
             with phase("teacher" if self.layout.teacher == "cache" else "activations"):
                 batch, cached = self.batch(index)
             sync = _gradient_sync(self.model, self.layout, last=index == self.micro_batches - 1)
             autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
             with sync, autocast:
-                memo = None if memos is None else memos.setdefault(index, {})
                 parts = micro_batch_loss(
-                    self.model,
-                    self.unwrapped,
-                    batch,
-                    self.config,
-                    self.teacher,
-                    cached,
-                    self.head_in_forward,
-                    teacher_memo=memo,
+                    self.model, self.unwrapped, batch, self.config, self.teacher, cached, self.head_in_forward
                 )
                 with phase("activations"):
                     loss = parts.total * (1.0 / max(parts.tokens, 1))

@@ -281,11 +281,11 @@ def static_bytes(run: Run, tracker: MemoryTracker) -> dict[str, int]:
     """Bytes this process holds for the whole run: its student weights (and buffers), their gradients, the AdamW
     states, the teacher (its weights, or a micro-batch of cached rows)."""
     params = [_local(t) for t in (*run.unwrapped.parameters(), *run.unwrapped.buffers())]
-    trainable = [_local(p) for p in run.unwrapped.parameters() if p.requires_grad]
+    trained = [_local(p) for p in run.unwrapped.parameters() if p.requires_grad]
     teacher = [] if run.teacher is None else [_local(t) for t in (*run.teacher.parameters(), *run.teacher.buffers())]
     return {
         "weights": tracker.bytes_of(params),
-        "gradients": sum(tracker._bytes(p.numel() * p.element_size()) for p in trainable),
+        "gradients": sum(tracker._bytes(p.numel() * p.element_size()) for p in trained),
         "optimizer": tracker.bytes_of(_optimizer_tensors(run.optimizer)),
         "teacher": tracker.bytes_of(teacher) + _cache_rows(run, tracker),
     }
@@ -330,7 +330,6 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     layers of the stack (:mod:`fcsd.plan.depth`), in worker processes inside
     :func:`fcsd.plan.workers.simulation_workers`."""
     config = step_config(fcsd_config, layout, layout.processes)
-    from fcsd.plan.echo import with_echo_outputs
     from fcsd.plan.teacher_dtype import fp8_teacher, with_fp8_teacher
     from fcsd.plan.workers import results
 
@@ -343,9 +342,7 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
     estimate = _estimate(combined, layout, layout.micro_batch * config.data.seq_len, accumulation_steps(config, layout))
     if fp8_teacher(config, layout):  # simulated with a bf16 teacher: the bytes FP8 saves (fcsd.plan.teacher_dtype)
         estimate = with_fp8_teacher(estimate, model_config)
-    return with_echo_outputs(
-        estimate, model_config, config, target
-    )  # data echoing's kept teacher outputs (fcsd.plan.echo)
+    return estimate
 
 
 def prefetch(model_config, fcsd_config, layout: Layout, target: str = "cuda") -> None:
