@@ -438,6 +438,21 @@ def fair_sweep(args) -> list[dict]:
     return fair.load_results(args.results)
 
 
+def runnable(results: list[dict]) -> list[dict]:
+    """The records of recipes fcsd still runs: one whose overrides name a setting since removed
+    (:data:`fcsd.run_facts.REMOVED`) stays in ``--results``, its figures in BENCHMARKS.md, and is not reported."""
+    from fcsd.run_facts import check_removed
+
+    kept = []
+    for record in results:
+        try:
+            check_removed(record.get("overrides", []))
+        except ValueError:
+            continue
+        kept.append(record)
+    return kept
+
+
 def fair_plot(results: list[dict], path: Path, recipes=("plain", "guided")) -> None:
     """Held-out KL against tokens per declared teacher: each recipe's best run at each budget."""
     import matplotlib
@@ -510,7 +525,8 @@ def main() -> None:
         if args.recipes == ",".join(RECIPES):
             args.recipes = "plain,guided"
         args.heldout, args.eval_every = "files", args.eval_every or 30
-        results, notes = fair.same_text(fair.load_results(args.results) if args.report_only else fair_sweep(args))
+        results = fair.load_results(args.results) if args.report_only else fair_sweep(args)
+        results, notes = fair.same_text(runnable(results))
         if notes:
             print("\n".join(notes))
         scales = {r["recipe"]: r.get("lr_scale", 1.0) for r in results}

@@ -111,6 +111,7 @@ def world(tmp_path_factory):
     for path in broken.iterdir():
         (root / "runs" / "broken" / "final" / path.name).write_bytes(path.read_bytes())
     add_round_three(root)
+    as_3769dc9_wrote_it(fake_run(root, "runs/echoed", steps=[2]) / CONFIG, echo=2, echo_share=0.5)
     return root
 
 
@@ -1062,6 +1063,77 @@ def test_bad_input_is_one_line_and_touches_nothing(env, capsys, argv, message, o
     assert "--multirun" not in err and "hydra.cc" not in err and "To append" not in err, err  # no foreign advice
     assert snapshot(env, own_dir) == before_world
     assert snapshot(env / "home") == before_home
+
+
+# the recovery keys fcsd 3769dc9 wrote into every run's config, at the values that turned their features off
+OLD_RECOVERY = {"warm_share": 0.0, "warm_lr_mult": 10.0, "trainable": "all", "lr_mult": {}, "progressive": []}
+OLD_RECOVERY.update(progressive_shares=[], echo=1, echo_share=0.0)
+REMOVED_ECHO = (
+    "recovery.echo was removed (data echoing never won on compute; its code is in commit 3769dc9, its figures in "
+    "BENCHMARKS.md): "
+)
+
+
+def as_3769dc9_wrote_it(config: Path, **used) -> None:
+    """Rewrite a run's saved ``config`` as fcsd 3769dc9 wrote it, with the removed recovery keys (``used``: those
+    the run used, with their values)."""
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.load(config)
+    saved.recovery = {**OmegaConf.to_container(saved.recovery), **OLD_RECOVERY, **used}
+    OmegaConf.save(saved, config)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            lambda w: run_convert(w, f"output_dir={w / 'runs/new'}", "recovery.echo=2", "recovery.echo_share=0.5"),
+            lambda w: REMOVED_ECHO + "drop it from the config",
+        ),
+        (
+            lambda w: run_convert(w, f"output_dir={w / 'runs/new'}", "recovery=warm_start"),
+            lambda w: (
+                "recovery=warm_start was removed (the layer-local warm start needed more tokens than plain KL; "
+                "its code is in commit 3769dc9, its figures in BENCHMARKS.md): drop it (recovery=guided is the default)"
+            ),
+        ),
+        (
+            lambda w: [*run_convert(w, f"output_dir={w / 'runs/echoed'}"), "--resume"],
+            lambda w: (
+                REMOVED_ECHO + f"the run in {w / 'runs/echoed'} used it: resume or export it with fcsd at that commit"
+            ),
+        ),
+    ],
+    ids=["override", "preset", "saved_run_config"],
+)
+def test_a_removed_setting_is_refused_in_one_line_naming_it(env, capsys, argv, message):
+    """A setting fcsd removed (docs/recovery.md), named by an override, a preset or a run's saved config: one line
+    naming it, why, the commit that had it and what to do; status 2 and nothing touched."""
+    before = snapshot(env)
+    assert main(argv(env)) == 2
+    assert capsys.readouterr().err.strip() == f"fcsd convert: error: {message(env)}"
+    assert snapshot(env) == before
+
+
+def test_the_export_of_a_run_refuses_a_removed_setting_it_used_and_not_one_it_left_off(env, tmp_path, capsys):
+    """A run's saved config as fcsd 3769dc9 wrote it names every removed key: at the value that turned its feature
+    off it is no use of it (the export and its model card go on); at another it is refused in one line, and
+    nothing of the export is left."""
+    run = tmp_path / "run"
+    assert main(run_convert(env, f"output_dir={run}", "train.max_steps=1", "export=false")) == 0
+    for config in (run / CONFIG, run / "final" / CONFIG):
+        as_3769dc9_wrote_it(config)
+    assert main(["export", str(run), str(tmp_path / "old")]) == 0
+    assert (tmp_path / "old" / "README.md").exists()
+    for config in (run / CONFIG, run / "final" / CONFIG):
+        as_3769dc9_wrote_it(config, echo=4, echo_share=0.25)
+    capsys.readouterr()
+    assert main(["export", str(run), str(tmp_path / "echoed")]) == 2
+    err = capsys.readouterr().err.strip()  # said once the weights are read, by the model card (loading bars first)
+    said = f"{REMOVED_ECHO}the run in {run} used it: resume or export it with fcsd at that commit"
+    assert err.splitlines()[-1] == f"fcsd export: error: {said}" and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "run"]  # nothing of the refused export is left
 
 
 def test_layer_list_syntax_and_quoted_commas_are_accepted(env):

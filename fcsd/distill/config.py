@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from fcsd.run_facts import end_step, ramp_stages, schedule_steps, warmup_steps
+from fcsd.run_facts import check_removed, end_step, ramp_stages, schedule_steps, warmup_steps
 
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
@@ -351,19 +351,26 @@ def check_overrides(overrides: list[str]) -> None:
 
 
 def compose(overrides: list[str], recipe: str = "fcsd"):
-    """The resolved ``DictConfig`` of ``recipes/<recipe>.yaml`` with ``overrides`` applied."""
+    """The resolved ``DictConfig`` of ``recipes/<recipe>.yaml`` with ``overrides`` applied; a setting fcsd removed,
+    named by an override or a recipe file, is refused in one line (:func:`fcsd.run_facts.check_removed`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
 
     register_schemas()
     check_overrides(overrides)
+    check_removed(overrides)
     folder = recipes_dir()
     if not (folder / f"{recipe}.yaml").exists():
         raise FileNotFoundError(f"recipe {recipe}.yaml not found in {folder}; set FCSD_RECIPES to the recipes folder")
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(folder), version_base="1.3"):
-        return hydra_compose(config_name=recipe, overrides=list(overrides))
+        try:
+            return hydra_compose(config_name=recipe, overrides=list(overrides))
+        except HydraException as error:  # a recipe file naming a removed key: refused as an override naming it
+            check_removed([getattr(error.__cause__ or error.__context__, "full_key", "")])
+            raise
 
 
 def cache_refusal(train: TrainConfig) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fcsd.files import ownership
 from fcsd.files.run_folder import FOREIGN_FILE, RunFolder
+from fcsd.run_facts import check_removed
 
 # Keys a resumed run must share with the run it continues (the rest, e.g. progress, may change).
 RESUME_KEYS = (
@@ -98,6 +99,7 @@ def check_resume(run: RunFolder, config) -> None:
         raise ownership.FolderError(f"--resume: output_dir {root} holds {what}, not a run to resume; {OUTPUT_FIX}")
     saved = OmegaConf.load(run.config) if run.config.exists() and config is not None else None
     if saved is not None:
+        check_removed(saved, saved_in=root)
         current = OmegaConf.structured(config)
         different = [
             f"{key}: run {_saved_value(saved, key)!r} vs now {OmegaConf.select(current, key)!r}"

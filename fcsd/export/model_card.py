@@ -23,12 +23,14 @@ def run_facts(checkpoint: Path) -> dict:
     from omegaconf import OmegaConf
 
     from fcsd.files.run_folder import CONFIG, RunFolder, is_step_checkpoint
+    from fcsd.run_facts import check_removed
 
     facts: dict = {}
     run = RunFolder.of_checkpoint(checkpoint)
     config = next((p for p in (Path(checkpoint) / CONFIG, run.config) if p.exists()), None)
     if config is not None:
         facts["config"] = OmegaConf.to_container(OmegaConf.load(config))
+        check_removed(facts["config"], saved_in=run.root)
     step = run.trainer_state(Path(checkpoint)).get("step") if is_step_checkpoint(checkpoint) else None
     if step is not None:
         facts["summary"] = {"steps": step}
