@@ -440,8 +440,9 @@ def fair_sweep(args) -> list[dict]:
 
 def runnable(results: list[dict]) -> list[dict]:
     """The records of recipes fcsd still runs: one whose overrides name a setting since removed
-    (:data:`fcsd.run_facts.REMOVED`) stays in ``--results``, its figures in BENCHMARKS.md, and is not reported."""
-    from fcsd.run_facts import check_removed
+    (:data:`fcsd.removed_settings.REMOVED`) stays in ``--results``, its figures in BENCHMARKS.md, and is not
+    reported."""
+    from fcsd.removed_settings import check_removed
 
     kept = []
     for record in results:

@@ -2372,7 +2372,7 @@ def test_a_stop_while_the_run_exports_gives_the_export_command_not_a_refused_res
     a stop after the command returned (while the interpreter ends) is one line too, with status 130."""
     import shlex
 
-    from fcsd import cli
+    from fcsd.cli import runs, stops
     from fcsd.export import save
 
     out = tmp_path / "run"
@@ -2392,11 +2392,11 @@ def test_a_stop_while_the_run_exports_gives_the_export_command_not_a_refused_res
     assert main(command[1:]) == 0 and (out / "export" / "config.json").exists()
     capsys.readouterr()
     monkeypatch.setattr(sys, "argv", ["fcsd", *argv])
-    monkeypatch.setattr(cli, "_exit_stopped", lambda code: sys.exit(code))
+    monkeypatch.setattr(stops, "exit_stopped", lambda code: sys.exit(code))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with monkeypatch.context() as patch:  # the run is done: stand in for it, then stop as the process ends
-            patch.setattr(cli, "_convert", lambda args: 0)
+            patch.setattr(runs, "_convert", lambda args: 0)
             assert main() == 0
         with pytest.raises(SystemExit) as stop:
             os.kill(os.getpid(), signal.SIGINT)

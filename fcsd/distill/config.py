@@ -15,7 +15,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from fcsd.run_facts import check_removed, end_step, ramp_stages, schedule_steps, warmup_steps
+from fcsd.removed_settings import check_removed
+from fcsd.run_facts import end_step, ramp_stages, schedule_steps, warmup_steps
 
 OBJECTIVES = ("kl", "sft", "kl_l2")
 TEACHER_MODES = ("online", "cache")
@@ -352,7 +353,7 @@ def check_overrides(overrides: list[str]) -> None:
 
 def compose(overrides: list[str], recipe: str = "fcsd"):
     """The resolved ``DictConfig`` of ``recipes/<recipe>.yaml`` with ``overrides`` applied; a setting fcsd removed,
-    named by an override or a recipe file, is refused in one line (:func:`fcsd.run_facts.check_removed`)."""
+    named by an override or a recipe file, is refused in one line (:func:`fcsd.removed_settings.check_removed`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fcsd.files import ownership
 from fcsd.files.run_folder import FOREIGN_FILE, RunFolder
-from fcsd.run_facts import check_removed
+from fcsd.removed_settings import check_removed
 
 # Keys a resumed run must share with the run it continues (the rest, e.g. progress, may change).
 RESUME_KEYS = (

@@ -23,7 +23,7 @@ def run_facts(checkpoint: Path) -> dict:
     from omegaconf import OmegaConf
 
     from fcsd.files.run_folder import CONFIG, RunFolder, is_step_checkpoint
-    from fcsd.run_facts import check_removed
+    from fcsd.removed_settings import check_removed
 
     facts: dict = {}
     run = RunFolder.of_checkpoint(checkpoint)

@@ -279,6 +279,7 @@ def export_checkpoint(
         )
     run_root = RunFolder.of_checkpoint(source).root
     check_export_target(out_dir, overwrite, [source], run_root=run_root)  # before loading anything
+    run_facts(source)  # a run that used a setting fcsd removed is refused before anything loads
     composite = composite_source(source, text_only)
     target = Path(out_dir).expanduser().resolve()
     with ownership.folder_lock(target, "OUT_DIR", beside=True):  # one export at a time, from now to the rename
