@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     args, said = None, None
     try:
         from fcsd import quiet
-        from fcsd.files import ownership
+        from fcsd.command_line import set_command
 
         quiet.install()
         quiet_hub_retries()
         args = parse_command(argv)
-        ownership.set_command(argv)
+        set_command(argv)
         if args.command in TORCH_COMMANDS:
             stopping.import_torch()
             _check_device(args)

@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from fcsd.files.ownership import LINE_ENV
+from fcsd.command_line import LINE_ENV
 from fcsd.stopping import LAUNCHER_ENV, launcher_alive
 
 MESSAGES_ENV = "FCSD_LAUNCH_MESSAGES"  # the folder each process of a launch leaves its last word in

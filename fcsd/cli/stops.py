@@ -79,7 +79,7 @@ def resume_hint(args) -> str:
         return f"; no checkpoint was saved yet in {run.root}: run the same command again to restart"
     import shlex
 
-    from fcsd.files.ownership import launcher
+    from fcsd.command_line import launcher
 
     words = [*launcher(), *(a for a in args.argv if a not in ("--resume", "train.resume=true")), "--resume"]
     command = shlex.join(words)

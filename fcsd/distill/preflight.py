@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fcsd.command_line import torchrun_line
 from fcsd.distill.config import FCSDConfig
 from fcsd.distill.resume import OUTPUT_FIX
 from fcsd.files import checksums, ownership
@@ -166,7 +167,7 @@ def check_launcher(config) -> None:
     )
     raise ValueError(
         f"{asked} lays the model out over several processes, which a launcher starts, and this is one plain process: "
-        f"launch it with `{ownership.torchrun_line(nproc)}` (one process per GPU; parallel.ep_size must divide their "
+        f"launch it with `{torchrun_line(nproc)}` (one process per GPU; parallel.ep_size must divide their "
         "number), or drop the parallel settings to train in one process"
     )
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from fcsd.command_line import command_line
 from fcsd.files import ownership
 from fcsd.files.run_folder import FOREIGN_FILE, RunFolder
 from fcsd.removed_settings import check_removed
@@ -152,7 +153,7 @@ def resume_command(step: int) -> str:
     ``train.resume_step`` replaced): what every message that names a checkpoint to resume from prints."""
     import shlex
 
-    words = shlex.split(ownership.command_line())
+    words = shlex.split(command_line())
     kept = [w for w in words if w not in ("--resume", "train.resume=true") and not w.startswith("train.resume_step=")]
     return shlex.join([*kept, "--resume", f"train.resume_step={step}"])
 
@@ -165,7 +166,7 @@ def restart_command(**settings: str) -> str:
 
     settings = {"overwrite": "true", **settings}
     dropped = ("--resume", "train.resume")
-    words = [w for w in shlex.split(ownership.command_line()) if w not in dropped]
+    words = [w for w in shlex.split(command_line()) if w not in dropped]
     kept = [w for w in words if w.split("=", 1)[0].lstrip("+") not in (*settings, *dropped, "train.resume_step")]
     return shlex.join([*kept, *(f"{key}={value}" for key, value in settings.items())])
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from fcsd.files import ownership
+from fcsd.command_line import command_line
 from fcsd.files.run_folder import SIZE_ONLY_NOTE, RunFolder
 from fcsd.parallel.processes import print_once
 
@@ -65,7 +65,7 @@ def _older_export(run: RunFolder, checkpoint: Path) -> str:
     if older is None:
         return "; no sound older checkpoint is left"
     given = str(checkpoint)
-    line = ownership.command_line(replace={given: str(older), given + "/": str(older)})
+    line = command_line(replace={given: str(older), given + "/": str(older)})
     if shlex.quote(str(older)) not in line:  # the command does not name the checkpoint so (the Python API)
         line = f"fcsd export {shlex.quote(str(older))} OUT"
     return f"; export the newest sound one instead: `{line}`"

@@ -133,7 +133,7 @@ def check_resumable(record: dict | None, checkpoint: Path, layout: str | None) -
     and ``fsdp``)."""
     record = record or {}
     if record.get("format") == FORMAT and layout is None:
-        from fcsd.files.ownership import torchrun_line
+        from fcsd.command_line import torchrun_line
 
         settings = {"parallel.ep_size": str(record["ep"]), "parallel.fsdp": str(bool(record["fsdp"])).lower()}
         raise ValueError(
