@@ -6,6 +6,7 @@ A wrong key or a value of the wrong type fails at composition with Hydra's messa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -28,13 +29,20 @@ EP_DISPATCHERS = ("plain", "dedup", "hierarchical")
 EARLY_STOP_METRICS = ("plus", "base")
 OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
 DEFAULT_TIMEOUT_MINUTES = 60  # parallel.timeout_minutes: process groups of training and of fcsd's own tools
+EXPORT_FORMATS = ("source", "bf16")
+
+
+def one_of(default: str, choices: tuple[str, ...]):
+    """A setting that takes one of ``choices``: checked where every config is read, by :func:`check_choices`."""
+    return field(default=default, metadata={"choices": choices})
 
 
 @dataclass
 class ModelConfig:
     name: str = MISSING  # hub id, local folder, or 'demo'; the MODEL argument of `fcsd convert` sets it
     revision: str | None = None  # hub branch, tag or commit sha of `name` (None: main); MODEL@REV sets it
-    dtype: str = "auto"  # weights of the student (master copy): auto = float32 (bf16 compute comes from autocast)
+    # weights of the student (master copy): auto = float32 (bf16 compute comes from autocast)
+    dtype: str = one_of("auto", MODEL_DTYPES)
     attn_implementation: str | None = None  # e.g. sdpa, flash_attention_2; None = the transformers default
     experts_implementation: str | None = None  # transformers' expert kernels: grouped_mm (default), batched_mm, eager
     trust_remote_code: bool = False
@@ -51,12 +59,14 @@ class ConnectivityConfig:
 @dataclass
 class ParallelConfig:
     ep_size: int = 1  # expert parallelism: routed experts sharded over groups of this many processes (1: off)
-    mode: str = "farskip_overlap"  # farskip_overlap (the Sec. 4.1 overlapped schedule) | farskip_reference (blocking)
+    # farskip_overlap (the Sec. 4.1 overlapped schedule) | farskip_reference (blocking)
+    mode: str = one_of("farskip_overlap", EP_MODES)
     placement: str | None = None  # PLACEMENT.json of `fcsd routes place`: experts permuted before sharding
     fsdp: bool = False  # FSDP2 under torchrun: everything but the routed experts sharded over all processes, each
     # expert shard over its world/ep_size replicas; the teacher laid out the same way (fcsd.parallel.layout)
-    dispatcher: str = "plain"  # expert-parallel all-to-all: plain (a row per token and expert) | dedup (per rank) |
-    # hierarchical (node-aware: a row per token and destination node across nodes, fanned out inside the node)
+    # expert-parallel all-to-all: plain (a row per token and expert) | dedup (per rank) | hierarchical (node-aware: a
+    # row per token and destination node across nodes, fanned out inside the node)
+    dispatcher: str = one_of("plain", EP_DISPATCHERS)
     node_size: int | None = None  # processes per node (the launcher's LOCAL_WORLD_SIZE if unset): an EP group larger
     # than a node holds whole nodes (ep_size a multiple of it); the node-aware dispatcher's two hops
     # minutes a collective may wait before the job fails: longer than the longest phase the main process runs alone
@@ -80,7 +90,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    objective: str = "kl"  # kl (Eq. 4) | sft (Eq. 3) | kl_l2 (Eq. 4 + l2_coef * Eq. 5)
+    # kl (Eq. 4) | sft (Eq. 3) | kl_l2 (Eq. 4 + l2_coef * Eq. 5)
+    objective: str = one_of("kl", OBJECTIVES)
     divergence: str = "forward_kl"  # for kl / kl_l2: forward_kl (paper) | reverse_kl | jsd
     temperature: float = 1.0  # softmax temperature of the divergence (loss scaled by T^2)
     jsd_beta: float = 0.5  # mixture weight of the teacher in jsd
@@ -130,10 +141,12 @@ class TrainConfig:
 
 @dataclass
 class TeacherConfig:
-    mode: str = "online"  # online: teacher forward each step | cache: top-k logits from `fcsd cache-teacher`
-    dtype: str = "auto"  # auto = bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | fp8: a block-FP8 source
-    # (DeepSeek-V3, Qwen3 -FP8) keeps transformers' FP8 modules (a CUDA GPU of compute capability >= 8.9, the teacher
-    # loaded whole, no parallel layout; refused elsewhere); other values dequantize an FP8 source (fcsd.block_fp8)
+    # online: teacher forward each step | cache: top-k logits from `fcsd cache-teacher`
+    mode: str = one_of("online", TEACHER_MODES)
+    # auto = bfloat16 on GPU, float32 on CPU | float32 | bfloat16 | fp8: a block-FP8 source (DeepSeek-V3, Qwen3 -FP8)
+    # keeps transformers' FP8 modules (a CUDA GPU of compute capability >= 8.9, the teacher loaded whole, no parallel
+    # layout; refused elsewhere); other values dequantize an FP8 source (fcsd.block_fp8)
+    dtype: str = one_of("auto", TEACHER_DTYPES)
     cache_dir: str | None = None  # where the teacher cache lives; None: <output_dir>/teacher-cache
     top_k: int = 64  # cached logits per token (the rest of the mass is one bucket)
 
@@ -144,7 +157,8 @@ class EarlyStopConfig:
     every: int = 1000  # evaluate every N optimizer steps, plus at step 0 and at the end
     patience: int = 20  # stop after this many evaluations in a row without a significant improvement
     min_delta: float = 2.0  # significant = more than this many ABSOLUTE pass@1 points above the last significant one
-    metric: str = "plus"  # plus: pass@1 on base + extra tests (MBPP+) | base: base tests only
+    # plus: pass@1 on base + extra tests (MBPP+) | base: base tests only
+    metric: str = one_of("plus", EARLY_STOP_METRICS)
     limit: int | None = None  # score only the first N problems (by task number) for speed; None: all
     data: str | None = None  # MbppPlus .jsonl file; None: $MBPP_OVERRIDE_PATH, else evalplus downloads it
     max_new_tokens: int = 512  # generation budget per solution (greedy)
@@ -160,8 +174,9 @@ class SweepConfig:
     select_last: int = 100  # selection: lowest mean training loss (per token) over the last N steps of a run
     launcher: str = "basic"  # Hydra launcher: basic (one run after another here) | submitit_slurm | submitit_local
     launcher_overrides: list[str] = field(default_factory=list)  # e.g. [hydra.launcher.partition=gpu]
-    schedule: str = "full"  # full: sweep runs follow the full run's LR schedule and stop after `steps` |
-    # truncated: warm-up and cosine squeezed into `steps` (each sweep run is a complete short run)
+    # full: sweep runs follow the full run's LR schedule and stop after `steps` | truncated: warm-up and cosine squeezed
+    # into `steps` (each sweep run is a complete short run)
+    schedule: str = one_of("full", SWEEP_SCHEDULES)
     launch_final: bool = False  # after the sweep, run the full conversion with the chosen settings
     dir: str | None = None  # sweep folder; None: <output_dir>/sweep
 
@@ -171,9 +186,10 @@ class RecoveryConfig:
     """Recovery recipes beyond the paper (design §3): the optimizer, its LR, the hidden-state guide, the batch ramp."""
 
     name: str = "plain"  # the recipe's name, recorded in the run (recipes/recovery/ presets set it)
-    optimizer: str = "adamw"  # adamw: AdamW, warm-up, cosine to train.min_lr_ratio (the paper) | schedule_free:
-    # schedule-free AdamW (Defazio et al. 2024, the `schedulefree` package), constant LR after the warm-up; the
-    # weights scored, saved (final/, best/) and exported are the average its iterates follow, good at every step
+    # adamw: AdamW, warm-up, cosine to train.min_lr_ratio (the paper) | schedule_free: schedule-free AdamW (Defazio et
+    # al. 2024, the `schedulefree` package), constant LR after the warm-up; the weights scored, saved (final/, best/)
+    # and exported are the average its iterates follow, good at every step
+    optimizer: str = one_of("adamw", OPTIMIZERS)
     lr_scale: float = 1.0  # the run's peak LR as a multiple of train.lr (the schedule_free preset: 2; guided: 4)
     warmup_share: float | None = None  # warm-up as a share of the run's steps, replacing train.warmup_steps
     hidden_l2: float = 0.0  # weight of the teacher's hidden states as a guide, added to the KL: per token, the mean
@@ -203,12 +219,23 @@ class FCSDConfig:
     output_dir: str = "outputs/fcsd"
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
     export: bool = True  # run that export (remote code, reload-parity check)
-    export_format: str = "source"  # source: a block-FP8 source's own FP8 format (else its dtype) | bf16
-    # a multimodal source (Llama-4 Scout): true exports the trained text model alone, without its vision tower
+    # source: a block-FP8 source's own FP8 format (else its dtype) | bf16 a multimodal source (Llama-4 Scout): true
+    # exports the trained text model alone, without its vision tower
+    export_format: str = one_of("source", EXPORT_FORMATS)
     export_text_only: bool = False
     push_to_hub: str | None = None  # hub repository to push the export to at the end (needs a token)
     overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
     progress: bool = True  # progress bars
+
+
+def check_choices(config, prefix: str = "") -> None:
+    """Every setting declared with :func:`one_of` holds one of its choices, else one line naming them."""
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if is_dataclass(value):
+            check_choices(value, f"{prefix}{item.name}.")
+        elif "choices" in item.metadata and value not in item.metadata["choices"]:
+            raise ValueError(f"{prefix}{item.name}={value!r}: choose one of {', '.join(item.metadata['choices'])}")
 
 
 def unknown_keys(cfg, schema, prefix: str = "") -> list[str]:
@@ -405,8 +432,6 @@ def check_recovery(config: FCSDConfig) -> None:
 
 def _check_optimizer(config: FCSDConfig) -> None:
     recovery = config.recovery
-    if recovery.optimizer not in OPTIMIZERS:
-        raise ValueError(f"recovery.optimizer={recovery.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
     if not (math.isfinite(recovery.lr_scale) and recovery.lr_scale > 0):
         raise ValueError(f"recovery.lr_scale={recovery.lr_scale}: it must be a finite number > 0")
     share = recovery.warmup_share
@@ -466,7 +491,7 @@ def guide_weight(config: FCSDConfig, step: int) -> float:
 
 
 def peak_lr(config: FCSDConfig) -> float:
-    """The run's peak LR (issue 37's LR rule, docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
+    """The run's peak LR (the LR rule of docs/recovery.md): ``train.lr``, the plain recipe's AdamW LR for the
     model (the paper's 2e-5 for its models, a model preset's, or the user's), times the recipe's
     ``recovery.lr_scale`` (the guided default: 4; on the fair recovery benchmark's four teachers guided did best at
     4x plain's best LR, or within 1% of its best there)."""
@@ -493,6 +518,7 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
             "`fcsd convert MODEL --cfg job` prints every key"
         )
     config: FCSDConfig = OmegaConf.to_object(cfg)
+    check_choices(config)
     config.farskip.layers = _layer_spec(config.farskip.layers)
     _expand_paths(config)
     train = config.train
@@ -501,14 +527,7 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
         if not math.isfinite(value):
             raise ValueError(f"train.{name}={value}: it must be a finite number")
     checks = [
-        (config.train.objective in OBJECTIVES, f"train.objective={config.train.objective!r}: choose {OBJECTIVES}"),
-        (config.teacher.mode in TEACHER_MODES, f"teacher.mode={config.teacher.mode!r}: choose {TEACHER_MODES}"),
         (config.teacher.top_k >= 1, f"teacher.top_k={config.teacher.top_k}: the cache keeps at least 1 (e.g. 64)"),
-        (config.model.dtype in MODEL_DTYPES, f"model.dtype={config.model.dtype!r}: choose one of {MODEL_DTYPES}"),
-        (
-            config.teacher.dtype in TEACHER_DTYPES,
-            f"teacher.dtype={config.teacher.dtype!r}: choose one of {TEACHER_DTYPES}",
-        ),
         (config.teacher.mode == "online" or cache_refusal(train) is None, cache_refusal(train)),
         (train.lr > 0, f"train.lr={train.lr}: it must be > 0 (e.g. train.lr=2e-5)"),
         (0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio={train.min_lr_ratio}: it must lie in [0, 1]"),
@@ -526,14 +545,12 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
         (train.max_steps is None or train.max_steps > 0, f"train.max_steps={train.max_steps}: it must be > 0"),
         (train.temperature > 0, f"train.temperature={train.temperature}: it must be > 0"),
         (0 < train.jsd_beta < 1, f"train.jsd_beta={train.jsd_beta}: it must lie strictly between 0 and 1"),
-        (config.sweep.schedule in SWEEP_SCHEDULES, f"sweep.schedule: choose {SWEEP_SCHEDULES}"),
         (config.parallel.ep_size >= 1, f"parallel.ep_size={config.parallel.ep_size}: it must be at least 1"),
         (
             not train.checkpoint_offload or (train.gradient_checkpointing and config.parallel.ep_size > 1),
             "train.checkpoint_offload keeps the rows of checkpointed expert-parallel exchanges in host memory: it "
             "needs train.gradient_checkpointing=true and parallel.ep_size > 1",
         ),
-        (config.parallel.mode in EP_MODES, f"parallel.mode={config.parallel.mode!r}: choose {EP_MODES}"),
         (
             config.parallel.node_size is None or config.parallel.node_size >= 1,
             f"parallel.node_size={config.parallel.node_size}: it must be at least 1 (processes per node), or unset "
@@ -555,20 +572,12 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
             f"wait (default {DEFAULT_TIMEOUT_MINUTES})",
         ),
         (
-            config.parallel.dispatcher in EP_DISPATCHERS,
-            f"parallel.dispatcher={config.parallel.dispatcher!r}: choose {EP_DISPATCHERS}",
-        ),
-        (
             train.mixed_precision != "fp16" or (config.parallel.ep_size == 1 and not config.parallel.fsdp),
             "train.mixed_precision=fp16 needs a loss scaler, which parallel.ep_size / parallel.fsdp runs do not use: "
             "use bf16",
         ),
         (config.data.path is not None, "data.path is required: a local data file or folder, or a datasets name"),
         (config.train.batch_tokens >= config.data.seq_len, "train.batch_tokens must be at least data.seq_len"),
-        (
-            config.early_stop.metric in EARLY_STOP_METRICS,
-            f"early_stop.metric={config.early_stop.metric!r}: choose {EARLY_STOP_METRICS}",
-        ),
         (config.early_stop.every > 0, "early_stop.every must be a positive number of steps"),
         (train.save_every >= 0, f"train.save_every={train.save_every}: give a number of steps (0: only at the end)"),
         (
@@ -577,7 +586,6 @@ def to_config(cfg, resolve: bool = True) -> FCSDConfig:
         ),
         (config.early_stop.patience > 0, "early_stop.patience must be at least 1 evaluation"),
         (config.export or not config.push_to_hub, "push_to_hub pushes the export: it needs export=true"),
-        (config.export_format in ("source", "bf16"), f"export_format={config.export_format!r}: choose source or bf16"),
     ]
     for ok, message in checks:
         if not ok:

@@ -244,7 +244,7 @@ def hidden_l2(
 
 def relative_hidden_l2(student_hidden: list[torch.Tensor], teacher_hidden: list[torch.Tensor]) -> torch.Tensor:
     """Sum over tokens of the mean over matched layers of ``||o_i - t_i||^2 / ||t_i||^2``: paper Eq. 5 made
-    scale-free, each token's error relative to the teacher's own state (the ``guided`` recovery recipe, issue 27).
+    scale-free, each token's error relative to the teacher's own state (the ``guided`` recovery recipe).
 
     Per token, so a micro-batch's value does not depend on the others in its step (data and expert parallelism sum
     the same terms as one process), and a layer with large activations does not drown the others.

@@ -1,4 +1,4 @@
-"""The teacher's dtype in a plan: ``teacher.dtype=fp8`` (issue 39) keeps a block-FP8 source's FP8 modules.
+"""The teacher's dtype in a plan: ``teacher.dtype=fp8`` keeps a block-FP8 source's FP8 modules.
 
 What the run accepts (:func:`fcsd.distill.models.load_models`, :func:`fcsd.block_fp8.check_fp8_modules`): a block-FP8
 source, GPUs with FP8 kernels (compute capability >= 8.9: Ada, Hopper and later), and the teacher loaded whole, so
