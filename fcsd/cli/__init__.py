@@ -16,14 +16,13 @@ DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fcsd.cli import checkpoints, measure, routes, runs
-    from fcsd.plan.cli import add_parser as add_plan_parser
+    from fcsd.cli import checkpoints, measure, plan, routes, runs
 
     parser = argparse.ArgumentParser(prog="fcsd", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     runs.add_parsers(sub)  # convert, sweep, cache-teacher
     checkpoints.add_parsers(sub)  # inspect, probe, export, eval, push
-    add_plan_parser(sub)  # plan
+    plan.add_parser(sub)  # plan
     measure.add_parsers(sub)  # perfmodel, bench
     routes.add_parser(sub)  # routes record | stats | place
     p = sub.add_parser(
