@@ -19,7 +19,7 @@ serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd'
 	$(if $(VLLM_DROP),$(VLLM_VENV)/bin/python -m pip uninstall -y $(VLLM_DROP))
 	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "from fcsd.serving.vllm.launcher import install; install()"  # see its docstring
-	$(VLLM_VENV)/bin/python -m fcsd.serving.vllm.check
+	$(VLLM_VENV)/bin/python -m fcsd.serving.vllm.install_check
 
 TEST_WORKERS ?= 2  # pytest-xdist processes; each test file runs whole in one of them (its module fixtures once)
 # one torch thread per worker unless set: two workers of two threads each on two cores spin against each other

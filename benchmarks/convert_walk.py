@@ -1,7 +1,7 @@
 """How `fcsd convert` walks through fcsd's own modules before it loads the models (its pre-flight).
 
 `fcsd convert` runs on the demo's files (built in a scratch cache, the teacher barely pretrained) with a tiny run,
-under a profiler hook that follows fcsd's own frames from `fcsd.cli.main` to `fcsd.distill.models.load_models`
+under a profiler hook that follows fcsd's own frames from `fcsd.cli.main` to `fcsd.distill.student_teacher.load_models`
 (where it stops the run: all before it resolves and checks the sources, the folders, the data and the resume):
 calls into other packages are transparent, so the "current module" is the module of the innermost fcsd frame.
 Printed:
@@ -54,7 +54,7 @@ def walk(argv: list[str]) -> list[tuple[str, str]]:
         if importing[0]:
             return
         if event == "call":
-            if frame.f_code.co_name == "load_models" and module == "fcsd.distill.models":
+            if frame.f_code.co_name == "load_models" and module == "fcsd.distill.student_teacher":
                 raise _Reached
             if not stack or stack[-1] != module:
                 changes.append(("enter", module))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from fcsd.placement.report import coupling_report, format_report
+from fcsd.placement.coupling_table import coupling_report, format_report
 from fcsd.placement.traces import load_routes
 
 

@@ -19,7 +19,8 @@ The report has one key per section, each ``{"status": "ok" | "failed" | "skipped
 
 Sections:
 
-- ``one_process``: a tiny Qwen3-MoE loaded as ``fcsd convert`` loads it (:func:`fcsd.distill.models.load_models`:
+- ``one_process``: a tiny Qwen3-MoE loaded as ``fcsd convert`` loads it
+(:func:`fcsd.distill.student_teacher.load_models`:
   fp32 master weights, experts in the autocast dtype), one step of the trainer's loss
   (:func:`fcsd.distill.objectives.micro_batch_loss`) + backward + AdamW under bf16 autocast: host synchronisations
   counted by ``torch.cuda.set_sync_debug_mode("warn")`` (per MoE layer; n/a on a CPU), the input dtypes of every
@@ -272,8 +273,8 @@ def one_process(ctx) -> dict:
     from fcsd.connectivity.families import family_for_config, moe_blocks
     from fcsd.distill.config import compose, to_config
     from fcsd.distill.data import Packed
-    from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.objectives import micro_batch_loss
+    from fcsd.distill.student_teacher import load_models, load_tokenizer
 
     cuda = ctx.device == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

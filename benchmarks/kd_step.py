@@ -75,7 +75,7 @@ def build(preset: dict, device: str, experts_implementation: str | None):
 
 def compute_dtype_copy(student, device: str):
     """A FarSkip student with ``student``'s weights whose experts run in the autocast dtype (the trainer's student:
-    :func:`fcsd.distill.models.load_models` applies :func:`fcsd.precision.experts_in_compute_dtype`)."""
+    :func:`fcsd.distill.student_teacher.load_models` applies :func:`fcsd.precision.experts_in_compute_dtype`)."""
     copy = fcsd.apply_farskip(transformers.Qwen3MoeForCausalLM(student.config), "all")
     copy.load_state_dict(student.state_dict())
     experts_in_compute_dtype(copy)

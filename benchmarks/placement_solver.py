@@ -15,7 +15,7 @@ import numpy as np
 
 from fcsd.placement.solver import contiguous_placement, correlated_placement
 from fcsd.placement.stats import within_layer
-from fcsd.placement.synthetic import planted_routes
+from fcsd.placement.synthetic_routes import planted_routes
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """`fcsd plan --measure` for the paper models' chosen layouts: the estimate against 4 real gloo processes.
 
 For each model and the layout its plan chooses (or, where none fits, the closest expert-parallel one), the run is
-cut down as ``--measure`` cuts it (:func:`fcsd.plan.check.reduced`: hidden 256, 8 experts, at most 4 layers of the
+cut down as ``--measure`` cuts it (:func:`fcsd.plan.self_check.reduced`: hidden 256, 8 experts, at most 4 layers of the
 same kinds, 128-token sequences, 4 processes laid out as the candidate: EP x FSDP2 as EP 2 x FSDP 2, FSDP2 alone
 over 4), estimated from the config alone (fake tensors over a fake process group, ``target="cpu"``) and measured
 for real on 4 gloo processes (:func:`fcsd.plan.measure.measure_jobs`: the tensors alive before the second step plus
@@ -34,11 +34,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    from fcsd.plan.check import reduced
     from fcsd.plan.cluster import make_cluster
     from fcsd.plan.measure import measure_jobs
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config
+    from fcsd.plan.self_check import reduced
     from fcsd.plan.simulate import estimate_step
 
     jobs, names = [], []

@@ -381,8 +381,8 @@ def heldout_fingerprint(out: Path, model: Path, texts, teacher_name: str, eval_s
     file's digest does not change when fcsd packs it otherwise)."""
     from fcsd.distill.config import compose, to_config
     from fcsd.distill.data import tokens_fingerprint
-    from fcsd.distill.models import load_tokenizer
     from fcsd.distill.run_data import load_run_data
+    from fcsd.distill.student_teacher import load_tokenizer
 
     config = to_config(compose(data_overrides(out, model, texts, teacher_name, eval_sequences)))
     _, held, _ = load_run_data(config, load_tokenizer(config))

@@ -1725,8 +1725,8 @@ def test_resume_accepts_the_same_data_file_by_another_spelling_of_its_path(env):
 
 def test_small_data_holds_out_at_most_a_fifth_and_says_so(env, caplog):
     """Case 9: data.eval_sequences above a fifth of the packed sequences holds out a fifth, with a note."""
-    from fcsd.distill.models import load_tokenizer
     from fcsd.distill.run_data import load_run_data
+    from fcsd.distill.student_teacher import load_tokenizer
 
     config = to_config(compose([*run_convert(env, "data.eval_sequences=1000")[2:], f"model.name={env / 'model'}"]))
     train, held, _ = load_run_data(config, load_tokenizer(config))
@@ -1737,8 +1737,8 @@ def test_small_data_holds_out_at_most_a_fifth_and_says_so(env, caplog):
 def test_the_held_out_rows_of_an_eval_file_do_not_change_with_the_seed(env):
     """Runs of two seeds train in two orders and are scored on the same held-out rows of data.eval_path (the
     file's documents were packed in the seed's order, so another seed scored other windows)."""
-    from fcsd.distill.models import load_tokenizer
     from fcsd.distill.run_data import load_run_data
+    from fcsd.distill.student_teacher import load_tokenizer
 
     loaded = []
     for seed in (0, 1):

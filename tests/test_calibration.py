@@ -185,10 +185,10 @@ def test_plan_refuses_preset_options_beside_a_cluster_file(tmp_path, capsys):
 
 def ddp_estimate():
     """A simulated DDP step of the reduced demo over 2 processes (what the priced-step tests price)."""
-    from fcsd.plan.check import reduced
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config
     from fcsd.plan.run import Layout
+    from fcsd.plan.self_check import reduced
     from fcsd.plan.simulate import estimate_step
 
     source = load_model_config("demo")
@@ -287,11 +287,11 @@ def test_the_calibrated_prediction_adds_the_measured_overheads(tmp_path):
 
 def test_step_counts_see_the_collectives_of_a_laid_out_step():
     """An EP 2 step over a fake process group: all-to-alls of 2 ranks in every MoE layer, forward and backward."""
-    from fcsd.plan.check import reduced
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config
     from fcsd.plan.predict import step_counts
     from fcsd.plan.run import Layout
+    from fcsd.plan.self_check import reduced
 
     source = load_model_config("demo")
     config, _, _ = run_config(source, [], 2e9, cluster_from_data(_data_only()))
@@ -385,7 +385,7 @@ def test_the_benchmark_times_the_experts_as_grouped_gemms_at_an_ep_ranks_rows():
     import torch
 
     from fcsd.plan.calibrate import combine, measure_rank
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
 
     text = load_model_config("demo").config
     hidden, inter, experts, top_k = text.hidden_size, text.moe_intermediate_size, text.num_experts, 4

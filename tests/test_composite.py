@@ -24,7 +24,7 @@ from fcsd.embedded.synthetic import make_dataset, write_jsonl
 from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export.composite import SOURCE_KEY, CompositeError
 from fcsd.export.save import export_checkpoint
-from fcsd.serving.families import BY_ARCHITECTURE
+from fcsd.serving.served_families import BY_ARCHITECTURE
 
 
 def tensors(folder: Path) -> dict[str, torch.Tensor]:

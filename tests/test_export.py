@@ -18,7 +18,7 @@ import fcsd
 from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export import save as export_module
 from fcsd.export.save import ExportError, export, text_logits
-from fcsd.serving.families import farskip_architecture
+from fcsd.serving.served_families import farskip_architecture
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +234,7 @@ def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused
 
 
 def test_serve_command_quotes_the_folder():
-    from fcsd.serving.families import serve_command
+    from fcsd.serving.served_families import serve_command
 
     assert serve_command("runs/my model", "qwen3_moe") == "vllm serve 'runs/my model'"  # one argument to a shell
     assert serve_command("out/export", "farskip_qwen3_moe") == "vllm serve out/export"

@@ -17,7 +17,7 @@ WORKER = textwrap.dedent(
 
     import torch.distributed as dist
 
-    from fcsd.parallel.apply import resolve_node_size
+    from fcsd.parallel.apply_ep import resolve_node_size
     from fcsd.parallel.hierarchical import node_and_rail_groups
     from fcsd.parallel.training import expert_parallel_group
 
@@ -29,7 +29,7 @@ WORKER = textwrap.dedent(
     except ValueError as error:
         print(error, file=sys.stderr)
         sys.exit(2)
-    from fcsd.parallel.apply import _replica_group
+    from fcsd.parallel.apply_ep import _replica_group
     from fcsd.parallel.layout import ParallelDims, build_meshes
 
     meshes = build_meshes(ParallelDims(world=4, ep=2, fsdp=True), "cpu")
@@ -258,7 +258,7 @@ def test_a_node_size_that_does_not_divide_the_job_is_refused(tmp_path):
     code = textwrap.dedent(
         f"""
         import torch.distributed as dist
-        from fcsd.parallel.apply import resolve_node_size
+        from fcsd.parallel.apply_ep import resolve_node_size
         dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
         assert resolve_node_size(1, 1) == 1
         try:

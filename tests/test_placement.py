@@ -20,11 +20,11 @@ from fcsd.placement import (
     load_routes,
     record_routes,
 )
-from fcsd.placement.report import coupling_report
+from fcsd.placement.coupling_table import coupling_report
 from fcsd.placement.shuffle import ShufflePlanner, assign_owners, evaluate_shuffle
 from fcsd.placement.solver import coselection, intra_weight
 from fcsd.placement.stats import coselection_summary, dispatch_counts, transition_summary, within_layer
-from fcsd.placement.synthetic import cluster_placement, planted_routes
+from fcsd.placement.synthetic_routes import cluster_placement, planted_routes
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,7 @@ def test_paper_models_fit_with_ep_x_fsdp2(model, gpu, nodes, layout):
     over a fake process group of all the GPUs, the teacher laid out as the student, checkpointing replaying the
     exchanges) fits the GPU's budget, and every process holds a W-th of the student (nothing whole)."""
     from fcsd.plan.candidates import parameter_counts
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
 
     source = load_model_config(model)
@@ -194,7 +194,7 @@ def test_deepseek_v3_on_16_nodes_misses_by_what_more_gpus_cannot_shard():
     GPU goes to what checkpointing under EP keeps (each layer's inputs and the rows its Dispatch and Combine received,
     for the replay), which grows with the tokens of a micro-batch, not with the model's share: the step does not fit
     (train.checkpoint_offload is what fits it, below), and the plan must say so rather than claim a fit."""
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
 
     source = load_model_config("deepseek-v3")
@@ -222,7 +222,7 @@ def test_checkpoint_offload_fits_expert_parallelism_where_the_replay_did_not(mod
     the plan allows; the same step keeping them on the GPU does not fit."""
     from dataclasses import replace
 
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
 
     source = load_model_config(model)
@@ -241,7 +241,7 @@ def test_host_memory_and_link_options_decide_the_offloaded_layout():
     a slower host link exposes more of them per step; the prefetched replay hides the way back behind the backward
     but for the first layer's rows, and what a layer's copy takes beyond a layer's backward."""
     from fcsd.plan.candidates import _simulated
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
     from fcsd.plan.timing import offload_exposure
 
@@ -344,10 +344,10 @@ def test_reduced_measure_of_laid_out_layouts_on_four_processes():
     out on 4 gloo processes as the candidate is (EP x FSDP2 as EP 2 x FSDP 2, with and without checkpointing; FSDP2
     alone over 4), two real steps: every process's measured peak within 10% of the estimate, its weights and AdamW
     bytes exactly the estimate's."""
-    from fcsd.plan.check import reduced
     from fcsd.plan.measure import measure_jobs
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
+    from fcsd.plan.self_check import reduced
 
     jobs = []
     for model, gpu, nodes, layout in MEASURED_LAYOUTS:
@@ -406,7 +406,7 @@ def test_ep_x_fsdp2_commands_launch_the_run_and_the_multi_process_cache(tmp_path
     same processes laid out the same way (the teacher need not fit one GPU); both accepted by fcsd's parsers."""
     from dataclasses import replace
 
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
     from fcsd.plan.printed_commands import plan_commands
 
@@ -438,7 +438,7 @@ def test_a_preset_caching_its_teacher_keeps_the_guide_for_the_online_layouts_the
     """A run config whose teacher mode is the cache (the Llama-4 Scout preset's) keeps the guided recipe's guide
     until a layout chooses its teacher: an online layout is priced with it (as the command the plan prints for it
     runs), a cached one without, and the plan prints no note that the guide was turned off."""
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
     from fcsd.plan.run import step_config
 
@@ -455,7 +455,7 @@ def test_a_preset_caching_its_teacher_keeps_the_guide_for_the_online_layouts_the
 def test_a_plan_whose_sequences_exceed_the_models_positions_says_convert_refuses_it(tmp_path):
     """The plan prices the run it is given, but its printed command would be refused by ``fcsd convert`` (data.seq_len
     above max_position_embeddings): a note says so, with convert's own message."""
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.planner import run_config as plan_config
 
     chat = [{"messages": [{"role": "user", "content": "add 1 and 1"}, {"role": "assistant", "content": "2"}]}]
@@ -549,7 +549,7 @@ def test_routing_reach_equals_a_count_of_every_route(experts, top_k, ep, node, n
 def test_group_limited_routing_bounds_the_nodes_deepseek_v3_reaches():
     """DeepSeek-V3 (256 experts, top-8 of 4 of 8 groups) over EP 64 on nodes of 8: a group per node, so a token
     reaches at most 4 nodes (uniform routing would reach more); a layout that cannot exist is one line naming it."""
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.perfmodel import model_shape
     from fcsd.plan.routing import model_reach, reach
 
@@ -603,7 +603,7 @@ def test_deepseek_v3_prices_an_ep_group_across_nodes_fastest():
 
     from fcsd.connectivity.layer_spec import converted_layers
     from fcsd.plan.candidates import parameter_counts
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.perfmodel import model_shape
     from fcsd.plan.planner import _teacher_flops
     from fcsd.plan.planner import run_config as plan_config

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from test_plan import accepted_by_convert, run_config
 
 from fcsd.plan.cluster import GPU, Cluster, make_cluster
-from fcsd.plan.models import load_model_config
+from fcsd.plan.model_configs import load_model_config
 from fcsd.plan.printed_commands import plan_commands
 from fcsd.plan.run import LAID_OUT, STRATEGIES, Layout
 from fcsd.plan.simulate import estimate_step

@@ -15,7 +15,7 @@ import pytest
 from tiny_models import CONFIGS
 
 from fcsd.plan.cluster import GIB, GPU, Cluster, make_cluster
-from fcsd.plan.models import load_model_config
+from fcsd.plan.model_configs import load_model_config
 from fcsd.plan.printed_commands import accelerate_config, launch_prefix, serve_line
 from fcsd.plan.run import Layout
 from fcsd.plan.serving import (

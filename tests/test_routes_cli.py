@@ -12,7 +12,7 @@ from fcsd.embedded.synthetic import make_dataset, write_jsonl
 from fcsd.loading import from_pretrained
 from fcsd.placement import apply_placement, load_placement, load_routes
 from fcsd.placement.stats import distinct_per_row
-from fcsd.placement.synthetic import planted_routes
+from fcsd.placement.synthetic_routes import planted_routes
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ import fcsd
 from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export.save import export
 from fcsd.loading import tokenizer_from_pretrained
-from fcsd.serving.vllm.overlap import resolve_overlap
+from fcsd.serving.vllm.routed_allreduce import resolve_overlap
 from fcsd.serving.vllm.variants import stock_copy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -389,7 +389,7 @@ def test_the_plugin_maps_the_composite_llama4_export_to_vllms_multimodal_class()
     CPU here: vLLM's mllama4 imports transformers' Llama-4 image processor, which needs torchvision, and serve-env
     drops torchvision (PyPI's wheel is built for the CUDA torch; with the CPU torch its operators fail to register);
     behind that, vLLM's CPU fused MoE lacks Llama-4's router weight on the input (docs/serving.md)."""
-    from fcsd.serving.families import BY_ARCHITECTURE
+    from fcsd.serving.served_families import BY_ARCHITECTURE
 
     family = BY_ARCHITECTURE["FarSkipLlama4ForConditionalGeneration"]
     script = (
@@ -479,7 +479,7 @@ def test_the_plugin_places_the_routed_ops_by_vllms_execution_settings():
 def test_overlap_token_threshold_setting():
     """farskip_overlap_above_tokens: auto is vLLM's largest CUDA-graph capture size (512 without graphs), a number
     is taken as is, anything else is refused in one line."""
-    from fcsd.serving.vllm.overlap import resolve_above_tokens
+    from fcsd.serving.vllm.routed_allreduce import resolve_above_tokens
 
     assert resolve_above_tokens(None, 256) == 256 and resolve_above_tokens("auto", None) == 512
     assert resolve_above_tokens(0, 256) == 0 and resolve_above_tokens("2048", 256) == 2048

@@ -106,8 +106,8 @@ def test_convert_writes_a_loadable_converted_checkpoint_and_reduces_kl(assets, t
     assert (recipe["objective"], recipe["steps"], recipe["tokens"], recipe["lr"]) == ("kl", 8, 8 * 256, 3e-4)
     # the final checkpoint holds the trained student: its held-out KL is the one the run reported
     from fcsd.distill.heldout import heldout_metrics
-    from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.run_data import load_run_data
+    from fcsd.distill.student_teacher import load_models, load_tokenizer
 
     config = config_for(assets, tmp_path / "run")
     tokenizer = load_tokenizer(config)
@@ -437,7 +437,7 @@ def test_fp16_overflow_and_refused_steps_keep_the_loss_scaler_working():
 
 
 def test_teacher_and_student_of_a_bf16_checkpoint_share_the_cache_fingerprint(assets, tmp_path):
-    from fcsd.distill.models import load_models, load_tokenizer
+    from fcsd.distill.student_teacher import load_models, load_tokenizer
     from fcsd.distill.teacher_cache import model_fingerprint
 
     bf16 = tmp_path / "bf16"
@@ -460,9 +460,9 @@ def test_heldout_kl_from_a_cache_uses_its_temperature(assets, tmp_path):
     """eval/kl_topk at T=2 from a cache of the whole vocabulary equals the full KL at T=2 (scaled by T^2)."""
     from fcsd.distill import losses
     from fcsd.distill.heldout import heldout_metrics
-    from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.objectives import teacher_targets
     from fcsd.distill.run_data import load_run_data
+    from fcsd.distill.student_teacher import load_models, load_tokenizer
 
     config = config_for(assets, tmp_path, "train.temperature=2.0")
     tokenizer = load_tokenizer(config)
@@ -589,7 +589,7 @@ def test_push_to_hub_without_a_token_fails_before_training(assets, tmp_path, mon
 
 
 def test_experts_implementation_reaches_teacher_and_student(assets, tmp_path):
-    from fcsd.distill.models import load_models, load_tokenizer
+    from fcsd.distill.student_teacher import load_models, load_tokenizer
 
     config = config_for(assets, tmp_path, "model.experts_implementation=batched_mm")
     teacher, student = load_models(config, load_tokenizer(config), torch.device("cpu"))

@@ -41,7 +41,7 @@ import fcsd
 from fcsd.bench.timeline import StepTimer, Timeline
 from fcsd.connectivity.families import family_for_config, moe_blocks
 from fcsd.parallel import collectives
-from fcsd.parallel.apply import DISPATCHERS, expert_parallel
+from fcsd.parallel.apply_ep import DISPATCHERS, expert_parallel
 
 CONFIGS = {  # "tiny", "mid": Qwen3-MoE shapes; "mid" is sized so that a layer's compute is not negligible next to
     # its all-to-all. "dsv3": DeepSeek-V3's layer (MLA with low-rank q and kv, 1 shared expert, 256 routed experts

@@ -115,7 +115,7 @@ def _export(args) -> int:
 
     from fcsd.export.save import check_one_process, export_checkpoint
     from fcsd.files import ownership
-    from fcsd.serving.families import serve_command
+    from fcsd.serving.served_families import serve_command
 
     check_one_process()  # before any folder check: the launch's own processes would find each other's lock
     ownership.check_not_in_use(Path(args.out_dir).expanduser().parent, "the folder that holds OUT_DIR,")  # a run's

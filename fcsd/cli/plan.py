@@ -117,7 +117,7 @@ def plan_cluster(args):
 
 def run_plan(args) -> int:
     from fcsd.plan.planner import make_plan
-    from fcsd.plan.report import format_plan, plan_dict
+    from fcsd.plan.printed_report import format_plan, plan_dict
 
     if args.max_kl is not None and not positive_number(args.max_kl):
         raise ValueError(f"--max-kl {args.max_kl}: a held-out KL bound is a finite number > 0, e.g. --max-kl 0.05")
@@ -147,8 +147,8 @@ def run_plan(args) -> int:
     )
     report = plan_dict(plan)
     if args.measure:
-        from fcsd.plan.check import check_plan, format_check
         from fcsd.plan.predict import format_measured, measure_layouts
+        from fcsd.plan.self_check import check_plan, format_check
 
         checked = check_plan(plan)
         checked.update(measure_layouts(plan, checked))

@@ -76,7 +76,7 @@ def record(args) -> int:
 
 def stats(args) -> int:
     """Co-selection, cross-layer and Table I figures of ROUTES (fit on one part, reported on the held-out part)."""
-    from fcsd.placement.report import coupling_report, format_report
+    from fcsd.placement.coupling_table import coupling_report, format_report
 
     if args.step_tokens < 1:
         raise ValueError(f"--step-tokens {args.step_tokens}: a training step holds at least 1 token (e.g. 4096)")

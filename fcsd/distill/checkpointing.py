@@ -149,7 +149,7 @@ def save_model(
     student, state_dict, tokenizer, config: FCSDConfig, folder: Path, record: dict, is_main: bool = True
 ) -> None:
     """``final/`` (or ``best/``): the converted checkpoint in the source dtype (``config.dtype``, which
-    :func:`~fcsd.distill.models.load_models` set to the checkpoint's) with its ``config.farskip`` record, the
+    :func:`~fcsd.distill.student_teacher.load_models` set to the checkpoint's) with its ``config.farskip`` record, the
     tokenizer, the resolved run config and ``record`` (which step this is); atomic. ``state_dict=None``: a model
     laid out by :mod:`fcsd.parallel.layout`, streamed by every process (``is_main``: the one that writes)."""
     from omegaconf import OmegaConf

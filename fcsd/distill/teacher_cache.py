@@ -104,9 +104,9 @@ def cache_teacher(config, batch_size: int = 4) -> Path:
     processes as ``parallel.*`` says (FSDP2 over all of them when it says nothing) and each process caches its share
     of the shards (:func:`share_cache`)."""
     from fcsd.connectivity.families import text_config
-    from fcsd.distill.models import load_models, load_tokenizer
     from fcsd.distill.preflight import check_data_cache_dir, check_model_config, check_top_k, run_inputs
     from fcsd.distill.run_data import all_rows, load_run_data
+    from fcsd.distill.student_teacher import load_models, load_tokenizer
     from fcsd.files import ownership
 
     config = dataclasses.replace(config, export=False)  # a cache exports nothing: no export format is checked

@@ -26,7 +26,6 @@ from fcsd.distill.config import FCSDConfig, guide_weight, process_group_timeout,
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.finite import NonFiniteStop, check_weights_finite, diverged
 from fcsd.distill.heldout import heldout_metrics, kl_name
-from fcsd.distill.models import load_models, load_tokenizer
 from fcsd.distill.objectives import micro_batch_loss
 from fcsd.distill.optim import (
     Diverged,
@@ -41,6 +40,7 @@ from fcsd.distill.optim import (
 from fcsd.distill.preflight import Checked
 from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights_fingerprint
 from fcsd.distill.run_data import all_rows, load_run_data
+from fcsd.distill.student_teacher import load_models, load_tokenizer
 from fcsd.parallel.processes import print_once
 from fcsd.run_facts import kl_of
 

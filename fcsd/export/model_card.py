@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fcsd.serving.families import serve_command
+from fcsd.serving.served_families import serve_command
 from fcsd.sources import display_name, hub_id
 
 CITATION = """@article{farskip2025,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import fcsd
 from fcsd.connectivity.families import EXPORTED_PREFIX
-from fcsd.serving.families import UNSERVED_ARCHITECTURE, farskip_architecture
+from fcsd.serving.served_families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 CONNECTIVITY_MODULES = ("layer_spec", "adapters", "families", "patch")
 

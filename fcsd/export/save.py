@@ -16,7 +16,7 @@ from fcsd.export.model_card import recipe_summary, render_card, run_facts
 from fcsd.export.remote_code import write_remote_code
 from fcsd.files import ownership
 from fcsd.files.run_folder import RunFolder
-from fcsd.serving.families import UNSERVED_ARCHITECTURE, farskip_architecture
+from fcsd.serving.served_families import UNSERVED_ARCHITECTURE, farskip_architecture
 
 PARITY_RECORD = "fcsd_export.json"  # written only after the reload-parity check passed; `fcsd push` requires it
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}

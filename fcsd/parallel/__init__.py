@@ -1,6 +1,6 @@
 """Everything distributed lives here (design §1): model code stays single-device.
 
-- :func:`expert_parallel` (``apply.py``): shard routed experts, install the schedules of paper Sec. 4.1 / 4.2;
+- :func:`expert_parallel` (``apply_ep.py``): shard routed experts, install the schedules of paper Sec. 4.1 / 4.2;
 - ``layout.py``: the whole layout of a run, EP x FSDP2 on one set of device meshes (:func:`~fcsd.parallel.layout
   .parallelize`), ``recompute.py``: activation checkpointing that replays the exchanges, ``step_state.py``: sharded
   step checkpoints (DCP) that reshard, ``stream_save.py``: ``final/``, ``best/`` streamed in the stock layout;
@@ -20,7 +20,7 @@
 - ``inference_shard.py``: the FCSD teacher sharded for inference.
 """
 
-from fcsd.parallel.apply import LAYOUTS, MODES, expert_parallel
+from fcsd.parallel.apply_ep import LAYOUTS, MODES, expert_parallel
 from fcsd.parallel.grads import full_state_dict, reduce_gradients
 
 __all__ = ["LAYOUTS", "MODES", "expert_parallel", "full_state_dict", "reduce_gradients"]

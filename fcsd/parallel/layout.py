@@ -184,7 +184,7 @@ def parallelize(
     (:class:`Layout`) set.
     """
     from fcsd.connectivity.patch import farskip_layers
-    from fcsd.parallel.apply import expert_parallel
+    from fcsd.parallel.apply_ep import expert_parallel
 
     if role not in ROLES:
         raise ValueError(f"role={role!r}: use one of {', '.join(ROLES)}")

@@ -188,7 +188,7 @@ def finish_loading(model: nn.Module, base_class: type) -> nn.Module:
     if hasattr(model.config, "distributed_config"):
         del model.config.distributed_config  # a stock save_pretrained afterwards (no distributed gather)
     if layout.placement is not None:
-        from fcsd.parallel.apply import _apply_placement
+        from fcsd.parallel.apply_ep import _apply_placement
 
         _apply_placement(model, layout.placement, layout.dims.ep, layout.meshes.ep_group, True)
         layout.placement = None

@@ -126,10 +126,10 @@ def install_state_dict_hooks(experts: nn.Module, shard: ExpertShard, group, gath
 
 @torch.no_grad()
 def permute_sharded_experts(block: nn.Module, family, order: np.ndarray, group) -> None:
-    """:func:`fcsd.placement.apply.permute_experts` for sharded experts: the (replicated) router rows are permuted
+    """:func:`fcsd.placement.reorder.permute_experts` for sharded experts: the (replicated) router rows are permuted
     in place, and whole experts move between ranks by one all-to-all per expert tensor: new slot ``j`` holds old
     expert ``order[j]``, and rank ``r`` keeps slots ``[r L, (r+1) L)``."""
-    from fcsd.placement.apply import per_expert_tensors
+    from fcsd.placement.reorder import per_expert_tensors
 
     experts = getattr(block, family.experts_attr)
     shard: ExpertShard = experts._fcsd_shard

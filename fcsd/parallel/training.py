@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fcsd.parallel.apply import expert_parallel
+from fcsd.parallel.apply_ep import expert_parallel
 from fcsd.parallel.groups import new_group
 
 OPTIMIZER_SHARD = "optimizer_ep_rank{rank}.pt"  # each process's optimizer state (its experts' moments differ)

@@ -11,7 +11,7 @@ with group ``g``), updated in ``O(E)`` per swap, so one swap step costs one ``E 
 Group-limited routing (DeepSeek-V2/V3 ``n_group``): the router picks among contiguous blocks of ``E / n_group``
 expert ids, so a placement may only move whole groups between ranks (``P <= n_group``) or experts within the
 ranks of their own group (``P >= n_group``); :func:`correlated_placement` takes ``groups=n_group`` and keeps to
-that, and :func:`fcsd.placement.apply.apply_placement` refuses placements that break it.
+that, and :func:`fcsd.placement.reorder.apply_placement` refuses placements that break it.
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ core), and rank 0 writes the file:
 
 - GEMM throughput at the model's shapes (every linear layer of each kind of decoder layer, the LM head; bf16 on
   GPUs, fp32 on a CPU, as training computes), the FLOP-weighted rate over one layer stack: the effective FLOP/s that
-  replaces ``peak x mfu``; the same at the reduced shapes ``--measure`` runs (:func:`fcsd.plan.check.reduced_config`,
-  128 and 256 tokens). On a CPU a GEMM's rows are capped so that one takes at most :data:`CPU_GEMM_FLOPS` (a large
-  model's LM head would take seconds per call).
+  replaces ``peak x mfu``; the same at the reduced shapes ``--measure`` runs
+  (:func:`fcsd.plan.self_check.reduced_config`, 128 and 256 tokens). On a CPU a GEMM's rows are capped so that one takes
+  at most :data:`CPU_GEMM_FLOPS` (a large model's LM head would take seconds per call).
 - The routed experts' grouped GEMMs (:func:`expert_rate`: the grouped-matmul kernel transformers' ``grouped_mm``
   experts run) at the rows an expert-parallel rank receives (``tokens x top_k / ep`` from each of the ``ep`` ranks'
   micro-batches) over its ``experts / ep`` local experts, for each EP size :func:`ep_sizes`: what the planner prices
@@ -609,7 +609,7 @@ def measure_rank(model: str, tokens: int | None, device: torch.device, quick: bo
     """Everything this rank measures (see the module docstring), every rank at the same time."""
     import psutil
 
-    from fcsd.plan.check import reduced_config
+    from fcsd.plan.self_check import reduced_config
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -662,7 +662,7 @@ def measure_rank(model: str, tokens: int | None, device: torch.device, quick: bo
 def check_model(model: str):
     """The config of ``model`` (a preset, a folder, a ``config.json``, a hub id or ``demo``), refused in one line when
     it is not a supported MoE model (its shapes are what the GEMMs are measured at)."""
-    from fcsd.plan.models import load_model_config
+    from fcsd.plan.model_configs import load_model_config
     from fcsd.plan.perfmodel import model_shape
 
     source = load_model_config(_model_name(model))
@@ -671,7 +671,7 @@ def check_model(model: str):
 
 
 def _model_name(model: str) -> str:
-    """A config.json path names its folder (what :func:`fcsd.plan.models.load_model_config` reads)."""
+    """A config.json path names its folder (what :func:`fcsd.plan.model_configs.load_model_config` reads)."""
     from pathlib import Path
 
     path = Path(model).expanduser()

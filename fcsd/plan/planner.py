@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, search
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
-from fcsd.plan.models import ModelSource, load_model_config
+from fcsd.plan.model_configs import ModelSource, load_model_config
 from fcsd.plan.serving import plan_serving, serving_on
 from fcsd.plan.workers import simulation_workers
 from fcsd.run_facts import schedule_steps

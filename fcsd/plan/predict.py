@@ -9,7 +9,7 @@ elementwise bandwidth, and every collective at the measured latency of its kind 
 to the measured steps: the figures come from microbenchmarks, the counts from the simulation.
 
 ``fcsd plan --measure`` with a calibrated cluster measures, besides the chosen layout, every layout the plan timed
-(each strategy's fastest), reduced as the chosen one is (:func:`fcsd.plan.check.reduced`), in one set of processes.
+(each strategy's fastest), reduced as the chosen one is (:func:`fcsd.plan.self_check.reduced`), in one set of processes.
 """
 
 from __future__ import annotations
@@ -152,12 +152,12 @@ def predict_step(model_config, fcsd_config, layout, cluster: Cluster, estimate=N
 
 
 def measure_layouts(plan, checked: dict) -> dict:
-    """What ``fcsd plan --measure`` adds to :func:`fcsd.plan.check.check_plan`'s figures (``checked``, the chosen
+    """What ``fcsd plan --measure`` adds to :func:`fcsd.plan.self_check.check_plan`'s figures (``checked``, the chosen
     layout's reduced run): ``measured`` (its measured step seconds beside the estimated ones) and ``layouts`` (one
     entry per measured reduced layout). With a calibrated cluster the estimate is :func:`predict_step`'s and every
     other layout the plan timed is measured too; without one it is the FLOPs at this device's matrix product (a
     check of the FLOP count, not of a cluster)."""
-    from fcsd.plan.check import reduced, reduced_run
+    from fcsd.plan.self_check import reduced, reduced_run
 
     cluster = plan.cluster
     calibrated = cluster.calibration is not None

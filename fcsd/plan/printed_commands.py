@@ -9,7 +9,7 @@ installed file (:func:`accelerate_config`), so it runs as printed after ``pip in
 
 Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes and
 the context the plan checked (:mod:`fcsd.plan.serving`) to the plugin's own command
-(``fcsd.serving.families.serve_command``, which ``fcsd export`` prints too).
+(``fcsd.serving.served_families.serve_command``, which ``fcsd export`` prints too).
 """
 
 from __future__ import annotations
@@ -112,9 +112,9 @@ def serve_line(export_dir: str, model_type: str, fit=None, max_context: int | No
     """vLLM serving of the export at ``fit``'s setting (:class:`fcsd.plan.serving.ServingFit`: tensor parallelism
     with the experts split over the same GPUs, pipeline parallelism across nodes over a Ray cluster, and its context
     as ``--max-model-len`` when below the model's ``max_context``; None: one GPU, vLLM's defaults). The command
-    fcsd's plugin prints (:func:`fcsd.serving.families.serve_command`) with those flags; None when vLLM has no
+    fcsd's plugin prints (:func:`fcsd.serving.served_families.serve_command`) with those flags; None when vLLM has no
     FarSkip class for ``model_type``."""
-    from fcsd.serving.families import serve_command
+    from fcsd.serving.served_families import serve_command
 
     base = serve_command(export_dir, model_type)
     if base is None or fit is None:

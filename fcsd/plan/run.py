@@ -1,9 +1,9 @@
 """One process of an FCSD training run as ``fcsd convert`` sets it up, and its training step (paper Sec. 3.1, 4.1).
 
-The student and the teacher are built the way :func:`fcsd.distill.models.load_models` builds them (FarSkip layers,
-fp32 master weights, a bf16 teacher on GPUs, the configured attention and expert kernels, gradient checkpointing),
-laid out as the trainer lays them out for a candidate (:class:`Layout`: one process; DDP; or, for expert parallelism
-(``ep``: the rest replicated), EP x FSDP2 (``ep_fsdp``) and FSDP2 alone (``fsdp2``), the trainer's own
+The student and the teacher are built the way :func:`fcsd.distill.student_teacher.load_models` builds them (FarSkip
+layers, fp32 master weights, a bf16 teacher on GPUs, the configured attention and expert kernels, gradient
+checkpointing), laid out as the trainer lays them out for a candidate (:class:`Layout`: one process; DDP; or, for expert
+parallelism (``ep``: the rest replicated), EP x FSDP2 (``ep_fsdp``) and FSDP2 alone (``fsdp2``), the trainer's own
 :func:`fcsd.parallel.layout.parallelize` over :func:`fcsd.parallel.layout.build_meshes`, student and online teacher
 alike (the teacher laid out as the student: experts EP-sharded, the rest FSDP2-sharded, resharded after every
 forward), checkpointing through the layout's own recomputation; or a teacher cache), and :meth:`Run.step` makes the

@@ -140,7 +140,7 @@ def plan_serving(model_config, cluster: Cluster, context: int | None, sequences:
     """``fcsd plan``'s serving check (:func:`check_serving`; None when vLLM has no FarSkip class for the family); a
     run config asking for a bf16 export (``export_format=bf16``) is checked in bf16 whatever the source's format."""
     from fcsd.connectivity.families import text_config
-    from fcsd.serving.families import farskip_architecture
+    from fcsd.serving.served_families import farskip_architecture
 
     if farskip_architecture(text_config(model_config).model_type) is None:
         return None

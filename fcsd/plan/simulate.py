@@ -1,10 +1,10 @@
 """One FCSD training step as ``fcsd convert`` runs it, on fake tensors or real ones (paper Sec. 3.1, 4.1).
 
-The student and the teacher are built the way :func:`fcsd.distill.models.load_models` builds them (FarSkip layers,
-fp32 master weights, a bf16 teacher on GPUs, the configured attention and expert kernels, gradient checkpointing),
-laid out as the trainer lays them out for the candidate (one process; DDP; expert parallelism, EP x FSDP2 or FSDP2
-alone through the trainer's own :func:`fcsd.parallel.layout.parallelize`, the online teacher laid out as the student
-(:mod:`fcsd.plan.run`); or a teacher cache), and a step runs the trainer's calls: per micro-batch
+The student and the teacher are built the way :func:`fcsd.distill.student_teacher.load_models` builds them (FarSkip
+layers, fp32 master weights, a bf16 teacher on GPUs, the configured attention and expert kernels, gradient
+checkpointing), laid out as the trainer lays them out for the candidate (one process; DDP; expert parallelism, EP x
+FSDP2 or FSDP2 alone through the trainer's own :func:`fcsd.parallel.layout.parallelize`, the online teacher laid out as
+the student (:mod:`fcsd.plan.run`); or a teacher cache), and a step runs the trainer's calls: per micro-batch
 :func:`fcsd.distill.objectives.micro_batch_loss` under autocast (the fused chunked KL loss) and its backward (DDP
 synchronises the last micro-batch only, FSDP2 reduce-scatters every one), then the gradient reduction and
 the clipping and AdamW from :func:`fcsd.distill.optim.build_optimizer`.

@@ -1,11 +1,11 @@
 """The teacher's dtype in a plan: ``teacher.dtype=fp8`` keeps a block-FP8 source's FP8 modules.
 
-What the run accepts (:func:`fcsd.distill.models.load_models`, :func:`fcsd.block_fp8.check_fp8_modules`): a block-FP8
-source, GPUs with FP8 kernels (compute capability >= 8.9: Ada, Hopper and later), and the teacher loaded whole, so
-one process or DDP; fcsd's parallel layouts (``parallel.ep_size`` / ``parallel.fsdp``) do not shard FP8 modules and
-refuse it. The plan keeps to that: it refuses ``teacher.dtype=fp8`` in one line where the source or the cluster's
-GPUs rule it out, prices the FP8 teacher on the candidates that can run it (:data:`FP8_STRATEGIES`, online teacher),
-and prices the others' teacher in bf16, their printed commands saying ``teacher.dtype=auto`` with a note.
+What the run accepts (:func:`fcsd.distill.student_teacher.load_models`, :func:`fcsd.block_fp8.check_fp8_modules`): a
+block-FP8 source, GPUs with FP8 kernels (compute capability >= 8.9: Ada, Hopper and later), and the teacher loaded
+whole, so one process or DDP; fcsd's parallel layouts (``parallel.ep_size`` / ``parallel.fsdp``) do not shard FP8
+modules and refuse it. The plan keeps to that: it refuses ``teacher.dtype=fp8`` in one line where the source or the
+cluster's GPUs rule it out, prices the FP8 teacher on the candidates that can run it (:data:`FP8_STRATEGIES`, online
+teacher), and prices the others' teacher in bf16, their printed commands saying ``teacher.dtype=auto`` with a note.
 
 How an FP8 teacher is priced: the step is simulated with a bf16 teacher (transformers' FP8 modules run Triton
 kernels, which fake tensors cannot), then corrected by the bytes FP8 saves: the weights the source scaled (linear

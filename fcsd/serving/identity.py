@@ -19,7 +19,7 @@ Three fields name a FarSkip checkpoint, and they must agree:
 
 from __future__ import annotations
 
-from fcsd.serving.families import (
+from fcsd.serving.served_families import (
     ARCHITECTURE_PREFIX,
     BY_ARCHITECTURE,
     EXPORTED_PREFIX,

@@ -293,8 +293,8 @@ def cache_share(root):
     and the cache equals the one a single process writes."""
     from fcsd.distill import teacher_cache
     from fcsd.distill.config import compose, to_config
-    from fcsd.distill.models import load_tokenizer
     from fcsd.distill.run_data import all_rows, load_run_data
+    from fcsd.distill.student_teacher import load_tokenizer
 
     overrides = [f"model.name={root / 'model'}", f"data.path={root / 'train.jsonl'}", f"data.cache_dir={root / 'p'}"]
     overrides += ["data.seq_len=32", "data.eval_sequences=2", "train.batch_tokens=256", "progress=false"]

@@ -97,7 +97,7 @@ def split_points(forward) -> list[str]:
     ``"<op> <layer>"`` (the attention's layer from its label, the routed ops' from their key)."""
     from vllm.compilation.backends import split_graph
 
-    from fcsd.serving.vllm.overlap import ROUTED_OPS
+    from fcsd.serving.vllm.routed_allreduce import ROUTED_OPS
 
     graphs = []
 

@@ -13,10 +13,15 @@ import importlib
 import torch
 from torch import nn
 
-from fcsd.serving.families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
+from fcsd.serving.served_families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
 from fcsd.serving.vllm import ABOVE_TOKENS_KEY, OVERLAP_KEY
 from fcsd.serving.vllm.moe import check_runner
-from fcsd.serving.vllm.overlap import RoutedAllReduce, resolve_above_tokens, resolve_overlap, split_at_routed_ops
+from fcsd.serving.vllm.routed_allreduce import (
+    RoutedAllReduce,
+    resolve_above_tokens,
+    resolve_overlap,
+    split_at_routed_ops,
+)
 from fcsd.serving.vllm.wiring import (
     FarSkipDecoderLayerMixin,
     LayerWiring,
@@ -89,13 +94,13 @@ def _execution(vllm_config) -> tuple[str, bool, bool]:
 def _place_routed_ops(vllm_config, piecewise: bool, log) -> None:
     """With the overlap on under piecewise compilation: the routed ops split vLLM's graphs too. The CUDA-graph mode
     stays as vLLM set it: full graphs (decode) capture the routed ops' blocking path, as every captured forward takes
-    it (:meth:`~fcsd.serving.vllm.overlap.RoutedAllReduce.overlaps`)."""
+    it (:meth:`~fcsd.serving.vllm.routed_allreduce.RoutedAllReduce.overlaps`)."""
     if piecewise:
         split_at_routed_ops(vllm_config.compilation_config)
 
 
 def _above_tokens(vllm_config, setting) -> int:
-    """:func:`~fcsd.serving.vllm.overlap.resolve_above_tokens` at vLLM's largest CUDA-graph capture size (where
+    """:func:`~fcsd.serving.vllm.routed_allreduce.resolve_above_tokens` at vLLM's largest CUDA-graph capture size (where
     CUDA graphs are on)."""
     compilation = vllm_config.compilation_config
     graphs = not vllm_config.model_config.enforce_eager and torch.cuda.is_available()

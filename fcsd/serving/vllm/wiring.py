@@ -13,8 +13,8 @@ input::
 After a stock layer (or at the first layer) ``n_{k-1} = o_{k-1}``. A converted dense layer counts its MLP as
 ``shared_k`` and returns ``(0, n_k)``. With the overlap on, ``routed_k``'s all-reduce is started at the end of layer
 k under layer k's key and waited under that key by layer k+1 after its attention (keys fixed when the model is
-built, so a compiled graph holds the same pairs, see :mod:`fcsd.serving.vllm.overlap`); a layer whose successor is
-not converted, or is the last on this pipeline stage, reduces its own at once.
+built, so a compiled graph holds the same pairs, see :mod:`fcsd.serving.vllm.routed_allreduce`); a layer whose successor
+is not converted, or is the last on this pipeline stage, reduces its own at once.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from fcsd.serving.vllm.moe import shared_and_routed
-from fcsd.serving.vllm.overlap import blocking_all_reduce, start_routed, wait_routed
+from fcsd.serving.vllm.routed_allreduce import blocking_all_reduce, start_routed, wait_routed
 
 
 class LayerWiring:

@@ -1,5 +1,5 @@
-"""``python -m fcsd.serving.vllm.check``: is the plugin installed where vLLM finds it? (``make serve-env`` ends with
-it.) Prints vLLM's version and the FarSkip architectures its registry resolves; exits 1 with the fix otherwise."""
+"""``python -m fcsd.serving.vllm.install_check``: is the plugin installed where vLLM finds it? (``make serve-env`` ends
+with it.) Prints vLLM's version and the FarSkip architectures its registry resolves; exits 1 with the fix otherwise."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def main() -> int:
     from vllm import ModelRegistry
     from vllm.plugins import load_general_plugins
 
-    from fcsd.serving.families import SERVED_FAMILIES
+    from fcsd.serving.served_families import SERVED_FAMILIES
 
     load_general_plugins()
     missing = [f.farskip_architecture for f in SERVED_FAMILIES if f.farskip_architecture not in ModelRegistry.models]

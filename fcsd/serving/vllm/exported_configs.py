@@ -9,7 +9,7 @@ model type, because vLLM selects kernels and conversions by it (MLA attention, f
 
 from __future__ import annotations
 
-from fcsd.serving.families import EXPORTED_PREFIX, SERVED_FAMILIES
+from fcsd.serving.served_families import EXPORTED_PREFIX, SERVED_FAMILIES
 
 _CLASSES: dict[str, type] = {}
 

@@ -81,7 +81,7 @@ DISTILL_COST = 10 / 6
 
 def published(plan) -> list[tuple[str, int]]:
     """The published figures of the plan's model (its hub id, or the paper model its config matches)."""
-    from fcsd.plan.models import embedded_name
+    from fcsd.plan.model_configs import embedded_name
 
     return PUBLISHED.get(embedded_name(plan.source) or plan.source.name, [])
 
