@@ -13,7 +13,8 @@ import sys
 import torch
 from torch import nn
 
-from fcsd.serving.vllm import overlap, wiring
+from fcsd.serving.vllm import routed_allreduce as overlap
+from fcsd.serving.vllm import wiring
 
 events: list[str] = []
 
