@@ -1,2 +1,2 @@
-"""Evaluation: the no-training damage probe (paper Fig. 3), lm-eval suites and reports (Table 1), MBPP+ scoring
-with evalplus (early stopping), exact match on the demo tasks."""
+"""Evaluation: lm-eval suites and reports (paper Table 1), MBPP+ scoring with evalplus (early stopping), exact match on
+the demo tasks."""
