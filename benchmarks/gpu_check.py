@@ -20,12 +20,11 @@ The report has one key per section, each ``{"status": "ok" | "failed" | "skipped
 Sections:
 
 - ``one_process``: a tiny Qwen3-MoE loaded as ``fcsd convert`` loads it
-(:func:`fcsd.distill.student_teacher.load_models`:
-  fp32 master weights, experts in the autocast dtype), one step of the trainer's loss
-  (:func:`fcsd.distill.objectives.micro_batch_loss`) + backward + AdamW under bf16 autocast: host synchronisations
-  counted by ``torch.cuda.set_sync_debug_mode("warn")`` (per MoE layer; n/a on a CPU), the input dtypes of every
-  ``aten::_grouped_mm`` (the experts) and ``aten::mm`` in ``torch.profiler`` (and on CUDA the grouped GEMMs' kernel
-  names); then ``benchmarks/kd_step.py`` (plain Hugging Face KD loop, TRL's loss when installed, fcsd) for step
+  (:func:`fcsd.distill.student_teacher.load_models`: fp32 master weights, experts in the autocast dtype), one step of
+  the trainer's loss (:func:`fcsd.distill.objectives.micro_batch_loss`) + backward + AdamW under bf16 autocast: host
+  synchronisations counted by ``torch.cuda.set_sync_debug_mode("warn")`` (per MoE layer; n/a on a CPU), the input dtypes
+  of every ``aten::_grouped_mm`` (the experts) and ``aten::mm`` in ``torch.profiler`` (and on CUDA the grouped GEMMs'
+  kernel names); then ``benchmarks/kd_step.py`` (plain Hugging Face KD loop, TRL's loss when installed, fcsd) for step
   throughput and peak memory at one batch.
 - ``fsdp_one_process``: ``fcsd convert`` under ``torchrun --nproc_per_node 1`` with ``parallel.fsdp=true`` and a DCP
   step checkpoint every step; a second run stopped early (``train.stop_after``) and resumed with ``--resume`` must

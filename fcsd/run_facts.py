@@ -45,5 +45,5 @@ def warmup_steps(config) -> int:
 
 
 def kl_of(metrics: dict) -> float:
-    """The held-out KL of a record of :func:`heldout_metrics`, whichever kind it is."""
+    """The held-out KL of a record of :func:`fcsd.distill.heldout.heldout_metrics`, whichever kind it is."""
     return next(metrics[key] for key in KL_KEYS if key in metrics)

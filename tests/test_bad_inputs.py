@@ -1126,14 +1126,18 @@ def test_the_export_of_a_run_refuses_a_removed_setting_it_used_and_not_one_it_le
         as_3769dc9_wrote_it(config)
     assert main(["export", str(run), str(tmp_path / "old")]) == 0
     assert (tmp_path / "old" / "README.md").exists()
+    assert main(["export", str(run), str(run / "export")]) == 0  # the run's own export: `fcsd eval RUN` renews its card
     for config in (run / CONFIG, run / "final" / CONFIG):
         as_3769dc9_wrote_it(config, echo=4, echo_share=0.25)
     capsys.readouterr()
     assert main(["export", str(run), str(tmp_path / "echoed")]) == 2
-    err = capsys.readouterr().err.strip()  # said once the weights are read, by the model card (loading bars first)
+    err = capsys.readouterr().err.strip()  # said before the weights load, from the run's saved config
     said = f"{REMOVED_ECHO}the run in {run} used it: resume or export it with fcsd at that commit"
     assert err.splitlines()[-1] == f"fcsd export: error: {said}" and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "run"]  # nothing of the refused export is left
+    assert main(["eval", str(run), "--suite", "demo", "--limit", "2"]) == 2  # refused before it scores
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"fcsd eval: error: {said}"
+    assert not (run / "eval").exists()
 
 
 def test_layer_list_syntax_and_quoted_commas_are_accepted(env):

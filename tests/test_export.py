@@ -297,9 +297,9 @@ def test_model_card_of_a_converted_run(tmp_path):
     summary = {"steps": 3000, "eval_before": {"eval/kl": 0.91}, "eval_after": {"eval/kl": 0.05}}
     (run / "run_summary.json").write_text(json.dumps(summary))
     (run / "eval_table.md").write_text("| task | original | converted |\n|---|---|---|\n| piqa | 80.1 | 79.8 |")
-    from fcsd.export.model_card import run_facts
+    from fcsd.export.model_card import read_run_facts
 
-    card = render_card({"layers": [2, 3], "spec": "2-3", "fcsd_version": "0.1.0"}, run_facts(run / "final"), 4)
+    card = render_card({"layers": [2, 3], "spec": "2-3", "fcsd_version": "0.1.0"}, read_run_facts(run / "final"), 4)
     assert card.startswith("---\nbase_model: Qwen/Qwen3-30B-A3B\nlibrary_name: transformers\n")
     for text in ("- farskip-collective", "rewires 2 of its 4 decoder layers", "| tokens | 196,608,000 |",
                  "| learning rate | 2e-05", "0.9100 before, 0.0500 after", "| piqa | 80.1 | 79.8 |",

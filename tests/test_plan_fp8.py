@@ -63,7 +63,7 @@ def test_the_fp8_teacher_is_counted_from_one_build_per_config(fp8_source, monkey
     builds, build = [], families.meta_model
 
     def counted(*args, **kwargs):
-        if sys._getframe(1).f_globals["__name__"] in ("fcsd.plan.serving", "fcsd.plan.teacher_dtype"):
+        if sys._getframe(1).f_globals["__name__"] in ("fcsd.plan.serving_fit", "fcsd.plan.teacher_dtype"):
             builds.append(args)
         return build(*args, **kwargs)
 

@@ -18,7 +18,8 @@ from fcsd.plan.cluster import GIB, GPU, Cluster, make_cluster
 from fcsd.plan.model_configs import load_model_config
 from fcsd.plan.printed_commands import accelerate_config, launch_prefix, serve_line
 from fcsd.plan.run import Layout
-from fcsd.plan.serving import (
+from fcsd.plan.serving_bytes import serving_model
+from fcsd.plan.serving_fit import (
     GPU_MEMORY_UTILIZATION,
     SERVE_CONTEXT,
     check_serving,
@@ -27,7 +28,6 @@ from fcsd.plan.serving import (
     stage_layers,
     tp_sizes,
 )
-from fcsd.plan.serving_bytes import serving_model
 from fcsd.units import duration, time_unit
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,13 +16,13 @@ DESCRIPTION = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fcsd.cli import checkpoints, performance, plan, routes, runs
+    from fcsd.cli import checkpoints, performance, planning, routes, runs
 
     parser = argparse.ArgumentParser(prog="fcsd", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     runs.add_parsers(sub)  # convert, sweep, cache-teacher
     checkpoints.add_parsers(sub)  # inspect, probe, export, eval, push
-    plan.add_parser(sub)  # plan
+    planning.add_parser(sub)  # plan
     performance.add_parsers(sub)  # perfmodel, bench
     routes.add_parser(sub)  # routes record | stats | place
     p = sub.add_parser(

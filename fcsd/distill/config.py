@@ -6,11 +6,10 @@ A wrong key or a value of the wrong type fails at composition with Hydra's messa
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sys
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,9 @@ EARLY_STOP_METRICS = ("plus", "base")
 OPTIMIZERS = ("adamw", "schedule_free")  # recovery.optimizer
 DEFAULT_TIMEOUT_MINUTES = 60  # parallel.timeout_minutes: process groups of training and of fcsd's own tools
 EXPORT_FORMATS = ("source", "bf16")
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")  # train.divergence (fcsd.distill.losses)
+MIXED_PRECISIONS = ("auto", "bf16", "fp16", "no")
+SWEEP_LAUNCHERS = ("basic", "submitit_slurm", "submitit_local")
 
 
 def one_of(default: str, choices: tuple[str, ...]):
@@ -62,8 +64,9 @@ class ParallelConfig:
     # farskip_overlap (the Sec. 4.1 overlapped schedule) | farskip_reference (blocking)
     mode: str = one_of("farskip_overlap", EP_MODES)
     placement: str | None = None  # PLACEMENT.json of `fcsd routes place`: experts permuted before sharding
-    fsdp: bool = False  # FSDP2 under torchrun: everything but the routed experts sharded over all processes, each
-    # expert shard over its world/ep_size replicas; the teacher laid out the same way (fcsd.parallel.layout)
+    # FSDP2 under torchrun: everything but the routed experts sharded over all processes, each expert shard over its
+    # world/ep_size replicas; the teacher laid out the same way (fcsd.parallel.layout)
+    fsdp: bool = False
     # expert-parallel all-to-all: plain (a row per token and expert) | dedup (per rank) | hierarchical (node-aware: a
     # row per token and destination node across nodes, fanned out inside the node)
     dispatcher: str = one_of("plain", EP_DISPATCHERS)
@@ -92,7 +95,7 @@ class DataConfig:
 class TrainConfig:
     # kl (Eq. 4) | sft (Eq. 3) | kl_l2 (Eq. 4 + l2_coef * Eq. 5)
     objective: str = one_of("kl", OBJECTIVES)
-    divergence: str = "forward_kl"  # for kl / kl_l2: forward_kl (paper) | reverse_kl | jsd
+    divergence: str = one_of("forward_kl", DIVERGENCES)  # for kl / kl_l2: forward_kl (paper) | reverse_kl | jsd
     temperature: float = 1.0  # softmax temperature of the divergence (loss scaled by T^2)
     jsd_beta: float = 0.5  # mixture weight of the teacher in jsd
     l2_coef: float = 1e-4  # weight of the summed squared hidden-state distance (kl_l2)
@@ -112,7 +115,7 @@ class TrainConfig:
     stop_after: int | None = None  # stop early after N steps, keeping the LR schedule of the whole run (sweep runs)
     max_tokens: int = 10_000_000_000  # token budget (paper: up to 10B); the smaller of the two limits wins
     seed: int = 0  # data order, initialisation of anything random
-    mixed_precision: str = "auto"  # bf16 | fp16 | no; auto = bf16 on GPU, no on CPU
+    mixed_precision: str = one_of("auto", MIXED_PRECISIONS)  # bf16 | fp16 | no; auto = bf16 on GPU, no on CPU
     gradient_checkpointing: bool = False
     # with gradient_checkpointing under parallel.ep_size > 1: the rows each exchange received wait for the backward in
     # pinned host memory instead of on the GPU (what lets Qwen3-30B-A3B's EP layouts fit one node; fcsd plan says)
@@ -172,7 +175,8 @@ class SweepConfig:
     lrs: list[float] = field(default_factory=lambda: [2e-5, 4e-5, 8e-5])  # stage 2, at the chosen batch size
     steps: int = 2000  # optimizer steps of every sweep run
     select_last: int = 100  # selection: lowest mean training loss (per token) over the last N steps of a run
-    launcher: str = "basic"  # Hydra launcher: basic (one run after another here) | submitit_slurm | submitit_local
+    # Hydra launcher: basic (one run after another here) | submitit_slurm | submitit_local
+    launcher: str = one_of("basic", SWEEP_LAUNCHERS)
     launcher_overrides: list[str] = field(default_factory=list)  # e.g. [hydra.launcher.partition=gpu]
     # full: sweep runs follow the full run's LR schedule and stop after `steps` | truncated: warm-up and cosine squeezed
     # into `steps` (each sweep run is a complete short run)
@@ -219,9 +223,9 @@ class FCSDConfig:
     output_dir: str = "outputs/fcsd"
     export_dir: str | None = None  # `fcsd export` of final/ at the end of the run; None: <output_dir>/export
     export: bool = True  # run that export (remote code, reload-parity check)
-    # source: a block-FP8 source's own FP8 format (else its dtype) | bf16 a multimodal source (Llama-4 Scout): true
-    # exports the trained text model alone, without its vision tower
+    # source: a block-FP8 source's own FP8 format (else its dtype) | bf16
     export_format: str = one_of("source", EXPORT_FORMATS)
+    # a multimodal source (Llama-4 Scout): true exports the trained text model alone, without its vision tower
     export_text_only: bool = False
     push_to_hub: str | None = None  # hub repository to push the export to at the end (needs a token)
     overwrite: bool = False  # allow a non-empty output_dir that is not a run to resume
@@ -230,7 +234,7 @@ class FCSDConfig:
 
 def check_choices(config, prefix: str = "") -> None:
     """Every setting declared with :func:`one_of` holds one of its choices, else one line naming them."""
-    for item in dataclasses.fields(config):
+    for item in fields(config):
         value = getattr(config, item.name)
         if is_dataclass(value):
             check_choices(value, f"{prefix}{item.name}.")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+from fcsd.distill.config import DIVERGENCES
 
 
 def check_vocabularies(student_vocab: int, teacher_vocab: int) -> None:

@@ -192,7 +192,6 @@ def cache_meshes(config):
     """The teacher's meshes under a multi-process launch (``WORLD_SIZE`` > 1), else None (one process)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    import torch
     from accelerate import PartialState
 
     from fcsd.parallel.layout import ParallelDims, build_meshes

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from fcsd.distill import run_io
 from fcsd.distill.checkpointing import load_init_weights, restore_checkpoint, save_checkpoint, save_model
-from fcsd.distill.config import FCSDConfig, guide_weight, process_group_timeout, ramp_stages, update_split
+from fcsd.distill.config import FCSDConfig, guide_weight, process_group_timeout, update_split
 from fcsd.distill.data import Packed, tokens_fingerprint
 from fcsd.distill.finite import NonFiniteStop, check_weights_finite, diverged
 from fcsd.distill.heldout import heldout_metrics, kl_name
@@ -42,7 +42,7 @@ from fcsd.distill.resume import check_resume_inputs, input_fingerprints, weights
 from fcsd.distill.run_data import all_rows, load_run_data
 from fcsd.distill.student_teacher import load_models, load_tokenizer
 from fcsd.parallel.processes import print_once
-from fcsd.run_facts import kl_of
+from fcsd.run_facts import kl_of, ramp_stages
 
 log = logging.getLogger(__name__)
 

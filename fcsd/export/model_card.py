@@ -17,7 +17,7 @@ CITATION = """@article{farskip2025,
 LOAD_HEADING = "## How to load"
 
 
-def run_facts(checkpoint: Path) -> dict:
+def read_run_facts(checkpoint: Path) -> dict:
     """What the run that produced ``checkpoint`` (a run's ``final/``, ``best/`` or step checkpoint) recorded: its
     config, summary (a step checkpoint's: its step), last training loss and evaluation table."""
     from omegaconf import OmegaConf
@@ -53,7 +53,7 @@ def refresh_card(run) -> None:
     num_layers = config.get("num_hidden_layers") or text_config.get("num_hidden_layers")
     record = run.export / "fcsd_export.json"  # fcsd.export.save.PARITY_RECORD
     fp8 = json.loads(record.read_text()).get("fp8") if record.exists() else None
-    card = render_card(config["farskip"], run_facts(run.final), num_layers, config.get("dtype"), fp8)
+    card = render_card(config["farskip"], read_run_facts(run.final), num_layers, config.get("dtype"), fp8)
     from fcsd.files.staging import atomic_file
 
     with atomic_file(run.export / "README.md") as staging:

@@ -1,4 +1,4 @@
-"""Everything distributed lives here (design §1): model code stays single-device.
+"""The expert-parallel runtime (design §4), applied from outside: model code stays single-device (design §1).
 
 - :func:`expert_parallel` (``apply_ep.py``): shard routed experts, install the schedules of paper Sec. 4.1 / 4.2;
 - ``layout.py``: the whole layout of a run, EP x FSDP2 on one set of device meshes (:func:`~fcsd.parallel.layout
@@ -17,6 +17,7 @@
 - ``generate.py``: ``generate`` under expert parallelism, correct by construction;
 - ``segments.py``: the markers the schedule sets for the timeline picture of ``fcsd bench overlap --link``;
 - ``processes.py``: multi-process runs where the main process alone speaks, evaluates and reports;
+- ``events.py``: the events of a step (launches, completions, replays, the schedule's markers) for tests;
 - ``inference_shard.py``: the FCSD teacher sharded for inference.
 """
 

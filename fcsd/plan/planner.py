@@ -17,7 +17,7 @@ from fcsd.plan.candidates import Candidate, Search, choose, parameter_counts, se
 from fcsd.plan.cluster import GIB, Cluster
 from fcsd.plan.layers import DEFAULT_SPECS, LayerOption, layer_options, probe, recommend
 from fcsd.plan.model_configs import ModelSource, load_model_config
-from fcsd.plan.serving import plan_serving, serving_on
+from fcsd.plan.serving_fit import plan_serving, serving_on
 from fcsd.plan.workers import simulation_workers
 from fcsd.run_facts import schedule_steps
 from fcsd.units import duration, time_unit
@@ -89,7 +89,7 @@ def make_plan(
     ``train.max_tokens``); ``workers``: processes simulating candidates (default: the CPU cores, up to 4, for a
     model of :data:`PARALLEL_FROM` parameters or more, else this process; :mod:`fcsd.plan.workers`);
     ``serve_context`` / ``serve_sequences``: what the serving check holds a KV cache for
-    (:func:`fcsd.plan.serving.check_serving`)."""
+    (:func:`fcsd.plan.serving_fit.check_serving`)."""
     from fcsd.model_summary import summarize
     from fcsd.plan import perfmodel as pm
 

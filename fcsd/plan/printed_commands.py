@@ -8,7 +8,7 @@ recipes as ``fcsd/recipes/`` (package data; in the source tree a link to ``recip
 installed file (:func:`accelerate_config`), so it runs as printed after ``pip install`` too.
 
 Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes and
-the context the plan checked (:mod:`fcsd.plan.serving`) to the plugin's own command
+the context the plan checked (:mod:`fcsd.plan.serving_fit`) to the plugin's own command
 (``fcsd.serving.served_families.serve_command``, which ``fcsd export`` prints too).
 """
 
@@ -109,7 +109,7 @@ def accelerate_config(name: str) -> str:
 
 
 def serve_line(export_dir: str, model_type: str, fit=None, max_context: int | None = None) -> str | None:
-    """vLLM serving of the export at ``fit``'s setting (:class:`fcsd.plan.serving.ServingFit`: tensor parallelism
+    """vLLM serving of the export at ``fit``'s setting (:class:`fcsd.plan.serving_fit.ServingFit`: tensor parallelism
     with the experts split over the same GPUs, pipeline parallelism across nodes over a Ray cluster, and its context
     as ``--max-model-len`` when below the model's ``max_context``; None: one GPU, vLLM's defaults). The command
     fcsd's plugin prints (:func:`fcsd.serving.served_families.serve_command`) with those flags; None when vLLM has no
@@ -130,7 +130,7 @@ def serve_line(export_dir: str, model_type: str, fit=None, max_context: int | No
 def plan_commands(model: str, layout: Layout, spec: str, config, defaults, cluster: Cluster, extra: list[str], serving):
     """``({"cache_teacher", "train", "serve"}, notes)``: the shell lines (``cache_teacher`` only with a cached
     teacher, ``serve`` only where vLLM has the family and the export fits the cluster; ``serving`` is
-    ``(model_type, check)``, ``check`` a :class:`fcsd.plan.serving.ServingCheck` or None) and a note for each of
+    ``(model_type, check)``, ``check`` a :class:`fcsd.plan.serving_fit.ServingCheck` or None) and a note for each of
     the user's overrides the plan replaced with its own choice. The user's ``output_dir`` is kept."""
     from fcsd.sources import display_name
 

@@ -228,7 +228,7 @@ def format_plan(plan) -> str:
             f"{plan.config.teacher.top_k} per token; it covers the whole dataset, which may hold more)"
         )
     if plan.serving is not None:
-        from fcsd.plan.serving import serving_line
+        from fcsd.plan.serving_fit import serving_line
 
         lines += ["", serving_line(plan.serving)]
     lines += [

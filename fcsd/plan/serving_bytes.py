@@ -1,5 +1,5 @@
 """An export's bytes as vLLM places them on its GPUs, counted from a meta-device build of the model
-(:func:`serving_model`): what ``fcsd plan``'s serving check (:mod:`fcsd.plan.serving`) fits on a cluster, and what
+(:func:`serving_model`): what ``fcsd plan``'s serving check (:mod:`fcsd.plan.serving_fit`) fits on a cluster, and what
 the FP8 teacher's price (:mod:`fcsd.plan.teacher_dtype`) counts.
 
 - the weights at the export's format: its dtype (bf16 by default), or FP8 e4m3 with fp32 block scales
@@ -11,7 +11,7 @@ the FP8 teacher's price (:mod:`fcsd.plan.teacher_dtype`) counts.
   down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``) are replicated; K/V projections split over at most the KV
   heads; pipeline parallelism gives each stage vLLM's share of the layers (the embeddings to the first, the final
   norm and the head to the last);
-- a KV cache for ``sequences`` sequences of ``context`` tokens (:data:`fcsd.plan.serving.SERVE_CONTEXT` by default,
+- a KV cache for ``sequences`` sequences of ``context`` tokens (:data:`fcsd.plan.serving_fit.SERVE_CONTEXT` by default,
   at most the model's ``max_position_embeddings``; the serve line passes it as ``--max-model-len``): MLA keeps
   DeepSeek's compressed latent, ``kv_lora_rank + qk_rope_head_dim`` values per token and layer, on every TP rank;
   attention with KV heads keeps ``2 x kv_heads x head_dim`` values, split over at most the KV heads; in the

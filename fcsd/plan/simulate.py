@@ -348,8 +348,10 @@ def estimate_step(model_config, fcsd_config, layout: Layout, target: str = "cuda
 def prefetch(model_config, fcsd_config, layout: Layout, target: str = "cuda") -> None:
     """Start simulating ``layout`` in the workers of :func:`fcsd.plan.workers.simulation_workers` (nothing without
     them); :func:`estimate_step` collects it."""
-    from fcsd.plan.workers import submit_ahead
+    from fcsd.plan.workers import pooled, submit_ahead
 
+    if not pooled():  # nothing runs ahead in this process
+        return
     submit_ahead(
         simulate, model_config, fcsd_config, layout, target, reduction_for(model_config, fcsd_config, layout).subsets
     )

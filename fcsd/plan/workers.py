@@ -66,6 +66,11 @@ def simulation_workers(workers: int | None = None):
         pool.close(abort=not finished)  # Ctrl-C or an error: nothing left running, no minute-long wait
 
 
+def pooled() -> bool:
+    """Whether simulations run in worker processes now (inside :func:`simulation_workers`)."""
+    return bool(_ACTIVE)
+
+
 def results(function, model_config, fcsd_config, layout, target: str, subsets) -> list[dict]:
     """``function`` (a simulation: :func:`fcsd.plan.simulate.simulate`) of ``layout`` through each of ``subsets``,
     from the workers when there are some."""
@@ -78,5 +83,5 @@ def results(function, model_config, fcsd_config, layout, target: str, subsets) -
 def submit_ahead(function, model_config, fcsd_config, layout, target: str, subsets) -> None:
     """Start ``function`` through each of ``subsets`` in the workers (nothing without them); :func:`results`
     collects it."""
-    for subset in subsets if _ACTIVE else ():
+    for subset in subsets if pooled() else ():
         _ACTIVE[0].submit(function, model_config, fcsd_config, layout, target, subset)
