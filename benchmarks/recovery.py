@@ -1,4 +1,4 @@
-"""Recovery recipes side by side (issue 27): held-out KL against tokens seen, for the plain FCSD recipe and each
+"""Recovery recipes side by side: held-out KL against tokens seen, for the plain FCSD recipe and each
 recovery recipe of ``fcsd convert``, on two tiny teachers this script pretrains itself on real text.
 
 * Text: the Python standard library's own source files (real code, on every machine, no network); files are
@@ -46,7 +46,7 @@ RECIPES = {  # name -> overrides of `fcsd convert`
     "guided_seed1": ["recovery=guided", "train.seed=1"],  # another data order: the noise between reruns
     "plain_seed1": ["recovery=plain", "train.seed=1"],
     "guided_frozen_embeddings": ["recovery=guided", "train.freeze_embeddings=true"],  # fewer noisy parameters
-    # issue 37 item 3, more levers: Adam's betas, the guide's weight and fade
+    # more levers: Adam's betas, the guide's weight and fade
     "guided_beta2_99": ["recovery=guided", "train.adam_betas=[0.9,0.99]"],
     "guided_beta1_95": ["recovery=guided", "train.adam_betas=[0.95,0.95]"],
     "guided_beta1_80": ["recovery=guided", "train.adam_betas=[0.8,0.95]"],
@@ -90,7 +90,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def tiny_config(family: str, vocab: int, hidden=64, layers=4, experts=8, top_k=2, moe_intermediate=64):
-    """The model class and config of a tiny ``family`` teacher (the defaults: the two teachers of issue 27)."""
+    """The model class and config of a tiny ``family`` teacher (the defaults: the first recovery study's two)."""
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -500,7 +500,7 @@ def main() -> None:
     parser.add_argument(
         "--fair",
         action="store_true",
-        help="issue 37: the declared teachers (recovery_fair.TEACHERS), each recipe's LR sweep at 600 steps and a "
+        help="the fair benchmark: its teachers (recovery_fair.TEACHERS), each recipe's LR sweep at 600 steps and a "
         "comparison at each one's best LR; --recipes defaults to plain,guided",
     )
     parser.add_argument("--teachers", default="all", help="--fair: declared teachers (comma-separated, or all)")

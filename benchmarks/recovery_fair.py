@@ -1,4 +1,4 @@
-"""The fair recovery benchmark's parts (issue 37), used by ``benchmarks/recovery.py --fair``: the declared teachers,
+"""The fair recovery benchmark's parts, used by ``benchmarks/recovery.py --fair``: the declared teachers,
 the prose corpus, the per-recipe LR sweep and its report.
 
 * Teachers are a table fixed before any recipe runs: ``chosen`` ones (the recipes were chosen on them) and
@@ -52,7 +52,7 @@ class Teacher:
         return asdict(self)
 
 
-# Fixed before any recipe of issue 37 ran. The chosen two are the teachers every earlier recovery figure used.
+# Fixed before any recipe of the fair benchmark ran. The chosen two are the teachers every earlier recovery figure used.
 TEACHERS = {
     t.name: t
     for t in (

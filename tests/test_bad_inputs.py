@@ -116,7 +116,7 @@ def world(tmp_path_factory):
 
 
 def add_round_three(root: Path) -> None:
-    """Folders of the third hostile probe (issue 28): markers that lie or cannot be read, a truncated checkpoint
+    """Folders of the third hostile probe: markers that lie or cannot be read, a truncated checkpoint
     file, configs of impossible shapes, a tokenizer larger than its model."""
     (fake_run(root, "runs/marked_export", steps=[2]) / MARKER).write_text(
         json.dumps({"kind": "export", "written": ["checkpoints", CONFIG, "metrics.jsonl"]})
@@ -276,7 +276,7 @@ CASES = [
         "was written by a run without parallel.ep_size / parallel.fsdp",
         None,
     ),
-    # a parallel layout in one plain process: the torchrun line, not torch's "Default process group ..." (issue 38)
+    # a parallel layout in one plain process: the torchrun line, not torch's "Default process group ..."
     (
         "expert_parallel_without_a_launcher",
         lambda w: run_convert(w, f"output_dir={w / 'runs/no_launcher'}", "parallel.ep_size=2"),
@@ -291,7 +291,7 @@ CASES = [
         "process: launch it with `fcsd launch torchrun --nproc_per_node 2 -m fcsd.cli convert ",
         None,
     ),
-    # 12. each command replaces only a folder of its own kind, and never what fcsd did not write (issue 19)
+    # 12. each command replaces only a folder of its own kind, and never what fcsd did not write
     (
         "output_dir_is_an_export",
         lambda w: run_convert(w, f"output_dir={w / 'an_export'}"),
@@ -699,7 +699,7 @@ CASES = [
 ]
 
 
-# issue 28, the third hostile probe: each case failed (exit 0, a traceback or a misleading line) before
+# the third hostile probe: each case failed (exit 0, a traceback or a misleading line) before
 CASES += [
     # 3. a folder's kind is read from its contents too: a run whose marker says export is still a run
     (
@@ -1308,7 +1308,7 @@ def test_short_runs_evaluate_the_held_out_kl_along_the_way():
     assert to_config(compose([*base, "train.max_steps=100000"])).train.eval_every == 0
 
 
-# -- issue 19: one run per folder, resumes that check what they resume, nothing lost ---------------------------------
+# -- one run per folder, resumes that check what they resume, nothing lost ---------------------------------
 
 
 def test_one_command_per_folder(env, capsys):
@@ -1373,7 +1373,7 @@ def _stop_after_checkpoint(monkeypatch, step: int):
 
 def test_resume_checks_its_inputs_and_the_checkpoint_files_and_says_how_to_go_on(env, tmp_path, monkeypatch, capsys):
     """A run stopped after step 3: --resume refuses, each by its own name, other weights of the same shapes, another
-    tokenizer, another chat template (not "the training data changed": case 7 of issue 28) and changed data (same
+    tokenizer, another chat template (not "the training data changed", as once) and changed data (same
     paths, other content), and a checkpoint that lost a file, naming the newest complete one and the command; that
     command resumes, and the metrics hold each step once."""
     import shlex
@@ -1554,7 +1554,7 @@ def test_a_teacher_cache_rebuild_refuses_a_cache_that_holds_other_files(env):
     assert snapshot(env / "a_cache") == before
 
 
-# -- issue 28: exports are folders of their own, conversions convert, resumes check their inputs, stops stop ------
+# -- exports are folders of their own, conversions convert, resumes check their inputs, stops stop ------
 
 
 def converted_checkpoint(env, folder: Path, seed: int) -> Path:
@@ -1874,7 +1874,7 @@ def test_stop_tree_ends_a_grandchild_in_a_session_of_its_own(tmp_path):
     wait_for(lambda: not psutil.pid_exists(int(pid_file.read_text())), 60, "the grandchild's end")
 
 
-# -- issue 28, the second hostile probe: new variants of the same families --------------------------------------
+# -- the second hostile probe: new variants of the same families --------------------------------------
 
 
 def test_an_export_into_a_folder_a_run_has_claimed_is_refused_and_the_run_keeps_its_lock(env, tmp_path, capsys):

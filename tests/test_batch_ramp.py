@@ -1,4 +1,4 @@
-"""The batch-size ramp of the guided recipe (issue 27; ``recovery.batch_ramp``): which steps are split, how a split
+"""The batch-size ramp of the guided recipe (``recovery.batch_ramp``): which steps are split, how a split
 step's rows are shared by its updates and the processes, that a split step trains exactly as the smaller steps it
 stands for (and not as one step), one process against DDP, and a run killed inside the ramp resuming exactly."""
 

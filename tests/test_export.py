@@ -162,7 +162,7 @@ def test_an_export_whose_identity_was_edited_is_refused_wherever_it_loads(tmp_pa
 
 
 def test_an_export_that_names_another_family_or_declares_itself_stock_is_refused(tmp_path, tokenizer, capsys):
-    """Issue 38: `architectures` naming another family's FarSkip class (vLLM builds its model from it) loaded with fcsd
+    """`architectures` naming another family's FarSkip class (vLLM builds its model from it) loaded with fcsd
     and the remote code; a folder whose model type and class were both set back to stock (the `farskip` block and
     `auto_map` kept) loaded as FarSkip with the remote code. Each is refused naming the field; the composite and the
     family-less class of fcsd 0.1 still pass."""
@@ -404,7 +404,7 @@ def test_a_step_checkpoint_of_a_bf16_source_exports(tmp_path, capsys):
 
 
 def test_a_tied_model_writes_one_set_of_files_in_one_process_and_laid_out(tmp_path):
-    """Issue 38: a bf16 checkpoint with `tie_word_embeddings=true` trained one step in one process wrote
+    """A bf16 checkpoint with `tie_word_embeddings=true` trained one step in one process wrote
     `lm_head.weight` (a cast copy of the embeddings, no longer sharing their storage) into final/, while the same run
     under FSDP2 on 2 processes (streamed) left it out, as `save_pretrained` does: two sets of files for one run. Now
     final/ and the export hold the same keys either way (no `lm_head.weight`), and load equal and tied."""

@@ -1,4 +1,4 @@
-"""Block-FP8 checkpoints in and out (issue 39; design §8): tiny DeepSeek-V3 and Qwen3-MoE checkpoints in the hub's
+"""Block-FP8 checkpoints in and out (design §8): tiny DeepSeek-V3 and Qwen3-MoE checkpoints in the hub's
 FP8 layout (tests/fp8_models.py) read by fcsd's own dequantization, converted in one process and under EP 2 x FSDP 2
 (4 gloo processes, shard-on-read of weights and their block scales), exported back in FP8."""
 

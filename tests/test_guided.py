@@ -1,4 +1,4 @@
-"""The guided recovery recipe (issue 27; ``recovery=guided``, fcsd's default): the relative hidden-state loss
+"""The guided recovery recipe (``recovery=guided``, fcsd's default): the relative hidden-state loss
 against a hand computation, its place in the micro-batch loss (the teacher's states, not the student's), a run
 through `fcsd convert` and its resume, and the same training in one process, under DDP and under expert parallelism
 (2 gloo processes)."""

@@ -1,4 +1,4 @@
-"""One voice under a launcher (issue 38): ``fcsd launch torchrun --nproc_per_node 2 -m fcsd.cli convert ...``, the
+"""One voice under a launcher: ``fcsd launch torchrun --nproc_per_node 2 -m fcsd.cli convert ...``, the
 line fcsd prints and documents, on 2 gloo processes. A refusal is said once with fcsd's status and no launcher
 traceback; Ctrl-C and SIGTERM to the launcher end in one line, 130 / 143, every process gone, and the run resumes
 from the line printed; "resuming from" is said once."""

@@ -1,4 +1,4 @@
-"""`fcsd plan` with ``teacher.dtype=fp8`` (issue 39): the FP8 teacher priced (e4m3 weights and fp32 block scales
+"""`fcsd plan` with ``teacher.dtype=fp8``: the FP8 teacher priced (e4m3 weights and fp32 block scales
 where the source scaled, bf16 elsewhere) against a count of a tiny block-FP8 checkpoint's own tensors; only where the
 run keeps FP8 modules (one process, DDP), the laid-out commands saying teacher.dtype=auto as the runtime requires;
 refusals in one line; the config's dtype keys checked."""

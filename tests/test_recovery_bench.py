@@ -1,4 +1,4 @@
-"""The fair recovery benchmark (issue 37, ``benchmarks/recovery.py --fair``): the held-out accuracy and agreement
+"""The fair recovery benchmark (``benchmarks/recovery.py --fair``): the held-out accuracy and agreement
 figures, the LR sweep's choice of the best LR and its edges, a report whose summary counts only the teachers the
 recipe was not chosen on, a deterministic prose corpus whose held-out windows are not trained on, and kept run
 records reused only when they were made of the same teacher and text. Tiny inputs, no pretraining."""

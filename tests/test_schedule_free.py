@@ -1,4 +1,4 @@
-"""The schedule-free recovery recipe (issue 27; ``recovery=schedule_free``): the optimizer and its warm-up, the
+"""The schedule-free recovery recipe (``recovery=schedule_free``): the optimizer and its warm-up, the
 average it scores and saves (checked against the relation between its iterates, y = (1 - b1) z + b1 x), an exact
 resume, and the same training in one process, under DDP and under expert parallelism (2 gloo processes)."""
 

@@ -339,7 +339,7 @@ def test_vllm_serve_of_an_export_without_its_farskip_block_is_one_line(tokenizer
 
 
 def test_an_export_naming_another_familys_class_is_refused_where_vllm_loads_its_config(tokenizer, tmp_path):
-    """Issue 38: vLLM builds its model from `architectures`; an export of Qwen3-MoE naming FarSkip DeepSeek-V2's class
+    """VLLM builds its model from `architectures`; an export of Qwen3-MoE naming FarSkip DeepSeek-V2's class
     passed the plugin's check. Now vLLM's own config loader (the plugin's seam) refuses it, naming the field and the
     family's class, and still loads the export as written. No engine starts (a refusal costs nothing to serve)."""
     folder = export(fcsd.apply_farskip(build("qwen3_moe", len(tokenizer)), "all"), tokenizer, tmp_path / "export")
