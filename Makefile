@@ -42,7 +42,7 @@ bench:  ## benchmarks, ours and the stock competitor side by side (see BENCHMARK
 lint:  ## ruff, and the house's import layers (docs/design.md, section 1; contracts in pyproject.toml)
 	$(PYTHON) -m ruff check fcsd tests benchmarks docs/hooks.py
 	$(PYTHON) -m ruff format --check fcsd tests benchmarks docs/hooks.py
-	lint-imports
+	$(PYTHON) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"  # lint-imports
 
 # no banner about MkDocs 2 from Material on every build
 export NO_MKDOCS_2_WARNING = 1
