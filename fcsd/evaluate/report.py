@@ -156,13 +156,13 @@ def evaluate_and_report(
         ownership.check_not_an_input(out, "--output", inputs, "eval")
     ownership.check_not_in_use(out.parent, "the folder that holds the report,")  # a run still training there
     ownership.check_replaceable(out, "eval", "--output", "choose another --output")
-    from fcsd.export.model_card import read_run_facts, refresh_card
+    from fcsd.export.model_card import refresh_card, run_config
     from fcsd.files.run_folder import RunFolder
 
     run = RunFolder(model)
     refreshes_card = out.parent.resolve() == run.root.resolve() and (run.export / "config.json").exists()
     if refreshes_card:
-        read_run_facts(run.final)  # a run that used a setting fcsd removed is refused before the evaluation
+        run_config(run.final)  # a run that used a setting fcsd removed is refused before the evaluation
     results = evaluate_checkpoints(refs, suite, **options)
     table = write_report(out, results, refs, suite)
     if refreshes_card:

@@ -17,20 +17,34 @@ CITATION = """@article{farskip2025,
 LOAD_HEADING = "## How to load"
 
 
-def read_run_facts(checkpoint: Path) -> dict:
-    """What the run that produced ``checkpoint`` (a run's ``final/``, ``best/`` or step checkpoint) recorded: its
-    config, summary (a step checkpoint's: its step), last training loss and evaluation table."""
+def run_config(checkpoint: Path) -> dict | None:
+    """The saved config of the run that produced ``checkpoint`` (the checkpoint's own copy first), None when there is
+    none; a run that used a setting fcsd removed is refused in one line (:func:`fcsd.removed_settings.check_removed`).
+    Every reader of a run's config for its card goes through here, so the refusal comes before any weights load."""
     from omegaconf import OmegaConf
 
-    from fcsd.files.run_folder import CONFIG, RunFolder, is_step_checkpoint
+    from fcsd.files.run_folder import CONFIG, RunFolder
     from fcsd.removed_settings import check_removed
+
+    run = RunFolder.of_checkpoint(checkpoint)
+    path = next((p for p in (Path(checkpoint) / CONFIG, run.config) if p.exists()), None)
+    if path is None:
+        return None
+    config = OmegaConf.to_container(OmegaConf.load(path))
+    check_removed(config, saved_in=run.root)
+    return config
+
+
+def read_run_facts(checkpoint: Path) -> dict:
+    """What the run that produced ``checkpoint`` (a run's ``final/``, ``best/`` or step checkpoint) recorded: its
+    config (:func:`run_config`), summary (a step checkpoint's: its step), last training loss and evaluation table."""
+    from fcsd.files.run_folder import RunFolder, is_step_checkpoint
 
     facts: dict = {}
     run = RunFolder.of_checkpoint(checkpoint)
-    config = next((p for p in (Path(checkpoint) / CONFIG, run.config) if p.exists()), None)
+    config = run_config(checkpoint)
     if config is not None:
-        facts["config"] = OmegaConf.to_container(OmegaConf.load(config))
-        check_removed(facts["config"], saved_in=run.root)
+        facts["config"] = config
     step = run.trainer_state(Path(checkpoint)).get("step") if is_step_checkpoint(checkpoint) else None
     if step is not None:
         facts["summary"] = {"steps": step}

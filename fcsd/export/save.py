@@ -12,7 +12,7 @@ import torch
 from fcsd.connectivity.families import EXPORTED_PREFIX, base_model_type, text_config, text_model
 from fcsd.connectivity.patch import CONFIG_KEY, farskip_layers
 from fcsd.export import ExportError
-from fcsd.export.model_card import read_run_facts, recipe_summary, render_card
+from fcsd.export.model_card import read_run_facts, recipe_summary, render_card, run_config
 from fcsd.export.remote_code import write_remote_code
 from fcsd.files import ownership
 from fcsd.files.run_folder import RunFolder
@@ -279,7 +279,7 @@ def export_checkpoint(
         )
     run_root = RunFolder.of_checkpoint(source).root
     check_export_target(out_dir, overwrite, [source], run_root=run_root)  # before loading anything
-    read_run_facts(source)  # a run that used a setting fcsd removed is refused before anything loads
+    run_config(source)  # a run that used a setting fcsd removed is refused before anything loads
     composite = composite_source(source, text_only)
     target = Path(out_dir).expanduser().resolve()
     with ownership.folder_lock(target, "OUT_DIR", beside=True):  # one export at a time, from now to the rename
