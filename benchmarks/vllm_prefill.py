@@ -27,7 +27,7 @@ from pathlib import Path
 
 
 def variant_folder(export: Path, layers: str, root: Path) -> Path:
-    from fcsd.serving.vllm.variants import num_layers, stock_copy, with_layers
+    from fcsd.serving.variants import num_layers, stock_copy, with_layers
 
     if layers == "none":
         return stock_copy(export, root / "none")

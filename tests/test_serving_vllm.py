@@ -24,7 +24,6 @@ vllm_generate.py) and the matrix covers each code path once:
 """
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -34,92 +33,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_workers import engine_env, engine_python
+from engine_workers import run_worker as engine_worker
 from processes import started, wait_for
-from serving_models import build
+from serving_models import MAX_TOKENS, PROMPTS, TOP_N, build, mismatch, reference
 
 import fcsd
 from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export.save import export
 from fcsd.loading import tokenizer_from_pretrained
-from fcsd.serving.vllm.routed_allreduce import resolve_overlap
-from fcsd.serving.vllm.variants import stock_copy
+from fcsd.serving.routed_allreduce import resolve_overlap
+from fcsd.serving.variants import stock_copy
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV = ROOT / ".venv-vllm"
 WORKER = Path(__file__).parent / "workers" / "vllm_generate.py"
-PROMPTS = [[5, 17, 33, 8, 90, 41, 12], [7, 7, 100, 3, 250, 61, 9, 44, 18, 4, 77]]
-MAX_TOKENS, TOP_N, LOGPROB_ATOL = 8, 5, 1e-2  # fp32; vLLM's CPU MLA differs from transformers by ~2e-3
 FAMILIES_TP1 = ["qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3"]
 
 
 def vllm_python() -> Path:
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        pytest.fail(f"{VENV} is missing: run `make serve-env` (vLLM and fcsd's plugin in their own environment)")
-    return python
+    return engine_python(".venv-vllm", "serve-env")
 
 
 def vllm_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return {**env, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
-
-
-@torch.no_grad()
-def reference(model) -> list[dict]:
-    """fcsd's greedy tokens and each step's top-N log-probabilities (transformers, fp32)."""
-    results = []
-    for ids in PROMPTS:
-        out = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        steps = []
-        for logits in out.logits:
-            logprobs = torch.log_softmax(logits[0].float(), dim=-1)
-            top = torch.topk(logprobs, TOP_N)
-            steps.append({str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)})
-        results.append({"tokens": out.sequences[0, len(ids) :].tolist(), "logprobs": steps})
-    return results
-
-
-def mismatch(expected: list[dict], got: list[dict], min_equal: int = MAX_TOKENS // 2) -> str | None:
-    """vLLM's `check_logprobs_close`: compare tokens up to the first mismatch, where each side's token must be in
-    the other's top-N; matched tokens' log-probabilities must agree within LOGPROB_ATOL. Stricter than vLLM's: the
-    greedy tokens must be equal for at least ``min_equal`` steps of every prompt (a near-tie may end a sequence's
-    comparison only after that). None when close."""
-    for p, (ref, out) in enumerate(zip(expected, got, strict=True)):
-        for step, (token, other) in enumerate(zip(ref["tokens"], out["tokens"], strict=True)):
-            ref_top, out_top = ref["logprobs"][step], out["logprobs"][step]
-            if token == other:
-                diff = abs(ref_top[str(token)] - out_top[str(token)])
-                if diff > LOGPROB_ATOL:
-                    return f"prompt {p} step {step}: log-probability of token {token} differs by {diff:.3g}"
-                continue
-            if str(other) not in ref_top or str(token) not in out_top:
-                return (
-                    f"prompt {p} step {step}: tokens {token} (fcsd) and {other} (vLLM) not in each other's top-{TOP_N}"
-                )
-            if step < min_equal:
-                return f"prompt {p}: greedy tokens differ at step {step} ({token} vs {other}), before step {min_equal}"
-            break  # a near-tie: the sequences diverge from here, as vLLM's own tests allow
-    return None
+    return engine_env(VLLM_NO_USAGE_STATS="1", **extra)
 
 
 def run_worker(jobs: list[dict], out: Path, **env) -> dict:
-    (out.parent / f"{out.stem}.jobs.json").write_text(json.dumps(jobs))
-    log = out.parent / f"{out.stem}.log"
-    command = [str(vllm_python()), str(WORKER), str(out.parent / f"{out.stem}.jobs.json"), str(out)]
-    with log.open("w") as stream, started(command, env=vllm_env(**env), stdout=stream, stderr=subprocess.STDOUT,
-                                          cwd=out.parent) as worker:  # fmt: skip
-        worker.wait(timeout=1500)  # its engine processes go with it, whatever happens
-    text = log.read_text()
-    assert out.exists(), f"the vLLM worker failed:\n{text[-3000:]}"
-    return {"results": json.loads(out.read_text()), "log": text}
+    results, log = engine_worker(vllm_python(), WORKER, jobs, out, vllm_env(**env))
+    return {"results": results, "log": log}
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +269,15 @@ def test_vllm_serve_of_an_export_without_its_farskip_block_is_one_line(tokenizer
     (damaged / "config.json").write_text(
         json.dumps(identity_edits(json.loads((folder / "config.json").read_text()))["no-block"])
     )
-    command = [str(VENV / "bin" / "vllm"), "serve", str(damaged), "--dtype", "float32", "--max-model-len", "128"]
+    command = [
+        str(vllm_python().with_name("vllm")),
+        "serve",
+        str(damaged),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+    ]
     log = tmp_path / "serve.log"
     with log.open("w") as out, started(command, env=vllm_env(), stdout=out, stderr=subprocess.STDOUT) as server:
         assert server.wait(timeout=600) == 2, log.read_text()[-3000:]
@@ -479,7 +427,7 @@ def test_the_plugin_places_the_routed_ops_by_vllms_execution_settings():
 def test_overlap_token_threshold_setting():
     """farskip_overlap_above_tokens: auto is vLLM's largest CUDA-graph capture size (512 without graphs), a number
     is taken as is, anything else is refused in one line."""
-    from fcsd.serving.vllm.routed_allreduce import resolve_above_tokens
+    from fcsd.serving.routed_allreduce import resolve_above_tokens
 
     assert resolve_above_tokens(None, 256) == 256 and resolve_above_tokens("auto", None) == 512
     assert resolve_above_tokens(0, 256) == 0 and resolve_above_tokens("2048", 256) == 2048
@@ -516,7 +464,7 @@ def test_vllm_serve_answers_an_openai_completion(tokenizer, tmp_path):
     expected = tokenizer.decode(greedy[0, ids.shape[1] :])
     port = free_port()
     command = [
-        str(VENV / "bin" / "vllm"),
+        str(vllm_python().with_name("vllm")),
         "serve",
         str(folder),
         "--host",

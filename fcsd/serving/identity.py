@@ -167,3 +167,18 @@ def _check_record(record: dict, where: str) -> None:
     bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or i < 0]
     if bad:
         raise IdentityError(f"{where}: `{CONFIG_KEY}.layers` holds {bad[:5]}, not layer indices; {REEXPORT}")
+
+
+def converted_layers(config, num_layers: int) -> list[int]:
+    """The converted layer indices recorded in the export's ``farskip`` block, checked (one-line errors)."""
+    record = getattr(config, "farskip", None)
+    layers = record.get("layers") if isinstance(record, dict) else None
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(
+            "config.json has no usable `farskip.layers` list (the converted layer indices): not an fcsd export, or a "
+            "damaged one; export it again with `fcsd export`"
+        )
+    bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"config.json farskip.layers holds {bad[:5]}: expected layer indices in 0..{num_layers - 1}")
+    return sorted(set(layers))

@@ -54,7 +54,7 @@ def run(job):
             sample = output.outputs[0]
             steps = [{str(token): entry.logprob for token, entry in step.items()} for step in sample.logprobs]
             results.append({"tokens": list(sample.token_ids), "logprobs": steps})
-        from fcsd.serving.vllm.routed_allreduce import overlap_stats
+        from fcsd.serving.routed_allreduce import overlap_stats
 
         return {"outputs": results, "overlap_stats": llm.collective_rpc(overlap_stats)}
     finally:

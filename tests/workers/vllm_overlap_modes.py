@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import torch
 from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
+from fcsd.serving.routed_allreduce import RoutedAllReduce, resolve_overlap
 from fcsd.serving.vllm import models
-from fcsd.serving.vllm.routed_allreduce import RoutedAllReduce, resolve_overlap
 
 ATTENTION = list(CompilationConfig._attention_ops)  # what vLLM splits at by default (set_splitting_ops_for_v1)
 CASES = {  # name -> (enforce_eager, mode, splitting ops, CUDA-graph mode)

@@ -13,7 +13,7 @@ import sys
 import torch
 from torch import nn
 
-from fcsd.serving.vllm import routed_allreduce as overlap
+from fcsd.serving import routed_allreduce as overlap
 from fcsd.serving.vllm import wiring
 
 events: list[str] = []
@@ -98,7 +98,7 @@ def split_points(forward) -> list[str]:
     ``"<op> <layer>"`` (the attention's layer from its label, the routed ops' from their key)."""
     from vllm.compilation.backends import split_graph
 
-    from fcsd.serving.vllm.routed_allreduce import ROUTED_OPS
+    from fcsd.serving.routed_allreduce import ROUTED_OPS
 
     graphs = []
 

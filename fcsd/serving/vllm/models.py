@@ -13,18 +13,20 @@ import importlib
 import torch
 from torch import nn
 
-from fcsd.serving.served_families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
-from fcsd.serving.vllm import ABOVE_TOKENS_KEY, OVERLAP_KEY
-from fcsd.serving.vllm.moe import check_runner
-from fcsd.serving.vllm.routed_allreduce import (
+from fcsd.serving.identity import converted_layers
+from fcsd.serving.routed_allreduce import (
     RoutedAllReduce,
     resolve_above_tokens,
     resolve_overlap,
     split_at_routed_ops,
 )
+from fcsd.serving.served_families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
+from fcsd.serving.vllm import ABOVE_TOKENS_KEY, OVERLAP_KEY
+from fcsd.serving.vllm.moe import check_runner
 from fcsd.serving.vllm.wiring import (
     FarSkipDecoderLayerMixin,
     LayerWiring,
+    blocking_all_reduce,
     deepseek_attention,
     default_attention,
     is_moe_block,
@@ -41,21 +43,6 @@ def farskip_layer_class(stock: type) -> type:
         globals()[name] = cls
         _LAYER_CLASSES[stock] = cls
     return _LAYER_CLASSES[stock]
-
-
-def farskip_layers(config, num_layers: int) -> list[int]:
-    """The converted layer indices recorded in the export's ``farskip`` block, checked (one-line errors)."""
-    record = getattr(config, "farskip", None)
-    layers = record.get("layers") if isinstance(record, dict) else None
-    if not isinstance(layers, list) or not layers:
-        raise ValueError(
-            "config.json has no usable `farskip.layers` list (the converted layer indices): not an fcsd export, or a "
-            "damaged one; export it again with `fcsd export`"
-        )
-    bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"config.json farskip.layers holds {bad[:5]}: expected layer indices in 0..{num_layers - 1}")
-    return sorted(set(layers))
 
 
 def _decoder_layers(model: nn.Module, family: ServedFamily, num_layers: int):
@@ -94,13 +81,13 @@ def _execution(vllm_config) -> tuple[str, bool, bool]:
 def _place_routed_ops(vllm_config, piecewise: bool, log) -> None:
     """With the overlap on under piecewise compilation: the routed ops split vLLM's graphs too. The CUDA-graph mode
     stays as vLLM set it: full graphs (decode) capture the routed ops' blocking path, as every captured forward takes
-    it (:meth:`~fcsd.serving.vllm.routed_allreduce.RoutedAllReduce.overlaps`)."""
+    it (:meth:`~fcsd.serving.routed_allreduce.RoutedAllReduce.overlaps`)."""
     if piecewise:
         split_at_routed_ops(vllm_config.compilation_config)
 
 
 def _above_tokens(vllm_config, setting) -> int:
-    """:func:`~fcsd.serving.vllm.routed_allreduce.resolve_above_tokens` at vLLM's largest CUDA-graph capture size (where
+    """:func:`~fcsd.serving.routed_allreduce.resolve_above_tokens` at vLLM's largest CUDA-graph capture size (where
     CUDA graphs are on)."""
     compilation = vllm_config.compilation_config
     graphs = not vllm_config.model_config.enforce_eager and torch.cuda.is_available()
@@ -118,7 +105,7 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
 
     text_config = vllm_config.model_config.hf_text_config
     num_layers = text_config.num_hidden_layers
-    converted = farskip_layers(vllm_config.model_config.hf_config, num_layers)
+    converted = converted_layers(vllm_config.model_config.hf_config, num_layers)
     layers, owner = _decoder_layers(model, family, num_layers)
     start, end = getattr(owner, "start_layer", 0), getattr(owner, "end_layer", num_layers)
     dtype = vllm_config.model_config.dtype
@@ -134,7 +121,8 @@ def convert(model: nn.Module, family: ServedFamily, vllm_config) -> list[int]:
     above = _above_tokens(vllm_config, additional.get(ABOVE_TOKENS_KEY))
     overlap = None
     if overlap_on:
-        overlap = RoutedAllReduce(get_tp_group().make_sibling_device_group("farskip_routed"), above)
+        group = get_tp_group().make_sibling_device_group("farskip_routed")
+        overlap = RoutedAllReduce(group, above, reduce_now=blocking_all_reduce)
         _place_routed_ops(vllm_config, piecewise, log)
     chosen = set(converted)
     # the layers that may start a routed all-reduce for their successor: MoE layers (a converted dense one has no

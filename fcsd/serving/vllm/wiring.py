@@ -13,7 +13,7 @@ input::
 After a stock layer (or at the first layer) ``n_{k-1} = o_{k-1}``. A converted dense layer counts its MLP as
 ``shared_k`` and returns ``(0, n_k)``. With the overlap on, ``routed_k``'s all-reduce is started at the end of layer
 k under layer k's key and waited under that key by layer k+1 after its attention (keys fixed when the model is
-built, so a compiled graph holds the same pairs, see :mod:`fcsd.serving.vllm.routed_allreduce`); a layer whose successor
+built, so a compiled graph holds the same pairs, see :mod:`fcsd.serving.routed_allreduce`); a layer whose successor
 is not converted, or is the last on this pipeline stage, reduces its own at once.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from fcsd.serving.routed_allreduce import start_routed, wait_routed
 from fcsd.serving.vllm.moe import shared_and_routed
-from fcsd.serving.vllm.routed_allreduce import blocking_all_reduce, start_routed, wait_routed
 
 
 class LayerWiring:
@@ -85,6 +85,13 @@ class FarSkipDecoderLayerMixin:
         elif needs_all_reduce:
             routed = blocking_all_reduce(routed)
         return routed, partial
+
+
+def blocking_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """The reference: vLLM's own tensor-parallel all-reduce, where the stock MoE layer issues it."""
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce(tensor)
 
 
 def default_attention(layer, positions, x, *extra):

@@ -1,7 +1,8 @@
 """The routed-expert all-reduce of a converted layer, blocking or overlapped with the next layer's attention
-(paper Sec. 4.2, design §7), eager or compiled.
+(paper Sec. 4.2, design §7), eager or compiled; shared by the vLLM and SGLang plugins, each passing its engine's
+blocking all-reduce.
 
-In vLLM's MoE layout (activations replicated over the tensor-parallel group, experts sharded over it, or over the
+In the engines' MoE layout (activations replicated over the tensor-parallel group, experts sharded over it, or over the
 expert-parallel group built from it), each MoE layer ends with an all-reduce of its expert outputs. In a FarSkip
 layer k the routed part of that all-reduce is needed only to form ``o_k``, which layer k+1 reads after its
 attention: the all-reduce is started at the end of layer k and waited in layer k+1 right before its MoE input.
@@ -73,8 +74,9 @@ class RoutedAllReduce:
     """Starts the routed all-reduces of one model on ``group`` (a process group with the tensor-parallel ranks) and
     holds each started one under its layer's key until it is waited."""
 
-    def __init__(self, group, above_tokens: int = 0):
+    def __init__(self, group, above_tokens: int = 0, reduce_now=None):
         self.group = group
+        self.reduce_now = reduce_now  # the engine's blocking all-reduce (tensor -> summed tensor), for small forwards
         self.above_tokens = above_tokens  # forwards of more tokens overlap; the others reduce at once
         self.name = "routed"  # a fixed name: compiled graphs (and vLLM's cache of them) hold it as a constant
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -118,7 +120,7 @@ class RoutedAllReduce:
         if stale is not None:
             stale.wait()
         if not self.overlaps(tensor):
-            tensor.copy_(blocking_all_reduce(tensor))
+            tensor.copy_(self.reduce_now(tensor))
             STATS["blocking"] += 1
             STATS["blocking_max_tokens"] = max(STATS["blocking_max_tokens"], tensor.shape[0])
             return
@@ -188,13 +190,6 @@ def split_at_routed_ops(compilation_config) -> None:
     ops = compilation_config.splitting_ops
     if ops is not None:
         ops.extend(op for op in ROUTED_OPS if op not in ops)
-
-
-def blocking_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """The reference: vLLM's own tensor-parallel all-reduce, where the stock MoE layer issues it."""
-    from vllm.distributed import tensor_model_parallel_all_reduce
-
-    return tensor_model_parallel_all_reduce(tensor)
 
 
 def resolve_above_tokens(setting, capture_size: int | None) -> int:

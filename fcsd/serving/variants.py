@@ -1,5 +1,5 @@
 """Variants of an export folder with other connectivity and the same weights (standard library only): the stock
-checkpoint (``none``: what vLLM serves without FarSkip) and FarSkip on other layers. Used by the prefill benchmark
+checkpoint (``none``: what an engine serves without FarSkip) and FarSkip on other layers. Used by the prefill benchmark
 and the serving tests' negative control. A variant is not the export whose reload parity was checked: its parity
 record (``fcsd_export.json``, which would name other layers) is not copied."""
 
