@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install test demo sweep-demo bench lint serve-env docs docs-build
+.PHONY: install test demo sweep-demo bench lint serve-env sglang-env docs docs-build
 
 install:  ## install fcsd (CPU torch from the local wheel index if present) with test and documentation tools
 	$(PYTHON) -m pip install torch==2.13.0
@@ -20,6 +20,25 @@ serve-env:  ## .venv-vllm: vLLM (its own torch and transformers pins) with fcsd'
 	$(VLLM_VENV)/bin/python -m pip install --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "from fcsd.serving.vllm.launcher import install; install()"  # see its docstring
 	$(VLLM_VENV)/bin/python -m fcsd.serving.vllm.install_check
+
+SGLANG_VENV ?= .venv-sglang
+SGLANG_PACKAGE ?= sglang==0.5.23
+SGLANG_CPU ?= 1
+
+# CPU default (SGLANG_CPU=1): the local CPU torch, SGLang without its CUDA requirements, and the two fixes of
+# fcsd/serving/sglang/cpu_environment.py (torchvision, an import-only sgl_kernel); on a GPU node: SGLANG_CPU=0
+sglang-env:  ## .venv-sglang: SGLang with fcsd's model plugin, see docs/serving.md
+	$(PYTHON) -m venv $(SGLANG_VENV)
+ifeq ($(SGLANG_CPU),1)
+	$(SGLANG_VENV)/bin/python -m pip install --no-deps $(SGLANG_PACKAGE)
+	$(SGLANG_VENV)/bin/python -m pip install -r fcsd/serving/sglang/cpu_requirements.txt
+	$(SGLANG_VENV)/bin/python -m pip install --no-deps -e .
+	$(SGLANG_VENV)/bin/python -m fcsd.serving.sglang.cpu_environment
+else
+	$(SGLANG_VENV)/bin/python -m pip install $(SGLANG_PACKAGE)
+	$(SGLANG_VENV)/bin/python -m pip install --no-deps -e .
+endif
+	$(SGLANG_VENV)/bin/python -m fcsd.serving.sglang.install_check
 
 TEST_WORKERS ?= 2  # pytest-xdist processes; each test file runs whole in one of them (its module fixtures once)
 # one torch thread per worker unless set: two workers of two threads each on two cores spin against each other

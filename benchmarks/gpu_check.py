@@ -38,7 +38,9 @@ Sections:
 - ``memory``: peak memory of ``fcsd cache-teacher`` at vocabulary 151,936 x 4,096-token rows (quick: 1,024) and of
   the head-in-forward loss of an FSDP2-laid-out student and teacher (one process) against the full logits' size.
 - ``bench``: ``fcsd bench cluster --quick`` on one process and ``fcsd bench overlap`` on 2 gloo ranks.
-- ``sglang``: a placeholder, skipped unless ``import sglang`` works.
+- ``sglang``: where SGLang is installed (this interpreter, or ``.venv-sglang`` from ``make sglang-env``; skipped
+  otherwise): a tiny FarSkip export served by SGLang with fcsd's plugin at TP 1 gives fcsd's greedy tokens and its
+  stock copy does not; ``benchmarks/sglang_prefill.py`` times stock, FarSkip blocking and overlapped side by side.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 SECTIONS = ["one_process", "fsdp_one_process", "expert_parallel", "fp8_teacher", "memory", "bench", "sglang"]
-# seconds per section: (full, quick); the full budgets add up to 9 minutes, so that a 10-minute slot suffices
+# seconds per section: (full, quick); without SGLang (skipped where it is not installed) the full budgets add up to 9
+# minutes, so that a 10-minute slot suffices; a node prepared with `make sglang-env` needs 2 more
 BUDGETS = {
     "one_process": (120, 150),
     "fsdp_one_process": (90, 240),
@@ -70,7 +73,7 @@ BUDGETS = {
     "fp8_teacher": (60, 180),
     "memory": (90, 180),
     "bench": (80, 150),
-    "sglang": (10, 30),
+    "sglang": (120, 240),
 }
 GIB = 2**30
 VOCAB = 151_936
@@ -705,10 +708,60 @@ def bench(ctx) -> dict:
     return figures
 
 
+def sglang_python() -> str | None:
+    """An interpreter with SGLang: this one, else the checkout's ``.venv-sglang`` (``make sglang-env``)."""
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    venv = ROOT / ".venv-sglang" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
 def sglang(ctx) -> dict:
-    if importlib.util.find_spec("sglang") is None:
-        raise SectionSkipped("SGLang is not installed in this environment")
-    raise SectionSkipped("SGLang is installed, but its check is not written yet (a later issue fills it in)")
+    """fcsd's SGLang plugin on this device: a tiny tied-embedding Qwen3-MoE export served at TP 1 with fcsd's greedy
+    tokens (its stock copy differing), then ``benchmarks/sglang_prefill.py`` (stock, FarSkip blocking, FarSkip
+    overlapped; at TP 1 the overlap has nothing to overlap: the figures are the FarSkip loop's own cost)."""
+    python = sglang_python()
+    if python is None:
+        raise SectionSkipped("SGLang is not installed: build .venv-sglang with `make sglang-env` (GPU: SGLANG_CPU=0)")
+    from serving_models import MAX_TOKENS, PROMPTS, TOP_N, build, mismatch, reference
+
+    import fcsd
+    from fcsd.embedded.tokenizer import train_tokenizer
+    from fcsd.export.save import export
+    from fcsd.serving.variants import stock_copy
+
+    tokenizer = train_tokenizer(["add 1 + 2", "sort 3 1 2", "count the apples"] * 10, vocab_size=280)
+    model = fcsd.apply_farskip(build("qwen3_moe_tied", len(tokenizer)), "all")
+    folder = export(model, tokenizer, ctx.work / "sglang-export")
+    expected = reference(model)
+    stock = stock_copy(folder, ctx.work / "sglang-stock")
+    common = {"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": TOP_N, "device": ctx.device}
+    jobs = [{"name": "farskip", "model": str(folder), **common}, {"name": "stock", "model": str(stock), **common}]
+    (ctx.work / "sglang-jobs.json").write_text(json.dumps(jobs))
+    out = ctx.work / "sglang-out.json"
+    worker = [python, str(TESTS / "workers" / "sglang_generate.py"), str(ctx.work / "sglang-jobs.json"), str(out)]
+    env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
+    checked(run(worker, ctx.remaining() / 2, env=env), "SGLang worker")
+    served = json.loads(out.read_text())
+    for name in ("farskip", "stock"):
+        if "error" in served[name]:
+            raise RuntimeError(f"SGLang served {name} with an error: {served[name]['error']}")
+    farskip = served["farskip"]["outputs"]
+    problem = mismatch(expected, farskip)
+    if problem is not None:
+        raise RuntimeError(f"SGLang's FarSkip tokens differ from fcsd's: {problem}")
+    control = mismatch(expected, served["stock"]["outputs"])
+    if control is None:
+        raise RuntimeError("the stock copy matched the FarSkip model: the comparison cannot fail")
+    lens = "64,256" if ctx.quick else "512,2048"
+    bench = [python, str(ROOT / "benchmarks" / "sglang_prefill.py"), str(folder), "--device", ctx.device, "--json"]
+    bench += ["--prompt-lens", lens, "--repeats", "1" if ctx.quick else "3"]
+    rows = json.loads(checked(run(bench, ctx.remaining() - 5, env=env), "sglang_prefill")["stdout"])
+    figures = {"device": device_name(ctx.device), "tokens_match_fcsd": True, "stock_differs": control, "prefill": rows}
+    figures["summary"] = "SGLang at TP 1: fcsd's greedy tokens; TTFT / stock " + ", ".join(
+        f"{r['layers']}/{r['overlap']}@{r['prompt_len']}: {r.get('ttft_vs_none', 1):.2f}" for r in rows
+    )
+    return figures
 
 
 FUNCTIONS = {

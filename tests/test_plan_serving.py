@@ -16,7 +16,7 @@ from tiny_models import CONFIGS
 
 from fcsd.plan.cluster import GIB, GPU, Cluster, make_cluster
 from fcsd.plan.model_configs import load_model_config
-from fcsd.plan.printed_commands import accelerate_config, launch_prefix, serve_line
+from fcsd.plan.printed_commands import accelerate_config, launch_prefix, serve_line, sglang_serve_line
 from fcsd.plan.run import Layout
 from fcsd.plan.serving_bytes import serving_model
 from fcsd.plan.serving_fit import (
@@ -132,6 +132,24 @@ def test_a_small_model_gets_the_smallest_tensor_parallel_size_that_fits():
     assert "--tensor-parallel-size 2 --enable-expert-parallel" in serve_line("o", "qwen3_moe", check.fit)
 
 
+def test_the_sglang_serve_line_names_the_setting_checked_and_none_where_it_needs_pipeline_stages(deepseek_v3):
+    """SGLang's line beside vLLM's, at the same checked fit: the FP8 DeepSeek-V3 export at TP 8 on one node of H200
+    with the checked context; the bf16 one needs PP 2 across nodes, which fcsd's SGLang plugin does not cover (no
+    line); a family SGLang's plugin lacks gets none."""
+    one = check_serving(deepseek_v3, make_cluster("h200", 8, 1))
+    line = sglang_serve_line("runs/v3/export", "deepseek_v3", one.fit, one.model.max_context)
+    assert (
+        line
+        == f"python -m sglang.launch_server --model-path runs/v3/export --tp-size 8 --context-length {SERVE_CONTEXT}"
+    )
+    two = check_serving(deepseek_v3, make_cluster("h200", 8, 2), export="bf16")
+    assert two.fit.pp == 2 and sglang_serve_line("runs/v3/export", "deepseek_v3", two.fit) is None
+    assert serve_line("runs/v3/export", "deepseek_v3", two.fit) is not None
+    assert sglang_serve_line("o", "mixtral") is None and sglang_serve_line("my dir", "farskip_qwen3_moe") == (
+        "python -m sglang.launch_server --model-path 'my dir'"
+    )
+
+
 def test_vllm_sizes_and_pipeline_stages():
     """TP sizes divide the node, the heads and the experts (and the KV heads either way); pipeline stages split the
     layers as vLLM does (the remainder to the stages before the last)."""
@@ -189,6 +207,7 @@ def test_a_small_models_plan_prints_no_zero_seconds_and_a_checked_serve_line(tmp
         assert re.search(r"as fast as .*\([0-9.]+ (ms|us)\)", text), text
     assert re.search(r"^serving    .* TP 1 on 1 node: per GPU .* of weights \+ .* KV cache", text, re.M), text
     assert re.search(r"^  vllm serve \S+/export$", text, re.M), text
+    assert re.search(r"^  python -m sglang.launch_server --model-path \S+/export$", text, re.M), text
 
 
 def test_the_serve_line_is_checked_on_the_cluster_the_commands_target(tmp_path):

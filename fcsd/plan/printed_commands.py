@@ -7,9 +7,9 @@ The accelerate configs are ``recipes/accelerate/`` of the source tree, shipped i
 recipes as ``fcsd/recipes/`` (package data; in the source tree a link to ``recipes/``): the launch line names the
 installed file (:func:`accelerate_config`), so it runs as printed after ``pip install`` too.
 
-Serving is vLLM's (design §7: fcsd's vLLM plugin loads the export): :func:`serve_line` adds the parallel sizes and
-the context the plan checked (:mod:`fcsd.plan.serving_fit`) to the plugin's own command
-(``fcsd.serving.served_families.serve_command``, which ``fcsd export`` prints too).
+Serving is vLLM's or SGLang's (design §7: fcsd's plugins load the export): :func:`serve_line` and
+:func:`sglang_serve_line` add the parallel sizes and the context the plan checked (:mod:`fcsd.plan.serving_fit`) to
+the plugins' own commands (``fcsd.serving.served_families``, which ``fcsd export`` prints too).
 """
 
 from __future__ import annotations
@@ -127,9 +127,28 @@ def serve_line(export_dir: str, model_type: str, fit=None, max_context: int | No
     return " ".join([base, *flags])
 
 
+def sglang_serve_line(export_dir: str, model_type: str, fit=None, max_context: int | None = None) -> str | None:
+    """SGLang serving of the export at ``fit``'s setting: tensor parallelism over one node's GPUs (SGLang shards each
+    expert over them, the same memory as vLLM's expert parallelism over the group), its context as
+    ``--context-length`` when below the model's ``max_context``. None when fcsd's SGLang plugin lacks the family or
+    the fit needs pipeline parallelism (which the plugin does not cover)."""
+    from fcsd.serving.served_families import sglang_serve_command
+
+    base = sglang_serve_command(export_dir, model_type)
+    if base is None or fit is None:
+        return base
+    if fit.pp > 1:
+        return None
+    flags = [f"--tp-size {fit.tp}"] if fit.tp > 1 else []
+    if max_context is None or fit.context < max_context:
+        flags.append(f"--context-length {fit.context}")
+    return " ".join([base, *flags])
+
+
 def plan_commands(model: str, layout: Layout, spec: str, config, defaults, cluster: Cluster, extra: list[str], serving):
-    """``({"cache_teacher", "train", "serve"}, notes)``: the shell lines (``cache_teacher`` only with a cached
-    teacher, ``serve`` only where vLLM has the family and the export fits the cluster; ``serving`` is
+    """``({"cache_teacher", "train", "serve", "serve_sglang"}, notes)``: the shell lines (``cache_teacher`` only with
+    a cached teacher, ``serve`` / ``serve_sglang`` only where the engine's plugin has the family and the export fits
+    the cluster, SGLang's without pipeline parallelism; ``serving`` is
     ``(model_type, check)``, ``check`` a :class:`fcsd.plan.serving_fit.ServingCheck` or None) and a note for each of
     the user's overrides the plan replaced with its own choice. The user's ``output_dir`` is kept."""
     from fcsd.sources import display_name
@@ -165,6 +184,9 @@ def plan_commands(model: str, layout: Layout, spec: str, config, defaults, clust
     serve = serve_line(f"{output_dir}/export", model_type, check.fit, check.model.max_context) if fits else None
     if serve is not None:
         commands["serve"] = serve
+    sglang = sglang_serve_line(f"{output_dir}/export", model_type, check.fit, check.model.max_context) if fits else None
+    if sglang is not None:
+        commands["serve_sglang"] = sglang
     return commands, notes
 
 

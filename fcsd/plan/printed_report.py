@@ -235,7 +235,9 @@ def format_plan(plan) -> str:
         "",
         "commands",
     ]
-    lines += [f"  {plan.commands[k]}" for k in ("cache_teacher", "train", "serve") if k in plan.commands]
+    lines += [
+        f"  {plan.commands[k]}" for k in ("cache_teacher", "train", "serve", "serve_sglang") if k in plan.commands
+    ]
     return "\n".join(lines)
 
 
