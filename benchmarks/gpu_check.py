@@ -718,8 +718,9 @@ def sglang_python() -> str | None:
 
 def sglang(ctx) -> dict:
     """fcsd's SGLang plugin on this device: a tiny tied-embedding Qwen3-MoE export served at TP 1 with fcsd's greedy
-    tokens (its stock copy differing), then ``benchmarks/sglang_prefill.py`` (stock, FarSkip blocking, FarSkip
-    overlapped; at TP 1 the overlap has nothing to overlap: the figures are the FarSkip loop's own cost)."""
+    tokens (its stock copy differing), then ``benchmarks/sglang_prefill.py`` on its larger random export (stock,
+    FarSkip blocking, FarSkip overlapped; at TP 1 the overlap has nothing to overlap: the figures are the FarSkip
+    loop's own cost against SGLang's stock layers)."""
     python = sglang_python()
     if python is None:
         raise SectionSkipped("SGLang is not installed: build .venv-sglang with `make sglang-env` (GPU: SGLANG_CPU=0)")
@@ -754,7 +755,9 @@ def sglang(ctx) -> dict:
     if control is None:
         raise RuntimeError("the stock copy matched the FarSkip model: the comparison cannot fail")
     lens = "64,256" if ctx.quick else "512,2048"
-    bench = [python, str(ROOT / "benchmarks" / "sglang_prefill.py"), str(folder), "--device", ctx.device, "--json"]
+    tiny = ctx.work / "sglang-prefill-export"  # the prefill benchmark's own export: 4,096 positions, head size 64
+    checked(run([sys.executable, str(ROOT / "benchmarks" / "sglang_prefill.py"), "--tiny", str(tiny)], 120), "--tiny")
+    bench = [python, str(ROOT / "benchmarks" / "sglang_prefill.py"), str(tiny), "--device", ctx.device, "--json"]
     bench += ["--prompt-lens", lens, "--repeats", "1" if ctx.quick else "3"]
     rows = json.loads(checked(run(bench, ctx.remaining() - 5, env=env), "sglang_prefill")["stdout"])
     figures = {"device": device_name(ctx.device), "tokens_match_fcsd": True, "stock_differs": control, "prefill": rows}

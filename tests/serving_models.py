@@ -98,11 +98,12 @@ CONFIGS = {
     ),
     "deepseek_v2": lambda: _deepseek(2),
     # SGLang's cases: its Qwen3-MoE has MoE layers only; tied embeddings (no lm_head.weight in the files), weights
-    # large enough that greedy tokens vary; DeepSeek-V2 with MLA and YaRN
+    # large enough that greedy tokens vary; DeepSeek-V2 and V3 (q LoRA, biased sigmoid router) with MLA and YaRN
     "qwen3_moe_tied": lambda: _with(
         CONFIGS["qwen3_moe"](), tie_word_embeddings=True, initializer_range=0.3, mlp_only_layers=[]
     ),
     "deepseek_v2_yarn": lambda: _with(_deepseek(2, rope_parameters=YARN), initializer_range=0.1),
+    "deepseek_v3_yarn": lambda: _with(_deepseek(3, rope_parameters=YARN), initializer_range=0.1),
     "deepseek_v3": lambda: _deepseek(3),
 }
 

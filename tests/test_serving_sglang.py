@@ -9,6 +9,7 @@ engine start costs ~20 s on 2 cores, so the engines run in one worker process (t
 - a Qwen3-MoE with tied embeddings (no lm_head.weight in the files), all layers and last:50% (a stock -> converted
   hand-over), TP 1; all layers at TP 2 overlapped in every forward and blocking;
 - a DeepSeek-V2 with MLA, YaRN, shared experts and a dense first layer (converted too), TP 1 and TP 2 overlapped;
+  a DeepSeek-V3 (q LoRA, biased sigmoid router) at TP 1;
 - stock copies of both at TP 1 (the negative control);
 - a Qwen3-MoE with a dense layer (SGLang's class makes every layer MoE), a block-FP8 export (no CPU FP8 kernels
   without AMX) and a Mixtral export (a family the plugin leaves to vLLM): refused in one line;
@@ -90,6 +91,7 @@ def served(tmp_path_factory):
         ("qwen3-all", "qwen3_moe_tied", "all"),
         ("qwen3-last50", "qwen3_moe_tied", "last:50%"),
         ("deepseek-all", "deepseek_v2_yarn", "all"),
+        ("deepseek-v3-all", "deepseek_v3_yarn", "all"),
         ("qwen3-dense-layer", "qwen3_moe", "all"),
         ("mixtral", "mixtral", "all"),
     ]:
@@ -149,6 +151,7 @@ def tokens(outs):
         ("qwen3-all", "qwen3-all"),
         ("qwen3-last50", "qwen3-last50"),
         ("deepseek-all", "deepseek-all"),
+        ("deepseek-v3-all", "deepseek-v3-all"),
         ("qwen3-all-tp2", "qwen3-all"),
         ("qwen3-all-tp2-blocking", "qwen3-all"),
         ("deepseek-all-tp2", "deepseek-all"),

@@ -55,6 +55,12 @@ class DeepseekCalls(Qwen3MoeCalls):
         )
 
     def attention(self, layer, positions, x, forward_batch, extras):
+        attention = layer.self_attn
+        if attention.q_lora_rank is not None:  # MLA with a q LoRA reads its latent from inputs the boundary publishes
+            from sglang.srt.layers.layer_boundary import AttentionInputs
+
+            inputs = AttentionInputs(x, forward_batch, attention.prepare_qkv_latent)
+            self.module.get_attn_tp_context().set_attn_inputs(inputs)
         with layer.self_attn.maybe_use_decode_attn_tp(forward_batch):
             out = layer.self_attn(
                 positions=positions,
