@@ -29,15 +29,11 @@ from pathlib import Path
 
 
 def variant_folder(export: Path, layers: str, root: Path) -> Path:
-    from fcsd.serving.variants import num_layers, stock_copy, with_layers
-
-    from fcsd.serving.sglang.exported_configs import stock_fields
+    from fcsd.serving.sglang.stock_copies import sglang_stock_copy
+    from fcsd.serving.variants import num_layers, with_layers
 
     if layers == "none":
-        folder = stock_copy(export, root / "none")
-        config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**stock_fields(config["model_type"]), **config}, indent=2))
-        return folder
+        return sglang_stock_copy(export, root / "none")
     if layers == "all":
         return with_layers(export, root / "all", list(range(num_layers(export))))
     return export  # "export": the layers the export was converted on

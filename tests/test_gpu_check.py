@@ -65,7 +65,7 @@ def test_gpu_check_on_the_cpu_runs_every_cpu_section_and_says_why_it_skipped_the
 
     served = report["sglang"]  # SGLang's CPU engine with fcsd's plugin (.venv-sglang, as CI builds it)
     if SGLANG:
-        assert served["tokens_match_fcsd"] and served["stock_differs"].startswith("prompt ")
+        assert served["tokens_match_fcsd"] and served["stock_mismatch"].startswith("prompt ")
         variants = {(row["layers"], row["overlap"]) for row in served["prefill"]}
         assert variants == {("none", "-"), ("all", "off"), ("all", "on")}, variants
     else:

@@ -32,8 +32,8 @@ import fcsd
 from fcsd.block_fp8 import quantize_blocks
 from fcsd.embedded.tokenizer import train_tokenizer
 from fcsd.export.save import export
-from fcsd.serving.sglang.exported_configs import sglang_config_class, stock_fields
-from fcsd.serving.variants import stock_copy
+from fcsd.serving.sglang.exported_configs import sglang_config_class
+from fcsd.serving.sglang.stock_copies import sglang_stock_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "workers" / "sglang_generate.py"
@@ -44,20 +44,6 @@ def run_worker(jobs: list[dict], out: Path, **env) -> dict:
     results, text = engine_worker(python, WORKER, jobs, out, engine_env(SGLANG_USE_CPU_ENGINE="1", **env))
     logs = {block.split("\n", 1)[0]: block for block in text.split("=== job ")[1:]}
     return {"results": results, "logs": logs}
-
-
-def sglang_stock(folder: Path) -> Path:
-    """A stock copy made servable by SGLang's own classes as they are: its Qwen3-MoE never ties the head (a tied
-    checkpoint gets a head of zeros: token 0 everywhere), so the head is written out; its DeepSeek reads fields that
-    transformers 5 configs leave out."""
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("tie_word_embeddings"):
-        state = load_file(str(folder / "model.safetensors"))
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        config["tie_word_embeddings"] = False
-    (folder / "config.json").write_text(json.dumps({**stock_fields(config["model_type"]), **config}, indent=2))
-    return folder
 
 
 def fp8_copy(folder: Path, out: Path) -> Path:
@@ -99,7 +85,7 @@ def served(tmp_path_factory):
         exports[name] = export(model, tokenizer, root / name)
         expected[name] = reference(model)
     for name in ("qwen3-all", "deepseek-all"):
-        exports[f"{name}-stock"] = sglang_stock(stock_copy(exports[name], root / f"{name}-stock"))
+        exports[f"{name}-stock"] = sglang_stock_copy(exports[name], root / f"{name}-stock")
         expected[f"{name}-stock"] = reference(fcsd.remove_farskip(fcsd.from_pretrained(str(exports[name]))))
     exports["fp8"] = fp8_copy(exports["qwen3-all"], root / "fp8")
 
@@ -115,7 +101,15 @@ def served(tmp_path_factory):
         }
 
     jobs = [
-        job(name) for name in ("qwen3-all", "qwen3-last50", "deepseek-all", "qwen3-all-stock", "deepseek-all-stock")
+        job(name)
+        for name in (
+            "qwen3-all",
+            "qwen3-last50",
+            "deepseek-all",
+            "deepseek-v3-all",
+            "qwen3-all-stock",
+            "deepseek-all-stock",
+        )
     ]
     jobs += [
         job("qwen3-all-tp2", exports["qwen3-all"], tp=2, overlap_above=0),

@@ -9,7 +9,7 @@ installed file (:func:`accelerate_config`), so it runs as printed after ``pip in
 
 Serving is vLLM's or SGLang's (design §7: fcsd's plugins load the export): :func:`serve_line` and
 :func:`sglang_serve_line` add the parallel sizes and the context the plan checked (:mod:`fcsd.plan.serving_fit`) to
-the plugins' own commands (``fcsd.serving.served_families``, which ``fcsd export`` prints too).
+the plugins' own commands (``fcsd.serving.served_families``; ``fcsd export`` prints vLLM's).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ attention: the all-reduce is started at the end of layer k and waited in layer k
 - CUDA: the all-reduce is issued on a side stream after that stream waits for the routed output, an event is
   recorded behind it, and the consumer's stream waits on the event: no host synchronisation.
 
-The sibling group (same ranks as vLLM's tensor-parallel group, its own communicator) keeps these collectives apart
-from the blocking ones vLLM issues meanwhile (attention's all-reduce, vLLM's custom all-reduce buffers).
+The sibling group (same ranks as the engine's tensor-parallel group, its own communicator) keeps these collectives
+apart from the blocking ones the engine issues meanwhile (attention's all-reduce, vLLM's custom all-reduce buffers).
 
 **Compiled.** The start and the wait are two custom ops: ``fcsd::farskip_routed_start`` mutates the routed tensor
 (the in-flight sum), ``fcsd::farskip_routed_wait`` copies the finished sum into a buffer of the graph's and takes the
@@ -21,24 +21,25 @@ next attention's output as an argument, so that a compiler keeps it after that a
 each wait next to its start). The layer pairs them by a key fixed when the model is built (the starting layer's);
 the handle lives on the host between them.
 
-- vLLM's default CPU compilation (one Dynamo trace, Inductor) calls both ops from the compiled code;
+- vLLM's default CPU compilation (one Dynamo trace, Inductor) calls both ops from the compiled code (SGLang's plugin
+  runs eager);
 - vLLM's piecewise compilation (GPUs) gets both as splitting ops (:func:`split_at_routed_ops`): they run eagerly
   between the compiled pieces, so the pieces can be captured as CUDA graphs while the all-reduce runs beside the
   next piece.
 
 **Where it overlaps.** The start decides per forward, at run time, by the forward's token count (static per captured
 graph size): a forward of more than ``above_tokens`` tokens (``farskip_overlap_above_tokens``; default vLLM's largest
-CUDA-graph capture size, 512 without graphs) overlaps; a smaller one, and any forward being captured into a CUDA
-graph, reduces at once with vLLM's own all-reduce (its custom all-reduce on GPUs), in place, and the wait finds
-nothing pending. Decode keeps vLLM's full CUDA graphs (nothing started is ever captured) and prefill-sized batches,
-which run outside graphs, overlap.
+CUDA-graph capture size, 512 without graphs and in SGLang) overlaps; a smaller one, and any forward being captured
+into a CUDA graph, reduces at once with the engine's own all-reduce (``reduce_now``; vLLM's custom all-reduce on
+GPUs), in place, and the wait finds nothing pending. Decode keeps the engine's CUDA graphs (nothing started is ever
+captured) and prefill-sized batches, which run outside graphs, overlap.
 """
 
 from __future__ import annotations
 
 import torch
 
-_CHANNELS: dict[str, RoutedAllReduce] = {}  # name -> the model's RoutedAllReduce (vLLM: one model per worker)
+_CHANNELS: dict[str, RoutedAllReduce] = {}  # name -> the model's RoutedAllReduce (one model per engine worker)
 # what this process did: all-reduces started and waited, and how many of those calls came from compiled code
 # and the routed all-reduces a small forward reduced at once (blocking), with the fewest tokens a started one had and
 # the most a blocking one had
@@ -114,8 +115,8 @@ class RoutedAllReduce:
 
     def park(self, key: str, tensor: torch.Tensor) -> None:
         """Start ``tensor``'s sum under ``key`` where the forward overlaps (:meth:`overlaps`), else sum it now in place
-        with vLLM's all-reduce; one still pending under ``key`` (never waited) is completed first, so that every rank
-        keeps issuing the same collectives."""
+        with the engine's all-reduce; one still pending under ``key`` (never waited) is completed first, so that
+        every rank keeps issuing the same collectives."""
         stale = self._pending.pop(key, None)
         if stale is not None:
             stale.wait()
@@ -193,9 +194,10 @@ def split_at_routed_ops(compilation_config) -> None:
 
 
 def resolve_above_tokens(setting, capture_size: int | None) -> int:
-    """Forwards of more tokens than this overlap: ``setting`` is vLLM's
-    ``additional_config["farskip_overlap_above_tokens"]`` (``"auto"``/None: ``capture_size``, vLLM's largest CUDA-graph
-    capture size where graphs are on, else :data:`DEFAULT_ABOVE_TOKENS`; 0 overlaps every forward outside a capture)."""
+    """Forwards of more tokens than this overlap: ``setting`` is ``farskip_overlap_above_tokens`` (vLLM's
+    ``additional_config``, SGLang's ``--json-model-override-args``; ``"auto"``/None: ``capture_size``, vLLM's largest
+    CUDA-graph capture size where graphs are on, else :data:`DEFAULT_ABOVE_TOKENS`; 0 overlaps every forward outside
+    a capture)."""
     if setting is None or (isinstance(setting, str) and setting.lower() == "auto"):
         return capture_size if capture_size else DEFAULT_ABOVE_TOKENS
     try:
@@ -208,11 +210,11 @@ def resolve_above_tokens(setting, capture_size: int | None) -> int:
 
 
 def resolve_overlap(setting, tp_size: int, unsplit_graphs: bool = False) -> bool:
-    """Whether converted layers overlap their routed all-reduce: ``setting`` is vLLM's
-    ``additional_config["farskip_overlap"]`` (``"auto"``/None: on when the tensor-parallel group has more than one
-    rank; ``True``/``False`` force it). ``unsplit_graphs``: CUDA graphs not split at attention by vLLM's piecewise
-    compilation (full graphs of an eager model, breakable graphs, splitting ops without attention), which the
-    routed ops cannot run between: ``auto`` is off there and ``True`` is refused."""
+    """Whether converted layers overlap their routed all-reduce: ``setting`` is ``farskip_overlap`` (vLLM's
+    ``additional_config``, SGLang's ``--json-model-override-args``; ``"auto"``/None: on when the tensor-parallel group
+    has more than one rank; ``True``/``False`` force it). ``unsplit_graphs``: CUDA graphs not split at attention by
+    vLLM's piecewise compilation (full graphs of an eager model, breakable graphs, splitting ops without attention),
+    which the routed ops cannot run between: ``auto`` is off there and ``True`` is refused."""
     if isinstance(setting, str):
         setting = {"auto": None, "true": True, "on": True, "false": False, "off": False}.get(setting.lower(), setting)
     if setting not in (None, True, False):

@@ -4,7 +4,8 @@ started: an engine that fails to start leaves processes and sockets behind that 
 
 argv: JOBS.json OUT.json. A job: {"name", "model", "prompts": [[ids]], "max_tokens", "logprobs", "tp",
 "overlap" (null = the plugin's default), "overlap_above" (farskip_overlap_above_tokens; null = default),
-"trust_remote_code", "dtype" (float32), "device" (cpu: SGLang's CPU engine with torch_native attention; or cuda)}.
+"trust_remote_code", "dtype" (float32), "device" (cpu: SGLang's CPU engine; or cuda), "attention_backend" (on CPU
+torch_native; else SGLang's default)}.
 A result holds the outputs and each process's overlap counts (started, waited, blocking); a
 job that fails records {"error": <the exception's message, or the engine's last log lines>}.
 """
@@ -14,7 +15,6 @@ import glob
 import json
 import os
 import sys
-import tempfile
 
 
 def keep_running(*_):
@@ -32,7 +32,7 @@ def run(job):
     tp, cpu = job.get("tp", 1), job.get("device", "cpu") == "cpu"
     if cpu:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(i % os.cpu_count()) for i in range(tp))
-    stats = tempfile.mkdtemp()
+    stats = job["stats_dir"]
     os.environ["FCSD_OVERLAP_STATS_DIR"] = stats
     engine = sgl.Engine(
         model_path=job["model"],
@@ -46,7 +46,8 @@ def run(job):
         json_model_override_args=json.dumps(overrides) if overrides else "{}",
         log_level="info",
         custom_sigquit_handler=keep_running,
-        **({"attention_backend": "torch_native", "max_total_tokens": 2048} if cpu else {}),
+        attention_backend=job.get("attention_backend", "torch_native" if cpu else None),
+        **({"max_total_tokens": 2048} if cpu else {}),
     )
     try:
         params = {"max_new_tokens": job["max_tokens"], "temperature": 0.0, "ignore_eos": True}
@@ -92,6 +93,8 @@ def main():
     for job in jobs:
         print(f"=== job {job['name']}", flush=True)  # the test reads each job's log lines from this marker on
         job_file, out_file = sys.argv[2] + f".{job['name']}.job", sys.argv[2] + f".{job['name']}.out"
+        job = {**job, "stats_dir": sys.argv[2] + f".{job['name']}.stats"}  # each process's overlap counts
+        os.makedirs(job["stats_dir"], exist_ok=True)
         json.dump(job, open(job_file, "w"))
         child = subprocess.Popen([sys.executable, __file__, "--one", job_file, out_file], start_new_session=True)
         try:

@@ -3,11 +3,13 @@
 SGLang calls :func:`register` through the ``sglang.srt.plugins`` entry point in every process it starts. It
 registers, for each family SGLang serves (:data:`fcsd.serving.served_families.SGLANG_FAMILIES`), a model class
 ``FarSkip<stock architecture>`` (SGLang's stock class whose layer stack runs FarSkip connectivity,
-:mod:`fcsd.serving.sglang.models`) and a config class for the export's model type ``farskip_<stock type>``
+:mod:`fcsd.serving.sglang.models`), a class that refuses in one line for every other FarSkip name an export may
+carry, and a config class for each exported model type ``farskip_<stock type>``
 (:mod:`fcsd.serving.sglang.exported_configs`), so ``python -m sglang.launch_server --model-path EXPORT`` needs no
 remote code. ``FCSD_SGLANG_PLUGIN=0`` leaves SGLang as it is (comparisons): it then refuses an export (its model
-type is not a stock one) or, with ``--trust-remote-code``, runs the export's own FarSkip code, never stock wiring.
-Importing this package imports neither SGLang nor the rest of fcsd.
+type is not a stock one); with ``--trust-remote-code`` SGLang 0.5.23 refuses it too (its transformers backend finds
+no class for the export's architecture), never serving stock wiring. Importing this package imports neither SGLang
+nor the rest of fcsd.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ def site_packages() -> Path:
 
 def install_standin(site: Path) -> Path:
     target = site / "sgl_kernel"
-    if target.exists() and not (target / "__init__.py").read_text().count("STANDIN = True"):
+    init = target / "__init__.py"
+    if init.exists() and "STANDIN = True" not in init.read_text():
         raise SystemExit(f"{target} is a real sgl_kernel: this environment has SGLang's kernels, leave it as it is")
     target.mkdir(exist_ok=True)
     shutil.copyfile(Path(__file__).with_name("kernel_standin.py"), target / "__init__.py")

@@ -44,6 +44,26 @@ class Qwen3MoeCalls:
         mlp = layer.mlp
         return [layer.self_attn.o_proj, mlp.experts if self.is_moe(mlp) else mlp.down_proj]
 
+    def check_layer(self, layer, index: int) -> None:
+        """Refuse (one line) a layer SGLang built in a way the loop would sum or split wrongly."""
+        where = f"FarSkip layer {index} in SGLang"
+        for producer in self.producers(layer):
+            if getattr(producer, "reduce_results", False):
+                raise ValueError(
+                    f"{where}: this SGLang reduces inside {type(producer).__name__}, which the FarSkip loop does not "
+                    "expect: use the SGLang release in README"
+                )
+        mlp = layer.mlp
+        if not self.is_moe(mlp) and getattr(mlp, "is_replicated", False):
+            raise ValueError(
+                f"{where}: a replicated dense MLP (--moe-dense-tp-size 1) is not covered: drop that option"
+            )
+        if self.is_moe(mlp) and getattr(mlp, "num_fused_shared_experts", 0):
+            raise ValueError(
+                f"{where}: shared experts fused into the routed kernel are not covered (FarSkip adds them to the "
+                "partial stream): drop --enforce-shared-experts-fusion"
+            )
+
 
 class DeepseekCalls(Qwen3MoeCalls):
     """SGLang's ``deepseek_v2`` (DeepSeek-V2 and V3): MLA attention, shared experts, a routed scaling factor."""
@@ -55,31 +75,32 @@ class DeepseekCalls(Qwen3MoeCalls):
         )
 
     def attention(self, layer, positions, x, forward_batch, extras):
-        attention = layer.self_attn
+        attention, context = layer.self_attn, self.module.get_attn_tp_context()
         if attention.q_lora_rank is not None:  # MLA with a q LoRA reads its latent from inputs the boundary publishes
             from sglang.srt.layers.layer_boundary import AttentionInputs
 
-            inputs = AttentionInputs(x, forward_batch, attention.prepare_qkv_latent)
-            self.module.get_attn_tp_context().set_attn_inputs(inputs)
-        with layer.self_attn.maybe_use_decode_attn_tp(forward_batch):
-            out = layer.self_attn(
-                positions=positions,
-                hidden_states=x,
-                forward_batch=forward_batch,
-                zero_allocator=extras,
-                llama_4_scaling=None,
-                input_on_attn_tp_slices=False,
-                prev_topk_indices=None,
-            )
-        self.module.get_attn_tp_context().clear_attn_inputs()
+            context.set_attn_inputs(AttentionInputs(x, forward_batch, attention.prepare_qkv_latent))
+        try:
+            with attention.maybe_use_decode_attn_tp(forward_batch):
+                out = attention(
+                    positions=positions,
+                    hidden_states=x,
+                    forward_batch=forward_batch,
+                    zero_allocator=extras,
+                    llama_4_scaling=None,
+                    input_on_attn_tp_slices=False,
+                    prev_topk_indices=None,
+                )
+        finally:
+            context.clear_attn_inputs()
         return out[0] if isinstance(out, tuple) else out
 
     def shared_and_routed(self, mlp, x, forward_batch, unreduced: bool):
         out = mlp(x, forward_batch, None, return_moe_output=True)
-        if not isinstance(out, self.module.MoEOutput):
+        if not isinstance(out, self.module.MoEOutput) or not isinstance(out.routed, torch.Tensor):
             raise ValueError(
                 "FarSkip serving needs SGLang's DeepSeek MoE split into shared and routed parts, which this path "
-                "(fused CPU AMX or a fused GPU kernel) does not give: serve without that backend"
+                "(fused CPU AMX, or a GPU kernel that defers its finalize) does not give: serve without that backend"
             )
         routed = self.module.maybe_fuse_routed_scale_and_shared_add(
             out.experts, out.routed, None, out.routed_scaling_factor

@@ -4,8 +4,9 @@ model runs the FarSkip layer loop (:mod:`fcsd.serving.sglang.stack`; paper Sec. 
 Everything else is the stock class: weight loading, packed projections, fused MoE, MLA, tensor parallelism, the
 logits. A tied-embedding export gets its head tied (SGLang's Qwen3-MoE class never ties: it would read zeros).
 What the loop does not cover is refused in one line when the model is built, never served with stock wiring:
-pipeline parallelism, data-parallel attention, expert-parallel all-to-all backends, two-batch overlap, and configs
-SGLang's class builds differently from transformers (a Qwen3-MoE with dense layers).
+pipeline parallelism, data-parallel attention, expert-parallel all-to-all backends, two-batch overlap, replicated
+dense MLPs, shared experts fused into the routed kernel, and configs SGLang's class builds differently from
+transformers (a Qwen3-MoE with dense layers).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ _INNER_CLASSES: dict[type, type] = {}
 
 
 def check_config(config, family: ServedFamily) -> None:
-    """Refuse (one line) a config SGLang's stock class of ``family`` would build other than transformers does."""
+    """Refuse (one line) a config the FarSkip class of ``family`` cannot serve exactly: one SGLang's stock class builds
+    other than transformers does, FP8 without kernels for it, DeepSeek's llama_4_scaling."""
     if family.model_type == "qwen3_moe":
         dense = list(getattr(config, "mlp_only_layers", None) or [])
         step = getattr(config, "decoder_sparse_step", 1)
@@ -65,11 +67,15 @@ def check_parallel(model) -> int:
     from sglang.srt.distributed.parallel_state import get_tp_group
     from sglang.srt.layers.dp_attention import is_dp_attention_enabled
     from sglang.srt.layers.moe import get_moe_a2a_backend
+    from sglang.srt.layers.moe.utils import is_sbo_enabled, is_tbo_enabled
 
     unsupported = {
         "pipeline parallelism (--pp-size)": model.pp_group.world_size > 1,
         "data-parallel attention (--enable-dp-attention)": is_dp_attention_enabled(),
         "an expert-parallel all-to-all backend (--moe-a2a-backend)": not get_moe_a2a_backend().is_none(),
+        "two-batch or single-batch overlap (--enable-two-batch-overlap, --enable-single-batch-overlap)": (
+            is_tbo_enabled() or is_sbo_enabled()
+        ),
     }
     for what, present in unsupported.items():
         if present:
@@ -95,12 +101,7 @@ def convert(model: nn.Module, family: ServedFamily, config) -> list[int]:
     calls = calls_for(family)
     unreduced = tp_size > 1
     for index in range(model.start_layer, model.end_layer):
-        for producer in calls.producers(model.layers[index]):
-            if getattr(producer, "reduce_results", False):
-                raise ValueError(
-                    f"layer {index}: this SGLang reduces inside {type(producer).__name__}, which the FarSkip loop "
-                    "does not expect: use the SGLang release in README"
-                )
+        calls.check_layer(model.layers[index], index)
     overlap_on = resolve_overlap(getattr(config, OVERLAP_KEY, None), tp_size)
     overlap = None
     if overlap_on:
@@ -135,10 +136,6 @@ def convert(model: nn.Module, family: ServedFamily, config) -> list[int]:
 
 
 def _inner_forward(self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None, *_, **__):
-    if getattr(forward_batch, "can_run_tbo", False):
-        raise ValueError(
-            "FarSkip serving in SGLang does not support two-batch overlap: drop --enable-two-batch-overlap"
-        )
     hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
     return run_layers(self, self._farskip, hidden, positions, forward_batch)
 

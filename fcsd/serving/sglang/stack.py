@@ -82,10 +82,12 @@ def run_layers(model, plan: StackPlan, hidden: torch.Tensor, positions, forward_
             full = partial if routed is None else partial + routed
             attn_in = layer.input_layernorm(full)
             mid = full + reduced(calls.attention(layer, positions, attn_in, forward_batch, extras), unreduced)
-            complete, part = _mlp_parts(plan, step, layer.mlp, layer.post_attention_layernorm(mid), forward_batch)
+            complete, routed_part = _mlp_parts(
+                plan, step, layer.mlp, layer.post_attention_layernorm(mid), forward_batch
+            )
             partial = mid if complete is None else mid + complete  # n_k = o_k
-            if part is not None:
-                partial = partial + reduced(part.reshape(partial.shape), unreduced)
+            if routed_part is not None:
+                partial = partial + reduced(routed_part.reshape(partial.shape), unreduced)
             routed = None
             continue
         attn_in = layer.input_layernorm(partial)  # n_{k-1}: without routed_{k-1}
@@ -93,11 +95,11 @@ def run_layers(model, plan: StackPlan, hidden: torch.Tensor, positions, forward_
         if routed is not None and step.wait_key is not None:
             routed = wait_routed(routed, attn, step.wait_key)  # its all-reduce ran behind this attention
         full = partial if routed is None else partial + routed  # o_{k-1}
-        complete, part = _mlp_parts(plan, step, layer.mlp, layer.post_attention_layernorm(full), forward_batch)
+        complete, routed_part = _mlp_parts(plan, step, layer.mlp, layer.post_attention_layernorm(full), forward_batch)
         partial = full + attn if complete is None else full + attn + complete  # n_k
         routed = None
-        if part is not None:
-            routed = part.reshape(partial.shape).contiguous()
+        if routed_part is not None:
+            routed = routed_part.reshape(partial.shape).contiguous()
             if step.start_key is not None:
                 start_routed(routed, step.start_key)  # layer k+1 waits for it after its attention
             elif unreduced:
