@@ -51,6 +51,9 @@ STATS = {
     "started_min_tokens": 0,
     "blocking_max_tokens": 0,
 }
+# the engines' settings (vLLM's additional_config, SGLang's --json-model-override-args): "auto" (default), true, false
+OVERLAP_KEY = "farskip_overlap"
+ABOVE_TOKENS_KEY = "farskip_overlap_above_tokens"  # forwards of more tokens overlap: "auto" (default) or a number
 DEFAULT_ABOVE_TOKENS = 512  # without CUDA graphs: forwards of more tokens overlap (vLLM's default capture size)
 ROUTED_OPS = ("fcsd::farskip_routed_start", "fcsd::farskip_routed_wait")
 

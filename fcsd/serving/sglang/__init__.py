@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 
 SWITCH = "FCSD_SGLANG_PLUGIN"  # "0" switches the registration off
-OVERLAP_KEY = "farskip_overlap"  # --json-model-override-args key: "auto" (default), true or false
-ABOVE_TOKENS_KEY = "farskip_overlap_above_tokens"  # forwards of more tokens overlap: "auto" (default) or a number
 
 
 def enabled() -> bool:

@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from fcsd.serving.identity import converted_layers
-from fcsd.serving.routed_allreduce import RoutedAllReduce, resolve_above_tokens, resolve_overlap
+from fcsd.serving.routed_allreduce import (
+    ABOVE_TOKENS_KEY,
+    OVERLAP_KEY,
+    RoutedAllReduce,
+    resolve_above_tokens,
+    resolve_overlap,
+)
 from fcsd.serving.served_families import (
     ARCHITECTURE_PREFIX,
     SERVED_FAMILIES,
@@ -27,7 +33,6 @@ from fcsd.serving.served_families import (
     ServedFamily,
     served_families_text,
 )
-from fcsd.serving.sglang import ABOVE_TOKENS_KEY, OVERLAP_KEY
 from fcsd.serving.sglang.families import calls_for
 from fcsd.serving.sglang.stack import LayerPlan, StackPlan, blocking_all_reduce, run_layers
 

@@ -27,14 +27,13 @@ from fcsd.serving.sglang.families import reduced
 STATS_DIR = "FCSD_OVERLAP_STATS_DIR"  # where each process writes its overlap counts after a forward (tests, benchmarks)
 
 
-def write_stats() -> None:
-    """This process's counts of routed all-reduces started, waited and reduced at once, as ``<dir>/<pid>.json``
-    (SGLang's RPC returns no values, so the tests and the prefill benchmark read these files)."""
-    import json
-    import os
-
-    folder = os.environ.get(STATS_DIR)
+def write_stats(folder: str | None) -> None:
+    """This process's counts of routed all-reduces started, waited and reduced at once, as ``<folder>/<pid>.json``
+    (SGLang's RPC returns no values, so the tests and the GPU check read these files); nothing without a folder."""
     if folder:
+        import json
+        import os
+
         path = os.path.join(folder, f"{os.getpid()}.json")
         with open(path + ".tmp", "w") as stream:
             json.dump(STATS, stream)
@@ -59,7 +58,10 @@ class StackPlan:
     """The layers of one model, the family's sub-block calls, and whether their outputs need a sum (TP > 1)."""
 
     def __init__(self, layers: list[LayerPlan], calls, unreduced: bool):
+        import os
+
         self.layers, self.calls, self.unreduced = layers, calls, unreduced
+        self.stats_dir = os.environ.get(STATS_DIR)  # read once: the forward only writes there when it is set
 
 
 def _mlp_parts(plan: StackPlan, step: LayerPlan, mlp, x, forward_batch):
@@ -104,5 +106,5 @@ def run_layers(model, plan: StackPlan, hidden: torch.Tensor, positions, forward_
                 start_routed(routed, step.start_key)  # layer k+1 waits for it after its attention
             elif unreduced:
                 routed = blocking_all_reduce(routed)
-    write_stats()
+    write_stats(plan.stats_dir)
     return model.norm(partial if routed is None else partial + routed)

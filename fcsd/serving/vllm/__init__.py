@@ -10,9 +10,6 @@ neither vLLM nor the rest of fcsd.
 
 from __future__ import annotations
 
-OVERLAP_KEY = "farskip_overlap"  # vLLM `additional_config` key: "auto" (default), true or false
-ABOVE_TOKENS_KEY = "farskip_overlap_above_tokens"  # forwards of more tokens overlap: "auto" (default) or a number
-
 
 def register() -> None:
     """vLLM's plugin hook: register the FarSkip model and config classes (idempotent, cheap: nothing is built)."""

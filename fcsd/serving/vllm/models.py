@@ -15,13 +15,14 @@ from torch import nn
 
 from fcsd.serving.identity import converted_layers
 from fcsd.serving.routed_allreduce import (
+    ABOVE_TOKENS_KEY,
+    OVERLAP_KEY,
     RoutedAllReduce,
     resolve_above_tokens,
     resolve_overlap,
     split_at_routed_ops,
 )
 from fcsd.serving.served_families import BY_ARCHITECTURE, UNSERVED_ARCHITECTURE, ServedFamily, served_families_text
-from fcsd.serving.vllm import ABOVE_TOKENS_KEY, OVERLAP_KEY
 from fcsd.serving.vllm.moe import check_runner
 from fcsd.serving.vllm.wiring import (
     FarSkipDecoderLayerMixin,
